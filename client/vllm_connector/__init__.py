@@ -1,0 +1,1 @@
+"""TierdConnector for vLLM."""

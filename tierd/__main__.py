@@ -1,0 +1,3 @@
+from tierd.cli import main
+
+main()

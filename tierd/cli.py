@@ -1,0 +1,126 @@
+"""``tierd serve | status | bench``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import MISSING, fields
+
+import click
+
+from tierd import __version__
+from tierd.config import Settings
+
+
+def _settings_options(fn):
+    """One click option per Settings field; the field's help (with unit and default) is the help."""
+    for f in reversed(fields(Settings)):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        shown = "see help" if default is None else default
+        help_text = f"{f.metadata['help']} [default: {shown}]"
+        if f.type in (bool, "bool"):
+            fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=default, help=help_text)(fn)
+            continue
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+        choices = f.metadata.get("choices")
+        ptype = click.Choice(choices) if choices else kind
+        fn = click.option(flag, f.name, type=ptype, default=default, help=help_text, show_default=False)(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="tierd")
+def main():
+    """tierd: a node-local KV-cache tier for LLM serving."""
+
+
+@main.command()
+@_settings_options
+def serve(**kwargs):
+    """Run the daemon in the foreground (systemd: see deploy/tierd.service)."""
+    try:
+        settings = Settings(**kwargs)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from tierd.server import Daemon
+
+    try:
+        daemon = Daemon(settings)
+    except (RuntimeError, OSError) as exc:
+        raise click.ClickException(f"cannot start: {exc}") from None
+    daemon.install_signals()
+    daemon.start_http()
+    if daemon.http_port is not None:
+        click.echo(f"tierd: serving {settings.socket}, HTTP on http://{settings.http_host}:{daemon.http_port}", err=True)
+    daemon.run()
+
+
+def _http_url(url: str | None, port: int) -> str:
+    return (url or f"http://127.0.0.1:{port}").rstrip("/")
+
+
+@main.command()
+@click.option("--url", default=None, help="Base URL of the daemon's HTTP endpoints. [default: http://127.0.0.1:PORT]")
+@click.option("--http-port", default=9800, type=int, help="HTTP port when --url is not given. [default: 9800]")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw /status object.")
+def status(url, http_port, as_json):
+    """Show a running daemon's /status as a table."""
+    import urllib.error
+    import urllib.request
+
+    base = _http_url(url, http_port)
+    try:
+        with urllib.request.urlopen(f"{base}/status", timeout=5) as resp:
+            data = json.load(resp)
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"no tierd answers at {base}/status: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    from tierd.report import status_table
+
+    click.echo(status_table(data))
+
+
+@main.command()
+@click.option("--url", default=None, help="Endpoint of a running daemon; without it a private daemon is started.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--layers", default=32, show_default=True, help="Layers of the synthetic layout.")
+@click.option("--kv-heads", default=8, show_default=True, help="KV heads per layer.")
+@click.option("--head-dim", default=128, show_default=True, help="Head size (K and V each).")
+@click.option("--block-tokens", default=16, show_default=True, help="Tokens per engine block.")
+@click.option("--chunk-tokens", default=256, show_default=True, help="Tokens per stored chunk.")
+@click.option("--dtype-bytes", default=2, show_default=True, help="Bytes per element (2 = bf16).")
+@click.option("--mla", is_flag=True, help="MLA layout: [blocks, block_tokens, 576], one latent per token.")
+@click.option("--chunks", default=64, show_default=True, help="Chunks stored and retrieved per round.")
+@click.option("--batch", default=8, show_default=True, help="Chunks per STORE/RETRIEVE request.")
+@click.option("--rounds", default=3, show_default=True, help="Timed rounds (best is reported).")
+@click.option("--pool-gb", default=None, type=float, help="Pool ceiling of the private daemon. [default: sized to fit]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object of figures.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def bench(as_json, quiet, **opts):
+    """Store and retrieve a synthetic multi-layer KV layout through the real protocol, verify
+    every byte, and print GB/s next to a same-run memcpy baseline."""
+    from tierd.bench import BenchError, run_bench
+
+    try:
+        result = run_bench(progress=not quiet and not as_json, **opts)
+    except BenchError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        from tierd.report import bench_table
+
+        click.echo(bench_table(result))
+    if not result["verified"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""One settings object for the daemon. Each field's ``help`` is the CLI help (tierd serve --help)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+GIB = 1 << 30
+
+
+def default_socket() -> str:
+    """ipc:// under $XDG_RUNTIME_DIR/tierd (systemd's RuntimeDirectory), else /tmp/tierd-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    folder = os.path.join(base, "tierd") if base else f"/tmp/tierd-{os.getuid()}"
+    return f"ipc://{folder}/tierd.sock"
+
+
+def _opt(default, help: str, **extra):
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class Settings:
+    l1_size_gb: float = _opt(8.0, "Ceiling of the host pool in GiB; memory is backed only as objects arrive.", min=0.001)
+    l1_init_size_gb: float = _opt(0.0, "Host memory backed (and pinned on CUDA hosts) at start, in GiB.", min=0.0)
+    l1_align_bytes: int = _opt(4096, "Alignment of every object in bytes; a power of two.", min=64)
+    l1_segment_mb: int = _opt(1024, "Size of one backed (and pinned) segment of the pool, in MiB.", min=1)
+    socket: str = _opt(None, "ZeroMQ endpoint to bind: ipc://PATH (default under $XDG_RUNTIME_DIR or /tmp) or tcp://HOST:PORT.")
+    socket_mode: str = _opt("0600", "File mode of the ipc:// socket file, octal.")
+    http_host: str = _opt("127.0.0.1", "Address the HTTP endpoints (/status, /metrics, /healthz) listen on.")
+    http_port: int = _opt(9800, "Port of the HTTP endpoints; 0 picks a free port (logged), -1 disables HTTP.", min=-1, max=65535)
+    null_block_id: int = _opt(-1, "Block id meaning 'no data for this group in this chunk'.")
+    separate_object_groups: bool = _opt(
+        True, "Store each engine group of a chunk as its own object (on), or all groups of a rank as one object (off)."
+    )
+    workers: int = _opt(0, "Transfer threads; 0 gives one thread per registered rank.", min=0, max=1024)
+    heartbeat_timeout_s: float = _opt(30.0, "Seconds without a message after which a client is dead: its leases and registrations go.", min=0.1)
+    lease_ttl_s: float = _opt(60.0, "Seconds a LOOKUP lease keeps its objects from eviction unless released or consumed.", min=0.1)
+    max_frame_mb: int = _opt(64, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
+    log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self):
+        if self.socket is None:
+            self.socket = default_socket()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            if lo is not None and value < lo:
+                raise ValueError(f"--{_flag(f.name)} must be >= {lo}, got {value}")
+            if hi is not None and value > hi:
+                raise ValueError(f"--{_flag(f.name)} must be <= {hi}, got {value}")
+        if self.l1_align_bytes & (self.l1_align_bytes - 1):
+            raise ValueError(f"--l1-align-bytes must be a power of two, got {self.l1_align_bytes}")
+        if self.l1_init_size_gb > self.l1_size_gb:
+            raise ValueError(
+                f"--l1-init-size-gb ({self.l1_init_size_gb}) cannot exceed --l1-size-gb ({self.l1_size_gb})"
+            )
+        if not (self.socket.startswith("ipc://") or self.socket.startswith("tcp://")):
+            raise ValueError(f"--socket must start with ipc:// or tcp://, got {self.socket!r}")
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            raise ValueError(f"--socket-mode must be octal like 0600, got {self.socket_mode!r}") from None
+        if not 0 <= mode <= 0o777:
+            raise ValueError(f"--socket-mode must be between 0000 and 0777, got {self.socket_mode}")
+
+    @property
+    def ceiling_bytes(self) -> int:
+        return int(self.l1_size_gb * GIB)
+
+    @property
+    def initial_bytes(self) -> int:
+        return int(self.l1_init_size_gb * GIB)
+
+    @property
+    def socket_file(self) -> str | None:
+        return self.socket[len("ipc://") :] if self.socket.startswith("ipc://") else None
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self.max_frame_mb << 20
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

@@ -1,0 +1,1 @@
+"""HTTP endpoints for operators."""

@@ -1,0 +1,360 @@
+"""Request handlers. Each returns a reply body, or PENDING when a transfer job will reply later;
+each raises ProtocolError for a typed error. They run on the daemon's main loop only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tierd import __version__
+from tierd.pool.index import Obj
+from tierd.pool.pool import EXISTS
+from tierd.protocol import PROTOCOL_VERSION
+from tierd.protocol import fields as f
+from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, namespace_id
+from tierd.protocol.layout import GroupSpec, Namespace, PageLayout
+from tierd.sessions import Instance, Session
+from tierd.transfer.plan import CopyItem, split_nulls
+
+if TYPE_CHECKING:
+    from tierd.server import Daemon
+
+log = logging.getLogger("tierd.ops")
+
+PENDING = object()
+MAX_CHUNKS = 1 << 16
+
+
+@dataclass(eq=False)
+class Job:
+    op: str
+    envelope: list[bytes]
+    req_id: int
+    t0: float
+    instance: Instance
+    objs: list[Obj] = field(default_factory=list)  # written (STORE) or read (RETRIEVE)
+    results: list = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    nbytes: int = 0
+    lease: int = 0
+    deadline: float = 0.0  # wall clock; 0 = none
+
+
+class Expired(Exception):
+    """The client's deadline passed before the copy could start."""
+
+
+def _deadline(body: dict) -> float:
+    deadline = f.as_float(f.get(body, "deadline", "", 0.0), "deadline", 0.0)
+    if deadline and time.time() > deadline:
+        raise ProtocolError(ErrorCode.EXPIRED, "the request arrived after its deadline")
+    return deadline
+
+
+class Ops:
+    def __init__(self, daemon: "Daemon"):
+        self.d = daemon
+        self.boot_id = uuid.uuid4().hex
+        self.table = {
+            "HELLO": self.hello,
+            "REGISTER": self.register,
+            "UNREGISTER": self.unregister,
+            "LOOKUP": self.lookup,
+            "RELEASE": self.release,
+            "STORE": self.store,
+            "RETRIEVE": self.retrieve,
+            "PING": self.ping,
+            "STATUS": self.status,
+            "CLEAR": self.clear,
+        }
+
+    # ---- session ---------------------------------------------------------------------------
+    def hello(self, identity: bytes, session: Session | None, body: dict, ctx) -> dict:
+        version = f.as_int(f.get(body, "protocol", ""), "protocol", 0)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION, f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {version}"
+            )
+        name = f.as_str(f.get(body, "client", "", ""), "client")
+        pid = f.as_int(f.get(body, "pid", "", 0), "pid", 0)
+        if session is not None:  # a reconnect on the same identity: start clean
+            self.d.drop_session(identity, reason="re-HELLO")
+        self.d.sessions[identity] = Session(identity, name, pid, time.monotonic())
+        s = self.d.settings
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "version": __version__,
+            "boot_id": self.boot_id,
+            "pid": os.getpid(),
+            "null_block_id": s.null_block_id,
+            "heartbeat_timeout_s": s.heartbeat_timeout_s,
+            "lease_ttl_s": s.lease_ttl_s,
+            "max_frame_bytes": s.max_frame_bytes,
+        }
+
+    def ping(self, identity, session, body, ctx) -> dict:
+        return {"time": time.time(), "boot_id": self.boot_id}
+
+    def status(self, identity, session, body, ctx) -> dict:
+        return self.d.status()
+
+    def clear(self, identity, session, body, ctx) -> dict:
+        return {"evicted": self.d.pool.clear()}
+
+    # ---- registration ------------------------------------------------------------------------
+    def register(self, identity, session: Session, body, ctx) -> dict:
+        inst_id = f.as_str(f.get(body, "instance", ""), "instance", allow_empty=False)
+        layout = PageLayout.from_wire(f.get(body, "layout", ""))
+        old = self.d.instances.get(inst_id)
+        if old is not None:
+            if old.layout == layout:  # idempotent re-register (a reconnecting client)
+                previous = self.d.sessions.get(old.session)
+                if previous is not None:
+                    previous.instances.discard(inst_id)
+                old.session = identity
+                session.instances.add(inst_id)
+                return self._registered(old)
+            self.d.unregister(inst_id)
+        memory = self.d.open_memory(layout)
+        inst = Instance(inst_id, identity, layout, namespace_id(layout.namespace), memory)
+        self.d.instances[inst_id] = inst
+        session.instances.add(inst_id)
+        self.d.xfer.attach(inst_id)
+        log.info(
+            "registered %s: model=%s rank=%d/%d groups=%d device=%s",
+            inst_id, layout.namespace.model, layout.rank, layout.namespace.world_size, len(layout.groups), layout.device,
+        )
+        return self._registered(inst)
+
+    def _registered(self, inst: Instance) -> dict:
+        layout = inst.layout
+        return {
+            "instance": inst.id,
+            "namespace_id": inst.ns,
+            "object_bytes": [g.object_bytes(layout.chunk_tokens) for g in layout.groups],
+        }
+
+    def unregister(self, identity, session, body, ctx) -> dict:
+        inst_id = f.as_str(f.get(body, "instance", ""), "instance")
+        if inst_id not in self.d.instances:
+            raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, f"instance {inst_id!r} is not registered")
+        self.d.unregister(inst_id)
+        return {}
+
+    def _instance(self, body: dict) -> Instance:
+        inst_id = f.as_str(f.get(body, "instance", ""), "instance")
+        inst = self.d.instances.get(inst_id)
+        if inst is None or inst.closed:
+            raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, f"instance {inst_id!r} is not registered")
+        return inst
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def lookup(self, identity, session: Session, body, ctx) -> dict:
+        ns = Namespace.from_wire(f.get(body, "namespace", ""))
+        keys = [f.as_bytes(k, f"keys[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES) for i, k in enumerate(f.as_list(f.get(body, "keys", ""), "keys", MAX_CHUNKS))]
+        chunk_tokens = f.as_int(f.get(body, "chunk_tokens", ""), "chunk_tokens", 1, 1 << 24)
+        specs = [GroupSpec.from_wire(g, f"groups[{i}]") for i, g in enumerate(f.as_list(f.get(body, "groups", ""), "groups", 64, 1))]
+        for i, spec in enumerate(specs):
+            spec.check_chunk(chunk_tokens, f"groups[{i}]")
+        replicated = f.as_bool(f.get(body, "replicated", "", False), "replicated")
+        want_lease = f.as_bool(f.get(body, "lease", "", True), "lease")
+        ranks = [0] if replicated else list(range(ns.world_size))
+        hit, objs = self.d.pool.lookup(namespace_id(ns), keys, specs, chunk_tokens, ranks)
+        stats = self.d.stats
+        stats.add("lookups")
+        stats.add("lookup_chunks", len(keys))
+        stats.add("hit_chunks", hit)
+        lease_id = 0
+        if hit and want_lease:
+            lease_id = self.d.leases.grant(session, objs, ns.world_size).id
+            stats.add("leases_granted")
+        return {"chunks": hit, "lease": lease_id, "lease_ttl_s": self.d.settings.lease_ttl_s}
+
+    def release(self, identity, session, body, ctx) -> dict:
+        lease_id = f.as_int(f.get(body, "lease", ""), "lease", 0)
+        if not self.d.leases.release(lease_id, self.d.sessions):
+            raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"lease {lease_id} is not held")
+        return {}
+
+    # ---- store / retrieve ----------------------------------------------------------------------
+    def _chunks(self, inst: Instance, body: dict) -> list[tuple[bytes, list[list[int]]]]:
+        layout = inst.layout
+        null = self.d.settings.null_block_id
+        bpcs = [g.spec.blocks_per_chunk(layout.chunk_tokens) for g in layout.groups]
+        limits = [g.num_blocks for g in layout.groups]
+        out = []
+        for i, c in enumerate(f.as_list(f.get(body, "chunks", ""), "chunks", MAX_CHUNKS)):
+            c = f.as_map(c, f"chunks[{i}]")
+            key = f.as_bytes(f.get(c, "key", f"chunks[{i}]"), f"chunks[{i}].key", MIN_KEY_BYTES, MAX_KEY_BYTES)
+            groups = f.as_list(f.get(c, "blocks", f"chunks[{i}]"), f"chunks[{i}].blocks", len(bpcs), len(bpcs))
+            blocks = []
+            for g, ids in enumerate(groups):
+                where = f"chunks[{i}].blocks[{g}]"
+                ids = f.as_list(ids, where, bpcs[g], bpcs[g])
+                for j, b in enumerate(ids):
+                    if not isinstance(b, int) or isinstance(b, bool) or (b != null and not 0 <= b < limits[g]):
+                        raise f.bad(f"{where}[{j}]", f"block id {b!r} is neither null ({null}) nor in [0, {limits[g]})")
+                blocks.append(ids)
+            out.append((key, blocks))
+        return out
+
+    def _parts(self, inst: Instance) -> list[list[tuple[int, int, int]]]:
+        """Objects per chunk: lists of (group, mask shift, byte offset) packed into one object."""
+        layout = inst.layout
+        groups = range(len(layout.groups))
+        if self.d.settings.separate_object_groups:
+            return [[(g, 0, 0)] for g in groups]
+        parts, shift, off = [], 0, 0
+        for g in groups:
+            parts.append((g, shift, off))
+            shift += layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
+            off += layout.groups[g].object_bytes(layout.chunk_tokens)
+        return [parts]
+
+    def store(self, identity, session, body, ctx):
+        inst = self._instance(body)
+        chunks = self._chunks(inst, body)
+        touch = [f.as_bytes(k, f"touch[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES) for i, k in enumerate(f.as_list(f.get(body, "touch", "", []), "touch", MAX_CHUNKS))]
+        layout, pool, null = inst.layout, self.d.pool, self.d.settings.null_block_id
+        job = Job("STORE", ctx.envelope, ctx.req_id, ctx.t0, inst, deadline=_deadline(body))
+        if touch:
+            pool.touch(inst.ns, touch)
+        if layout.replicated and layout.rank != 0:
+            job.results = ["exists"] * len(chunks)  # rank 0's copy serves every rank
+            self.d.stats.add("stores")
+            return {"results": job.results}
+        plan: dict[int, list[CopyItem]] = {}
+        object_sets = self._parts(inst)
+        for key, blocks in chunks:
+            split = [split_nulls(ids, null) for ids in blocks]
+            if not any(len(ids) for ids, _ in split):
+                job.results.append("empty")  # an all-null chunk is not stored
+                continue
+            new: list[Obj] = []
+            items: list[tuple[int, CopyItem]] = []
+            status = "exists"
+            for parts in object_sets:
+                present = [(g, sh, off) for g, sh, off in parts if len(split[g][0])]
+                if not present:
+                    continue
+                mask = 0
+                for g, sh, _ in present:
+                    for p in split[g][1].tolist():
+                        mask |= 1 << (sh + p)
+                nbytes = sum(layout.groups[g].object_bytes(layout.chunk_tokens) for g, _, _ in parts)
+                label = f"g{parts[0][0]}/{layout.groups[parts[0][0]].spec.kind.value}" if len(parts) == 1 else "all"
+                span = {g: (sh, off) for g, sh, off in parts}
+                obj = pool.begin_write(inst.ns, key, span, inst.rank_key, nbytes, mask, label)
+                if obj is EXISTS:
+                    continue
+                if obj is None:
+                    status = "rejected"
+                    break
+                status = "stored"
+                new.append(obj)
+                view = obj.view()
+                for g, _, off in present:
+                    ids, pos = split[g]
+                    gbytes = layout.groups[g].object_bytes(layout.chunk_tokens)
+                    bpc = layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
+                    items.append((g, CopyItem(ids, pos, bpc, view[off : off + gbytes])))
+            if status == "rejected":
+                pool.abort(new)  # all groups of a chunk or none
+                self.d.stats.add("store_rejects")
+            else:
+                job.objs.extend(new)
+                for g, item in items:
+                    plan.setdefault(g, []).append(item)
+                    job.nbytes += item.view.nbytes * len(item.ids) // item.bpc
+            job.results.append(status)
+        if not job.objs:
+            self.d.stats.add("stores")
+            return {"results": job.results}
+        memory = inst.memory
+
+        def copy():
+            for g, items in plan.items():
+                memory.store(g, items)
+
+        self.d.submit(job, copy)
+        return PENDING
+
+    def finish_store(self, job: Job, exc: BaseException | None) -> tuple[dict | None, ProtocolError | None]:
+        if exc is not None:
+            self.d.pool.abort(job.objs)
+            return None, ProtocolError(ErrorCode.DEVICE_ERROR, f"store copy failed: {type(exc).__name__}: {exc}")
+        if job.deadline and time.time() > job.deadline:
+            # The client gave up and may already reuse the blocks we read: never publish them.
+            self.d.pool.abort(job.objs)
+            return None, ProtocolError(ErrorCode.EXPIRED, "the store finished after its deadline; nothing was stored")
+        self.d.pool.commit(job.objs)
+        stats = self.d.stats
+        stats.add("stores")
+        stats.add("stored_chunks", job.results.count("stored"))
+        stats.add("stored_bytes", job.nbytes)
+        return {"results": job.results}, None
+
+    def retrieve(self, identity, session, body, ctx):
+        inst = self._instance(body)
+        chunks = self._chunks(inst, body)
+        lease_id = f.as_int(f.get(body, "lease", "", 0), "lease", 0)
+        layout, pool, null = inst.layout, self.d.pool, self.d.settings.null_block_id
+        job = Job("RETRIEVE", ctx.envelope, ctx.req_id, ctx.t0, inst, lease=lease_id, deadline=_deadline(body))
+        plan: dict[int, list[CopyItem]] = {}
+        reads: dict[Obj, None] = {}
+        for key, blocks in chunks:
+            ok = True
+            for g, ids in enumerate(blocks):
+                ids_arr, pos = split_nulls(ids, null)
+                if not len(ids_arr):
+                    continue
+                obj = pool.find_ready(inst.ns, key, g, inst.rank_key)
+                have = 0 if obj is None else obj.mask >> obj.span[g][0]
+                missing = [int(b) for b, p in zip(ids_arr.tolist(), pos.tolist()) if not have >> p & 1]
+                if missing:
+                    ok = False
+                    job.failed.extend([g, b] for b in missing)
+                    continue
+                shift, off = obj.span[g]
+                gbytes = layout.groups[g].object_bytes(layout.chunk_tokens)
+                bpc = layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
+                reads[obj] = None
+                view = obj.view()[off : off + gbytes]
+                plan.setdefault(g, []).append(CopyItem(ids_arr, pos, bpc, view))
+                job.nbytes += gbytes * len(ids_arr) // bpc
+            job.results.append(ok)
+        job.objs = list(reads)
+        if not job.objs:
+            return self.finish_retrieve(job, None)[0]
+        pool.pin(job.objs)  # no eviction while the bytes are read
+        memory, deadline = inst.memory, job.deadline
+
+        def copy():
+            if deadline and time.time() > deadline:
+                raise Expired()  # the engine may have given these blocks to another request
+            for g, items in plan.items():
+                memory.retrieve(g, items)
+
+        self.d.submit(job, copy)
+        return PENDING
+
+    def finish_retrieve(self, job: Job, exc: BaseException | None) -> tuple[dict | None, ProtocolError | None]:
+        if job.objs:
+            self.d.pool.unpin(job.objs)
+        if job.lease:
+            self.d.leases.consume(job.lease, job.instance.layout.rank, self.d.sessions)
+        if isinstance(exc, Expired):
+            return None, ProtocolError(ErrorCode.EXPIRED, "the retrieve's deadline passed before its copy started")
+        if exc is not None:
+            return None, ProtocolError(ErrorCode.DEVICE_ERROR, f"retrieve copy failed: {type(exc).__name__}: {exc}")
+        stats = self.d.stats
+        stats.add("retrieves")
+        stats.add("retrieved_chunks", sum(job.results))
+        stats.add("retrieved_bytes", job.nbytes)
+        stats.add("retrieve_failed_blocks", len(job.failed))
+        return {"ok": job.results, "failed": job.failed}, None

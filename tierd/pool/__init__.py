@@ -1,0 +1,1 @@
+"""Host memory: segments, slab allocator, object index and eviction."""

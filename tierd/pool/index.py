@@ -1,0 +1,135 @@
+"""Object index: (namespace, PAGE hash) -> chunk entry -> one object per (engine group, rank).
+
+LOOKUP folds across groups and ranks: the answer is the longest boundary ``b`` (in chunks) such
+that every rank has, committed, every block every group needs at ``b``: all chunks before ``b``
+for full attention, the blocks inside the window for sliding groups, and the state of chunk
+``b - 1`` for recurrent groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierd.protocol.layout import GroupKind, GroupSpec
+
+
+class Obj:
+    """One stored object: a chunk's bytes of one engine group (or all groups) on one rank."""
+
+    __slots__ = ("ns", "key", "span", "rank", "slab", "slot", "nbytes", "mask", "ready", "pins", "tick", "label")
+
+    def __init__(self, ns: bytes, key: bytes, span: dict[int, tuple[int, int]], rank: int, nbytes: int, mask: int, label: str):
+        self.ns = ns
+        self.key = key
+        # engine group -> (bit shift of its blocks in ``mask``, byte offset of its part). One
+        # group per object with --separate-object-groups, all of a rank's groups without.
+        self.span = span
+        self.rank = rank
+        self.nbytes = nbytes
+        self.mask = mask  # bit (shift + i) set: block i of that group's part holds data
+        self.label = label  # "g<index>/<kind>" (or "all"), for per-group counts
+        self.slab = None
+        self.slot = -1
+        self.ready = False  # committed: every byte written
+        self.pins = 1  # in flight while being written; leases and reads add pins
+        self.tick = 0
+
+    @property
+    def offset(self) -> int:
+        return self.slab.slot_offset(self.slot)
+
+    def view(self):
+        off = self.offset
+        return self.slab.segment.view[off : off + self.nbytes]
+
+
+class ChunkEntry:
+    __slots__ = ("parts",)
+
+    def __init__(self):
+        self.parts: dict[tuple[int, int], Obj] = {}
+
+
+def _has(entry: ChunkEntry | None, group: int, ranks: Sequence[int], need: int) -> bool:
+    if entry is None:
+        return False
+    parts = entry.parts
+    for r in ranks:
+        o = parts.get((group, r))
+        if o is None or not o.ready or (o.mask >> o.span[group][0]) & need != need:
+            return False
+    return True
+
+
+class Index:
+    def __init__(self):
+        self.spaces: dict[bytes, dict[bytes, ChunkEntry]] = {}
+
+    def get(self, ns: bytes, key: bytes) -> ChunkEntry | None:
+        space = self.spaces.get(ns)
+        return None if space is None else space.get(key)
+
+    def find(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
+        entry = self.get(ns, key)
+        return None if entry is None else entry.parts.get((group, rank))
+
+    def insert(self, obj: Obj) -> None:
+        space = self.spaces.setdefault(obj.ns, {})
+        entry = space.get(obj.key)
+        if entry is None:
+            entry = space[obj.key] = ChunkEntry()
+        for group in obj.span:
+            assert (group, obj.rank) not in entry.parts
+            entry.parts[(group, obj.rank)] = obj
+
+    def remove(self, obj: Obj) -> None:
+        space = self.spaces[obj.ns]
+        entry = space[obj.key]
+        for group in obj.span:
+            del entry.parts[(group, obj.rank)]
+        if not entry.parts:
+            del space[obj.key]
+            if not space:
+                del self.spaces[obj.ns]
+
+    def lookup(
+        self, ns: bytes, keys: Sequence[bytes], specs: Sequence[GroupSpec], chunk_tokens: int, ranks: Sequence[int]
+    ) -> tuple[int, list[Obj]]:
+        """Longest servable boundary, and the objects a retrieve at that boundary reads."""
+        space = self.spaces.get(ns)
+        if space is None or not keys:
+            return 0, []
+        full = [(gi, (1 << s.blocks_per_chunk(chunk_tokens)) - 1) for gi, s in enumerate(specs) if s.kind is GroupKind.FULL]
+        other = [(gi, s) for gi, s in enumerate(specs) if s.kind is not GroupKind.FULL]
+        entries: list[ChunkEntry | None] = []
+        if full:
+            for key in keys:
+                entry = space.get(key)
+                if entry is None or not all(_has(entry, gi, ranks, need) for gi, need in full):
+                    break
+                entries.append(entry)
+        else:
+            entries = [space.get(key) for key in keys]
+        boundary = len(entries)
+        while boundary > 0 and not self._others_ok(entries, other, boundary, chunk_tokens, ranks):
+            boundary -= 1
+        if boundary == 0:
+            return 0, []
+        objs: dict[Obj, None] = {}  # ordered, without the duplicates of combined objects
+        for j in range(boundary):
+            entry = entries[j]
+            for gi, spec in enumerate(specs):
+                if spec.needed_mask(j, boundary, chunk_tokens):
+                    for r in ranks:
+                        objs[entry.parts[(gi, r)]] = None
+        return boundary, list(objs)
+
+    @staticmethod
+    def _others_ok(entries, other, boundary: int, chunk_tokens: int, ranks) -> bool:
+        for gi, spec in other:
+            first = max(0, boundary - spec.lookback_chunks(chunk_tokens))
+            for j in range(first, boundary):
+                need = spec.needed_mask(j, boundary, chunk_tokens)
+                if need and not _has(entries[j], gi, ranks, need):
+                    return False
+        return True

@@ -1,0 +1,107 @@
+"""Slab allocator: one size class per distinct object size, O(1) slot allocation and free.
+
+A slab is a run of equal slots carved from one segment. Slots never move and never split, so a
+class does not fragment; memory moves between classes a whole slab at a time (see Pool).
+"""
+
+from __future__ import annotations
+
+from tierd.pool.segments import Segment, SegmentSet
+
+SLAB_TARGET_BYTES = 64 << 20  # a slab holds as many slots as fit in this, at least one
+
+
+class Slab:
+    __slots__ = ("cls", "segment", "offset", "nslots", "free", "used")
+
+    def __init__(self, cls: "SizeClass", segment: Segment, offset: int, nslots: int):
+        self.cls = cls
+        self.segment = segment
+        self.offset = offset
+        self.nslots = nslots
+        self.free = list(range(nslots - 1, -1, -1))  # stack: pops slot 0 first
+        self.used = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.nslots * self.cls.slot_bytes
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of ``slot`` inside its segment."""
+        return self.offset + slot * self.cls.slot_bytes
+
+
+class SizeClass:
+    __slots__ = ("slot_bytes", "slabs", "open_slabs", "slots_per_slab")
+
+    def __init__(self, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.slots_per_slab = max(1, SLAB_TARGET_BYTES // slot_bytes)
+        self.slabs: list[Slab] = []
+        self.open_slabs: list[Slab] = []  # slabs with at least one free slot
+
+    def take(self) -> tuple[Slab, int] | None:
+        while self.open_slabs:
+            slab = self.open_slabs[-1]
+            if slab.free:
+                slot = slab.free.pop()
+                slab.used += 1
+                if not slab.free:
+                    self.open_slabs.pop()
+                return slab, slot
+            self.open_slabs.pop()
+        return None
+
+    def give(self, slab: Slab, slot: int) -> None:
+        if not slab.free:
+            self.open_slabs.append(slab)
+        slab.free.append(slot)
+        slab.used -= 1
+        assert slab.used >= 0
+
+
+class SlabAllocator:
+    def __init__(self, segments: SegmentSet):
+        self.segments = segments
+        self.classes: dict[int, SizeClass] = {}
+
+    def size_class(self, nbytes: int) -> SizeClass:
+        slot = -(-nbytes // self.segments.align) * self.segments.align
+        cls = self.classes.get(slot)
+        if cls is None:
+            cls = self.classes[slot] = SizeClass(slot)
+        return cls
+
+    def alloc(self, cls: SizeClass) -> tuple[Slab, int] | None:
+        """A free slot of ``cls``; carves a new slab when backed or growable memory allows."""
+        got = cls.take()
+        if got is not None:
+            return got
+        if self.add_slab(cls) is None:
+            return None
+        return cls.take()
+
+    def add_slab(self, cls: SizeClass) -> Slab | None:
+        nslots = cls.slots_per_slab
+        while nslots >= 1:
+            room = self.segments.alloc(nslots * cls.slot_bytes)
+            if room is not None:
+                slab = Slab(cls, room[0], room[1], nslots)
+                cls.slabs.append(slab)
+                cls.open_slabs.append(slab)
+                return slab
+            nslots //= 2  # near the ceiling, settle for a smaller slab
+        return None
+
+    def release_slab(self, slab: Slab) -> None:
+        """Return an empty slab's memory to its segment."""
+        assert slab.used == 0, "only an empty slab can be released"
+        cls = slab.cls
+        cls.slabs.remove(slab)
+        if slab in cls.open_slabs:
+            cls.open_slabs.remove(slab)
+        self.segments.free(slab.segment, slab.offset, slab.nbytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.used * c.slot_bytes for c in self.classes.values() for s in c.slabs)

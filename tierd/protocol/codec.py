@@ -1,0 +1,80 @@
+"""Frame codec: one msgpack array per ZeroMQ frame, no extension types, no pickle.
+
+Request frame: ``[op: str, req_id: int, body: map]``.
+Reply frame:   ``[req_id: int, ok: bool, body: map]``; when ``ok`` is false the body is
+``{"code": <ErrorCode name>, "message": str}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from tierd.protocol.errors import ErrorCode, ProtocolError
+
+# Limits handed to msgpack so a hostile frame cannot make the decoder allocate without bound.
+_MAX_CONTAINER = 1 << 20
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(ErrorCode.BAD_REQUEST, f"msgpack extension type {code} is not allowed")
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(frame: bytes, max_bytes: int) -> Any:
+    if len(frame) > max_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=_MAX_CONTAINER,
+            max_map_len=_MAX_CONTAINER,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {type(exc).__name__}: {exc}") from None
+
+
+def encode_request(op: str, req_id: int, body: dict) -> bytes:
+    return pack([op, req_id, body])
+
+
+def decode_request(frame: bytes, max_bytes: int) -> tuple[str, int, dict]:
+    """Decode a request frame. Raises ProtocolError; ``req_id`` is recovered when possible."""
+    msg = unpack(frame, max_bytes)
+    if not isinstance(msg, list) or len(msg) != 3:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a request is a 3-element array [op, req_id, body]")
+    op, req_id, body = msg
+    if not isinstance(req_id, int) or isinstance(req_id, bool) or not 0 <= req_id < 2**63:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be a non-negative integer")
+    if not isinstance(op, str):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "op must be a string", req_id=req_id)
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "body must be a map", req_id=req_id)
+    return op, req_id, body
+
+
+def encode_reply(req_id: int, body: dict) -> bytes:
+    return pack([req_id, True, body])
+
+
+def encode_error(req_id: int, code: ErrorCode, message: str) -> bytes:
+    return pack([req_id, False, {"code": code.name, "message": message}])
+
+
+def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, bool, dict]:
+    msg = unpack(frame, max_bytes)
+    if not isinstance(msg, list) or len(msg) != 3 or not isinstance(msg[0], int) or not isinstance(msg[2], dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "malformed reply frame")
+    return msg[0], bool(msg[1]), msg[2]

@@ -1,0 +1,61 @@
+"""Human-readable tables for ``tierd status`` and ``tierd bench``."""
+
+from __future__ import annotations
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _rows(rows: list[tuple[str, object]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def status_table(s: dict) -> str:
+    hit = s["hit_chunks"] / s["lookup_chunks"] if s.get("lookup_chunks") else 0.0
+    rows = [
+        ("version", f"{s['version']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)"),
+        ("socket", s["socket"]),
+        ("memory", f"{_bytes(s['memory_used_bytes'])} used / {_bytes(s['memory_total_bytes'])} backed / "
+                   f"{_bytes(s['memory_configured_bytes'])} ceiling"),
+        ("objects", f"{s['objects']}  " + "  ".join(f"{g}={n}" for g, n in sorted(s["group_objects"].items()))),
+        ("lookups", f"{s['lookups']}  (hit {s['hit_chunks']} of {s['lookup_chunks']} chunks, {hit:.1%})"),
+        ("stores", f"{s['stores']}  ({s['stored_chunks']} chunks, {_bytes(s['stored_bytes'])}, "
+                   f"{s['store_rejects']} rejected)"),
+        ("retrieves", f"{s['retrieves']}  ({s['retrieved_chunks']} chunks, {_bytes(s['retrieved_bytes'])}, "
+                      f"{s['retrieve_failed_blocks']} failed blocks)"),
+        ("evictions", s["evictions"]),
+        ("leases", f"{s['leases_active']} active, {s['leases_granted']} granted, {s['leases_expired']} expired"),
+        ("errors", f"{s['errors']}  " + "  ".join(f"{c}={n}" for c, n in sorted(s["errors_by_code"].items()))),
+        ("sessions", s["sessions"]),
+    ]
+    out = [_rows(rows), "", f"instances ({len(s['instances'])})"]
+    for inst in s["instances"]:
+        ns = inst["namespace"]
+        beat = inst["last_heartbeat_s_ago"]
+        out.append(
+            f"  {inst['instance']:<28} {inst['model']:<24} rank {inst['rank']}/{ns['world_size']} {inst['device']:<5} "
+            f"groups {','.join(inst['groups'])}  heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
+        )
+    return "\n".join(out)
+
+
+def bench_table(r: dict) -> str:
+    rows = [
+        ("layout", f"{r['layout']} on {r['device']}: {r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
+                   f"{_bytes(r['object_bytes'])} per chunk"),
+        ("moved per round", f"{_bytes(r['bytes_per_round'])} ({r['chunks']} chunks)"),
+        ("store", f"{r['store_gbps']:.2f} GB/s  ({r['store_ratio']:.2f}x baseline)"),
+        ("retrieve", f"{r['retrieve_gbps']:.2f} GB/s  ({r['retrieve_ratio']:.2f}x baseline)"),
+    ]
+    for key, label in (("both_gbps", "both ways"), ("per_block_gbps", "per-block memcpy baseline")):
+        if key in r:
+            rows.append((label, f"{r[key]:.2f} GB/s"))
+    rows.append(("baseline", f"{r['baseline_gbps']:.2f} GB/s  ({r.get('baseline', 'memcpy of the same bytes')})"))
+    rows.append(("verified", "yes, every byte" if r["verified"] else "NO: restored bytes differ"))
+    return _rows(rows)

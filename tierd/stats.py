@@ -1,0 +1,99 @@
+"""Counters and histograms. /status and /metrics read the same numbers (docs/protocol.md lists them)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# Counters every reply path maintains; names are the /status keys, prefixed tierd_ on /metrics.
+COUNTERS = (
+    ("lookups", "LOOKUP requests answered"),
+    ("lookup_chunks", "chunks asked for by LOOKUP"),
+    ("hit_chunks", "chunks LOOKUP reported servable"),
+    ("stores", "STORE requests answered"),
+    ("stored_chunks", "chunks newly stored"),
+    ("stored_bytes", "bytes copied into the pool"),
+    ("store_rejects", "chunks answered 'rejected': no room even after eviction"),
+    ("evictions", "objects evicted to make room"),
+    ("retrieves", "RETRIEVE requests answered"),
+    ("retrieved_chunks", "chunks fully retrieved"),
+    ("retrieved_bytes", "bytes copied out of the pool"),
+    ("retrieve_failed_blocks", "block ids RETRIEVE reported as failed"),
+    ("leases_granted", "leases handed out by LOOKUP"),
+    ("leases_expired", "leases dropped by TTL or by their client's death"),
+    ("sessions_reaped", "clients dropped after --heartbeat-timeout-s of silence"),
+    ("errors", "requests answered with an error"),
+)
+
+
+class Stats:
+    def __init__(self):
+        self.started = time.time()
+        self.counts: Counter[str] = Counter()
+        self.errors_by_code: Counter[str] = Counter()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.op_seconds = Histogram(
+            "tierd_op_seconds",
+            "Time from a request's arrival to its reply, by op",
+            ["op"],
+            registry=self.registry,
+            buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10),
+        )
+        self.op_bytes = Histogram(
+            "tierd_op_bytes",
+            "Bytes copied per STORE or RETRIEVE",
+            ["op"],
+            registry=self.registry,
+            buckets=tuple(float(1 << s) for s in range(12, 36, 2)),
+        )
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def error(self, code_name: str) -> None:
+        self.counts["errors"] += 1
+        self.errors_by_code[code_name] += 1
+
+    def observe(self, op: str, seconds: float, nbytes: int | None = None) -> None:
+        self.op_seconds.labels(op).observe(seconds)
+        if nbytes is not None:
+            self.op_bytes.labels(op).observe(nbytes)
+
+    def install(self, gauges) -> None:
+        """``gauges()`` returns the live /status dict; scraped values come from it."""
+        self.registry.register(_Collector(self, gauges))
+
+
+class _Collector:
+    def __init__(self, stats: Stats, gauges):
+        self.stats = stats
+        self.gauges = gauges
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        status = self.gauges()
+        for name, doc in COUNTERS:
+            yield CounterMetricFamily(f"tierd_{name}", doc, value=status[name])
+        err = CounterMetricFamily("tierd_errors_by_code", "requests answered with an error, by code", labels=["code"])
+        for code, n in sorted(self.stats.errors_by_code.items()):
+            err.add_metric([code], n)
+        yield err
+        for name, doc in (
+            ("memory_configured_bytes", "ceiling of the host pool (--l1-size-gb)"),
+            ("memory_total_bytes", "host memory backed now"),
+            ("memory_used_bytes", "bytes held by objects"),
+            ("objects", "objects in the index"),
+            ("leases_active", "leases outstanding"),
+            ("sessions", "connected clients"),
+        ):
+            yield GaugeMetricFamily(f"tierd_{name}", doc, value=status[name])
+        per = GaugeMetricFamily("tierd_group_objects", "objects per engine group", labels=["group"])
+        for group, n in sorted(status["group_objects"].items()):
+            per.add_metric([group], n)
+        yield per
+        yield GaugeMetricFamily("tierd_instances", "registered ranks", value=len(status["instances"]))

@@ -1,0 +1,1 @@
+"""Copies between engine KV tensors and pool objects (CPU memcpy, CUDA kernels)."""

@@ -1,0 +1,92 @@
+"""Transfer threads. Copies run off the main loop, one FIFO lane per registered rank (or a fixed
+number of lanes shared round-robin with ``--workers N``); ranks copy in parallel. A finished job
+is queued back to the main loop, which commits metadata and replies, and woken through a pipe."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+
+class TransferEngine:
+    def __init__(self, workers: int = 0):
+        self.workers = workers
+        self._shared = [ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{i}") for i in range(workers)]
+        self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._next = 0
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+
+    def attach(self, lane: str) -> None:
+        if lane in self._lanes:
+            return
+        if self._shared:
+            self._lanes[lane] = self._shared[self._next % len(self._shared)]
+            self._next += 1
+        else:
+            self._lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{lane[:24]}")
+
+    def detach(self, lane: str, last: Callable[[], None] | None = None) -> None:
+        """Forget a lane; ``last`` runs on it after every job already queued there."""
+        pool = self._lanes.pop(lane, None)
+        if pool is None:
+            return
+        if last is not None:
+            pool.submit(last)
+        if not self._shared:
+            pool.shutdown(wait=False)
+
+    def submit(self, lane: str, fn: Callable[[], Any], job: Any) -> None:
+        with self._lock:
+            self._inflight += 1
+        self._lanes[lane].submit(self._run, fn, job)
+
+    def _run(self, fn: Callable[[], Any], job: Any) -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # reported to the client as DEVICE_ERROR, never lost
+            result, exc = None, e
+        self._done.put((job, result, exc))
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        with self._lock:
+            self._inflight -= 1
+            self._idle.notify_all()
+
+    def drain(self) -> list[tuple[Any, Any, BaseException | None]]:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    def close(self) -> None:
+        for pool in set(self._lanes.values()) | set(self._shared):
+            pool.shutdown(wait=True)
+        self._lanes.clear()
+        os.close(self.wake_r)
+        os.close(self._wake_w)

@@ -1,0 +1,32 @@
+"""What one copy touches: a chunk's block ids for one group and the object bytes they map to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class CopyItem:
+    ids: np.ndarray  # int64 block ids that are not null, in chunk order
+    pos: np.ndarray  # their positions inside the chunk (0..bpc-1)
+    bpc: int  # blocks per chunk of the group
+    view: np.ndarray  # uint8 bytes of this group's part of the object, laid out [layer][block][run]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ids) == self.bpc
+
+    @property
+    def mask(self) -> int:
+        m = 0
+        for p in self.pos.tolist():
+            m |= 1 << p
+        return m
+
+
+def split_nulls(block_ids: list[int], null: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    keep = ids != null
+    return ids[keep], np.flatnonzero(keep)
