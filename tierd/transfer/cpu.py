@@ -81,7 +81,7 @@ class CpuRankMemory:
             dst = it.view.reshape(nl, it.bpc, *layers[0].shape[1:])
             if it.complete:
                 for layer, src in enumerate(layers):
-                    np.take(src, it.ids, axis=0, out=dst[layer])
+                    np.take(src, it.ids, axis=0, out=dst[layer], mode="clip")  # ids validated; "raise" would buffer
             else:
                 for layer, src in enumerate(layers):
                     dst[layer, it.pos] = src[it.ids]
