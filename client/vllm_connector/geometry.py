@@ -1,0 +1,124 @@
+"""What the connector derives from vLLM's KV cache config: engine groups, chunk geometry and the
+namespace. Both roles compute it from the same ``KVCacheConfig``, so the scheduler's LOOKUP and
+the workers' REGISTER always name the same namespace."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from tierd.protocol.layout import GroupKind
+
+
+class ChunkSizeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Group:
+    index: int
+    kind: GroupKind
+    block_tokens: int
+    window_tokens: int
+    spec_name: str
+    layer_names: tuple[str, ...]
+    page_bytes: int  # bytes per block per layer, as vLLM sizes it
+    replicated: bool  # identical on every TP rank (MLA latent, tp_replicated state)
+
+    def blocks_per_chunk(self, chunk_tokens: int) -> int:
+        return 1 if self.kind is GroupKind.STATE else chunk_tokens // self.block_tokens
+
+    def spec(self) -> dict:
+        return {"kind": self.kind.value, "block_tokens": self.block_tokens, "window_tokens": self.window_tokens}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    groups: tuple[Group, ...]
+    chunk_tokens: int
+    model: str
+    world_size: int
+    fingerprint: str
+
+    @property
+    def replicated(self) -> bool:
+        """One stored copy serves every rank (all groups are rank-independent, e.g. MLA)."""
+        return self.world_size > 1 and all(g.replicated for g in self.groups)
+
+    @property
+    def attention_only(self) -> bool:
+        return all(g.kind is GroupKind.FULL for g in self.groups)
+
+    @property
+    def namespace(self) -> dict:
+        return {"model": self.model, "fingerprint": self.fingerprint, "world_size": self.world_size, "salt": ""}
+
+    def specs(self) -> list[dict]:
+        return [g.spec() for g in self.groups]
+
+
+def _classify(spec) -> tuple[GroupKind, int, bool]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    if isinstance(spec, MambaSpec):
+        return GroupKind.STATE, 0, bool(getattr(spec, "tp_replicated", False))
+    if type(spec) is SlidingWindowSpec:
+        return GroupKind.SLIDING, int(spec.sliding_window), False
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return GroupKind.FULL, 0, isinstance(spec, MLAAttentionSpec)
+    raise ValueError(
+        f"TierdConnector cannot store KV cache groups of type {type(spec).__name__}; supported: "
+        "FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec and MambaSpec"
+    )
+
+
+def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
+    groups = []
+    for gi, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind, window, replicated = _classify(spec)
+        groups.append(
+            Group(
+                index=gi,
+                kind=kind,
+                block_tokens=int(spec.block_size),
+                window_tokens=window,
+                spec_name=type(spec).__name__,
+                layer_names=tuple(group.layer_names),
+                page_bytes=int(getattr(spec, "page_size_bytes", 0)),
+                replicated=replicated,
+            )
+        )
+    check_chunk_tokens(chunk_tokens, groups)
+    parallel = vllm_config.parallel_config
+    world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    model = str(vllm_config.model_config.model)
+    desc = {
+        "chunk_tokens": chunk_tokens,
+        "dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+        "model_dtype": str(vllm_config.model_config.dtype),
+        "groups": [[g.spec_name, g.kind.value, g.block_tokens, g.window_tokens, len(g.layer_names), g.page_bytes]
+                   for g in groups],
+    }
+    fingerprint = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return Geometry(tuple(groups), chunk_tokens, model, world, fingerprint)
+
+
+def check_chunk_tokens(chunk_tokens: int, groups) -> None:
+    """Refuse a chunk size that is not a whole multiple of every group's block size."""
+    sizes = [g.block_tokens for g in groups]
+    lcm = math.lcm(*sizes) if sizes else 1
+    if chunk_tokens % lcm == 0:
+        return
+    suggestion = max(lcm, -(-chunk_tokens // lcm) * lcm)
+    where = "; ".join(
+        f"group {g.index} {g.spec_name} block_size={g.block_tokens} (KVCacheConfig.kv_cache_groups[{g.index}]"
+        f".kv_cache_spec.block_size, from --block-size{' and the mamba state size' if g.kind is GroupKind.STATE else ''})"
+        for g in groups
+    )
+    raise ChunkSizeError(
+        f"tierd.chunk_tokens={chunk_tokens} is not a whole multiple of every KV cache group's block size "
+        f"[{where}]. Set kv_connector_extra_config tierd.chunk_tokens={suggestion} (a multiple of {lcm})."
+    )

@@ -1,0 +1,50 @@
+"""What the scheduler-side connector hands each worker per step, and what workers hand back.
+Plain, picklable data: vLLM ships it between processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - vLLM without worker metadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class ChunkIO:
+    key: bytes
+    blocks: list[list[int]]  # one list per engine group, daemon null ids already applied
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    lease: int
+    chunks: list[ChunkIO]
+
+
+@dataclass
+class StoreJob:
+    req_id: str
+    chunks: list[ChunkIO]
+    touch: list[bytes]  # keys of the chunks before these, so the prefix head stays most recent
+
+
+@dataclass
+class TierdMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+    # per group: block ids handed out this step; a pending store reading one must finish first
+    new_blocks: list[set[int]] = field(default_factory=list)
+
+
+@dataclass
+class TierdWorkerMeta(KVConnectorWorkerMetadata):
+    failed_loads: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: "TierdWorkerMeta") -> "TierdWorkerMeta":
+        return TierdWorkerMeta(self.failed_loads | other.failed_loads)
