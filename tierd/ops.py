@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tierd import __version__
 from tierd.pool.index import Obj
 from tierd.pool.pool import EXISTS
@@ -315,11 +317,14 @@ class Ops:
                     continue
                 obj = pool.find_ready(inst.ns, key, g, inst.rank_key)
                 have = 0 if obj is None else obj.mask >> obj.span[g][0]
-                missing = [int(b) for b, p in zip(ids_arr.tolist(), pos.tolist()) if not have >> p & 1]
-                if missing:
+                present = np.array([bool(have >> p & 1) for p in pos.tolist()], dtype=bool)
+                if not present.all():
+                    # Report exactly the blocks not restored; still restore the ones held.
                     ok = False
-                    job.failed.extend([g, b] for b in missing)
-                    continue
+                    job.failed.extend([g, int(b)] for b in ids_arr[~present].tolist())
+                    ids_arr, pos = ids_arr[present], pos[present]
+                    if not len(ids_arr):
+                        continue
                 shift, off = obj.span[g]
                 gbytes = layout.groups[g].object_bytes(layout.chunk_tokens)
                 bpc = layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
