@@ -45,6 +45,7 @@ class Job:
     nbytes: int = 0
     lease: int = 0
     deadline: float = 0.0  # wall clock; 0 = none
+    touch: list[bytes] = field(default_factory=list)  # STORE: the prefix before its chunks
 
 
 class Expired(Exception):
@@ -223,9 +224,9 @@ class Ops:
         chunks = self._chunks(inst, body)
         touch = [f.as_bytes(k, f"touch[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES) for i, k in enumerate(f.as_list(f.get(body, "touch", "", []), "touch", MAX_CHUNKS))]
         layout, pool, null = inst.layout, self.d.pool, self.d.settings.null_block_id
-        job = Job("STORE", ctx.envelope, ctx.req_id, ctx.t0, inst, deadline=_deadline(body))
+        job = Job("STORE", ctx.envelope, ctx.req_id, ctx.t0, inst, deadline=_deadline(body), touch=touch)
         if touch:
-            pool.touch(inst.ns, touch)
+            pool.touch(inst.ns, touch)  # keep the head from being evicted by this store's allocations
         if layout.replicated and layout.rank != 0:
             job.results = ["exists"] * len(chunks)  # rank 0's copy serves every rank
             self.d.stats.add("stores")
@@ -295,6 +296,9 @@ class Ops:
             self.d.pool.abort(job.objs)
             return None, ProtocolError(ErrorCode.EXPIRED, "the store finished after its deadline; nothing was stored")
         self.d.pool.commit(job.objs)
+        if job.touch:
+            # Again after the commit, or the new tail ends up more recent than the head it extends.
+            self.d.pool.touch(job.instance.ns, job.touch)
         stats = self.d.stats
         stats.add("stores")
         stats.add("stored_chunks", job.results.count("stored"))

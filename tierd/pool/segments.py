@@ -90,6 +90,7 @@ class SegmentSet:
     def __init__(self, ceiling: int, initial: int, segment_bytes: int, align: int, pinner: Pinner | None = None):
         if align <= 0 or align & (align - 1):
             raise ValueError(f"alignment {align} is not a power of two")
+        ceiling -= ceiling % align  # segments are whole multiples of align: never back past the ceiling
         self.ceiling = ceiling
         self.segment_bytes = max(align, _round_up(segment_bytes, align))
         self.align = align
