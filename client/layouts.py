@@ -2,7 +2,10 @@
 
 ``block_span`` turns "dimension ``block_dim`` of this strided tensor indexes blocks" into the
 daemon's ``{offset, block_stride, runs, run_stride, run_bytes}`` description, so any layout
-whose block is at most two strided levels (contiguous runs repeated at one stride) registers.
+whose block is at most two strided levels (contiguous runs repeated at one stride) registers:
+every vLLM 0.33 KVCacheLayout (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC) per-layer view, MLA,
+mamba state blocks and kernel blocks smaller than manager blocks. Three levels (say a head-outer
+layout whose token rows are padded) raise UnsupportedLayout.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ def block_span(
         shape.insert(0, r)
         strides.insert(0, bstride)
         nblk, bstride = nblk // r, bstride * r
-    # drop size-1 dims, then coalesce from the innermost dimension outwards
-    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    # drop size-1 dims, order the rest as memory does (sorted by stride, outermost first: the
+    # logical order of a permuted view is not its physical order), then coalesce from the
+    # innermost dimension outwards. Object bytes follow that physical order.
+    dims = sorted(((n, s) for n, s in zip(shape, strides) if n != 1), key=lambda d: -d[1])
     run = itemsize
     while dims and dims[-1][1] == run:
         n, _ = dims.pop()

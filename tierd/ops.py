@@ -30,6 +30,7 @@ log = logging.getLogger("tierd.ops")
 
 PENDING = object()
 MAX_CHUNKS = 1 << 16
+IPC_EVENT_BYTES = 64  # cudaIpcEventHandle_t
 
 
 @dataclass(eq=False)
@@ -125,9 +126,10 @@ class Ops:
             self.d.unregister(inst_id)
         memory = self.d.open_memory(layout)
         inst = Instance(inst_id, identity, layout, namespace_id(layout.namespace), memory)
+        self.d.namespaces[inst.ns] = layout.namespace
         self.d.instances[inst_id] = inst
         session.instances.add(inst_id)
-        self.d.xfer.attach(inst_id)
+        self.d.xfer.attach(inst_id, duplex=getattr(memory, "duplex", False))
         log.info(
             "registered %s: model=%s rank=%d/%d groups=%d device=%s",
             inst_id, layout.namespace.model, layout.rank, layout.namespace.world_size, len(layout.groups), layout.device,
@@ -167,7 +169,9 @@ class Ops:
         replicated = f.as_bool(f.get(body, "replicated", "", False), "replicated")
         want_lease = f.as_bool(f.get(body, "lease", "", True), "lease")
         ranks = [0] if replicated else list(range(ns.world_size))
-        hit, objs = self.d.pool.lookup(namespace_id(ns), keys, specs, chunk_tokens, ranks)
+        ns_id = namespace_id(ns)
+        self.d.namespaces.setdefault(ns_id, ns)
+        hit, objs = self.d.pool.lookup(ns_id, keys, specs, chunk_tokens, ranks)
         stats = self.d.stats
         stats.add("lookups")
         stats.add("lookup_chunks", len(keys))
@@ -223,6 +227,9 @@ class Ops:
         inst = self._instance(body)
         chunks = self._chunks(inst, body)
         touch = [f.as_bytes(k, f"touch[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES) for i, k in enumerate(f.as_list(f.get(body, "touch", "", []), "touch", MAX_CHUNKS))]
+        event = f.get(body, "event", "", None)
+        if event is not None:  # interprocess event on the engine's forward stream (CUDA layouts)
+            event = f.as_bytes(event, "event", IPC_EVENT_BYTES, IPC_EVENT_BYTES)
         layout, pool, null = inst.layout, self.d.pool, self.d.settings.null_block_id
         job = Job("STORE", ctx.envelope, ctx.req_id, ctx.t0, inst, deadline=_deadline(body), touch=touch)
         if touch:
@@ -279,8 +286,11 @@ class Ops:
             self.d.stats.add("stores")
             return {"results": job.results}
         memory = inst.memory
+        wait_event = getattr(memory, "wait_event", None) if event is not None else None  # cpu: nothing to wait on
 
         def copy():
+            if wait_event is not None:
+                wait_event(event)  # the gathers below start only once the engine's writes are done
             for g, items in plan.items():
                 memory.store(g, items)
 

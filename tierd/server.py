@@ -28,7 +28,7 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
 from tierd.sessions import Instance, LeaseTable, Session
 from tierd.stats import COUNTERS, Stats
-from tierd.transfer.engine import TransferEngine
+from tierd.transfer.engine import READ_LANE, TransferEngine
 
 log = logging.getLogger("tierd")
 
@@ -50,6 +50,7 @@ class Daemon:
         )
         self.sessions: dict[bytes, Session] = {}
         self.instances: dict[str, Instance] = {}
+        self.namespaces: dict[bytes, object] = {}  # namespace id -> Namespace, as named by REGISTER/LOOKUP
         self.leases = LeaseTable(self.pool, settings.lease_ttl_s)
         self.xfer = TransferEngine(settings.workers)
         self.ops = Ops(self)
@@ -122,7 +123,10 @@ class Daemon:
 
     def submit(self, job: Job, fn) -> None:
         job.instance.inflight += 1
-        self.xfer.submit(job.instance.id, fn, job)
+        lane = job.instance.id
+        if job.op == "RETRIEVE" and getattr(job.instance.memory, "duplex", False):
+            lane += READ_LANE
+        self.xfer.submit(lane, fn, job)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -288,12 +292,20 @@ class Daemon:
                 "memory_configured_bytes": pool.configured_bytes,
                 "memory_total_bytes": pool.backed_bytes,
                 "memory_used_bytes": pool.used_bytes,
+                "memory_pinned_bytes": self.cuda.pinned_bytes if self.cuda else 0,
                 "objects": pool.objects,
                 "group_objects": dict(pool.per_group),
                 "evictions": pool.evictions,
+                "namespaces": [
+                    {**ns.to_wire(), "objects": pool.per_ns[ns_id]}
+                    for ns_id, ns in self.namespaces.items()
+                    if pool.per_ns.get(ns_id)
+                ],
             }
         out.update({name: counts.get(name, 0) for name, _ in COUNTERS if name != "evictions"})
         now = time.monotonic()
+        if self.cuda:
+            out["cuda_detail"] = self.cuda.status()
         out["errors_by_code"] = dict(self.stats.errors_by_code)
         out["leases_active"] = len(self.leases.leases)
         out["sessions"] = len(self.sessions)

@@ -77,6 +77,8 @@ def _classify(spec) -> tuple[GroupKind, int, bool]:
 def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
     groups = []
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
+        if getattr(group, "enable_kv_transfer", True) is False:
+            continue  # an ephemeral replica vLLM rebuilds from its source group after a load
         spec = group.kv_cache_spec
         kind, window, replicated = _classify(spec)
         groups.append(

@@ -160,16 +160,40 @@ class SchedulerSide:
                 self._drop_lease(st)
                 st.lookup, st.loading = None, False
         resolve = _block_resolver(so, self.kv_cache_manager)
+        offers = _state_offers(so)
         for req_id, n_sched in so.num_scheduled_tokens.items():
             st = self.reqs.get(req_id)
             if st is None or _unkeyable(st.request):
                 continue
-            job = self._store_job(st, n_sched, resolve)
+            job = self._store_job(st, n_sched, resolve, positional_states=offers is None)
             if job is not None:
                 meta.stores.append(job)
+        for req_id, states in (offers or {}).items():
+            st = self.reqs.get(req_id)
+            if st is not None and not _unkeyable(st.request):
+                job = self._state_job(st, states)
+                if job is not None:
+                    meta.stores.append(job)
         return meta
 
-    def _store_job(self, st: ReqState, n_sched: int, resolve) -> StoreJob | None:
+    def _state_job(self, st: ReqState, states: list[tuple[int, int, int]]) -> StoreJob | None:
+        """Recurrent states vLLM hands off with their exact blocks (mamba "align" mode): one
+        state-only chunk per offered boundary that ends a chunk."""
+        C = self.geo.chunk_tokens
+        by_index = {g.index: g for g in self.geo.groups}
+        chunks = []
+        for gid, block_id, boundary in states:
+            g = by_index.get(gid)
+            if g is None or g.kind is not GroupKind.STATE or boundary % C or boundary > len(st.request.all_token_ids):
+                continue
+            j = boundary // C - 1
+            keys = self._keys(st, j + 1)
+            blocks = [[block_id] if other.index == gid else [SKIP] * other.blocks_per_chunk(C)
+                      for other in self.geo.groups]
+            chunks.append(ChunkIO(keys[j], blocks))
+        return StoreJob(st.request.request_id, chunks, []) if chunks else None
+
+    def _store_job(self, st: ReqState, n_sched: int, resolve, positional_states: bool) -> StoreJob | None:
         req = st.request
         C = self.geo.chunk_tokens
         written = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
@@ -188,8 +212,10 @@ class SchedulerSide:
             for g in self.geo.groups:
                 gids = ids[g.index]
                 if g.kind is GroupKind.STATE:
+                    # vLLM that hands off boundary states gets them stored from those exact blocks
+                    # (_state_job); older vLLM: the block at the boundary's position.
                     idx = (j + 1) * C // g.block_tokens - 1
-                    per_group.append([gids[idx] if idx < len(gids) else SKIP])
+                    per_group.append([gids[idx] if positional_states and idx < len(gids) else SKIP])
                 else:
                     bpc = C // g.block_tokens
                     per_group.append([gids[i] if i < len(gids) else SKIP for i in range(j * bpc, (j + 1) * bpc)])
@@ -270,6 +296,15 @@ def _new_blocks(so, ngroups: int) -> list[set[int]]:
     for ids in getattr(cached, "new_block_ids", None) or ():
         add(ids)
     return out
+
+
+def _state_offers(so) -> dict[str, list[tuple[int, int, int]]] | None:
+    """vLLM's exact (group, block, boundary tokens) recurrent-state hand-offs, or None when this
+    vLLM does not offer them (then states are read positionally)."""
+    state = getattr(so, "kv_connector_block_state", None)
+    if state is None or not hasattr(state, "boundary_state_offloads"):
+        return None
+    return state.boundary_state_offloads
 
 
 def _block_resolver(so, kv_cache_manager):

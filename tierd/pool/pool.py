@@ -37,6 +37,7 @@ class Pool:
         self.objects = 0
         self.used_bytes = 0
         self.per_group: Counter[str] = Counter()
+        self.per_ns: Counter[bytes] = Counter()  # objects per namespace id
         self.evictions = 0
         self.evicted_bytes = 0
 
@@ -59,6 +60,7 @@ class Pool:
             self.objects += 1
             self.used_bytes += cls.slot_bytes
             self.per_group[label] += 1
+            self.per_ns[ns] += 1
             return obj
 
     def commit(self, objs: Sequence[Obj]) -> None:
@@ -202,4 +204,7 @@ class Pool:
         self.per_group[obj.label] -= 1
         if not self.per_group[obj.label]:
             del self.per_group[obj.label]
+        self.per_ns[obj.ns] -= 1
+        if not self.per_ns[obj.ns]:
+            del self.per_ns[obj.ns]
         obj.ready = False

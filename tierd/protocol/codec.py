@@ -15,6 +15,7 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 
 # Limits handed to msgpack so a hostile frame cannot make the decoder allocate without bound.
 _MAX_CONTAINER = 1 << 20
+_PEEK_BYTES = 4096  # how much of an undecodable frame is read to find its req_id
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -50,9 +51,30 @@ def encode_request(op: str, req_id: int, body: dict) -> bytes:
     return pack([op, req_id, body])
 
 
+def _peek_req_id(frame: bytes) -> int | None:
+    """The req_id of a frame that does not decode whole (too large, a bad body), read from its
+    head alone, so that the error still reaches the caller waiting on it."""
+    unpacker = msgpack.Unpacker(raw=False, ext_hook=_reject_ext, max_buffer_size=_PEEK_BYTES)
+    unpacker.feed(frame[:_PEEK_BYTES])
+    try:
+        if unpacker.read_array_header() != 3:
+            return None
+        unpacker.skip()  # op
+        req_id = unpacker.unpack()
+    except Exception:  # noqa: BLE001 - any failure just means "not recoverable"
+        return None
+    if isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 2**63:
+        return req_id
+    return None
+
+
 def decode_request(frame: bytes, max_bytes: int) -> tuple[str, int, dict]:
     """Decode a request frame. Raises ProtocolError; ``req_id`` is recovered when possible."""
-    msg = unpack(frame, max_bytes)
+    try:
+        msg = unpack(frame, max_bytes)
+    except ProtocolError as exc:
+        exc.req_id = _peek_req_id(frame)
+        raise
     if not isinstance(msg, list) or len(msg) != 3:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a request is a 3-element array [op, req_id, body]")
     op, req_id, body = msg

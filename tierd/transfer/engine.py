@@ -1,6 +1,8 @@
 """Transfer threads. Copies run off the main loop, one FIFO lane per registered rank (or a fixed
-number of lanes shared round-robin with ``--workers N``); ranks copy in parallel. A finished job
-is queued back to the main loop, which commits metadata and replies, and woken through a pipe."""
+number of lanes shared round-robin with ``--workers N``); ranks copy in parallel. A *duplex* rank
+(the CUDA path) gets a second lane for its retrieves, so a store and a retrieve of one rank use
+both directions of the link at once. A finished job is queued back to the main loop, which
+commits metadata and replies, and woken through a pipe."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+
+READ_LANE = "\x00read"  # suffix of a duplex rank's retrieve lane
 
 
 class TransferEngine:
@@ -25,7 +30,9 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
 
-    def attach(self, lane: str) -> None:
+    def attach(self, lane: str, duplex: bool = False) -> None:
+        if duplex:
+            self.attach(lane + READ_LANE)
         if lane in self._lanes:
             return
         if self._shared:
@@ -35,14 +42,25 @@ class TransferEngine:
             self._lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{lane[:24]}")
 
     def detach(self, lane: str, last: Callable[[], None] | None = None) -> None:
-        """Forget a lane; ``last`` runs on it after every job already queued there."""
+        """Forget a lane (and its read lane); ``last`` runs after every job already queued on both."""
+        read = self._lanes.pop(lane + READ_LANE, None)
         pool = self._lanes.pop(lane, None)
         if pool is None:
             return
         if last is not None:
+            if read is not None:
+                drained = read.submit(lambda: None)
+                fn = last
+
+                def last():
+                    drained.result()
+                    fn()
+
             pool.submit(last)
         if not self._shared:
             pool.shutdown(wait=False)
+            if read is not None:
+                read.shutdown(wait=False)
 
     def submit(self, lane: str, fn: Callable[[], Any], job: Any) -> None:
         with self._lock:

@@ -1,0 +1,229 @@
+"""vLLM's real Scheduler driving TierdConnector in both roles, with a simulated forward.
+
+The scheduler, its KV cache manager, block pool and request objects are vLLM's own; only the
+model is simulated: a "forward" writes, for every scheduled token, bytes derived from the token
+id and its position into exactly the slot vLLM's block table gives it (and, for recurrent
+groups, a state derived from the whole prefix into the state block). Tests can then check that
+what a load restored is byte for byte what a forward would have written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TOK_BYTES = 8  # bytes of KV per token per layer in the simulated cache
+STATE_BYTES = 32
+
+
+@dataclass
+class GroupDef:
+    kind: str  # "full" | "sliding" | "mamba"
+    layers: int = 2
+    block_size: int = 16
+    window: int = 0
+
+
+def token_bytes(token: int, pos: int, layer: int) -> np.ndarray:
+    base = (token * 1315423911 + pos * 2654435761 + layer * 97) & 0xFFFFFFFF
+    return np.frombuffer(np.array([base, base ^ 0x5BD1E995], dtype=np.uint32).tobytes(), dtype=np.int8)
+
+
+def state_bytes(tokens: list[int], layer: int) -> np.ndarray:
+    h = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes() + bytes([layer]), digest_size=STATE_BYTES)
+    return np.frombuffer(h.digest(), dtype=np.int8)
+
+
+def make_specs(groups: list[GroupDef]):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    specs = []
+    for g in groups:
+        if g.kind == "full":
+            specs.append(FullAttentionSpec(block_size=g.block_size, num_kv_heads=1, head_size=TOK_BYTES // 4,
+                                           dtype=torch.int8))
+        elif g.kind == "sliding":
+            specs.append(SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=TOK_BYTES // 4,
+                                           dtype=torch.int8, sliding_window=g.window))
+        elif g.kind == "mamba":
+            specs.append(MambaSpec(block_size=g.block_size, shapes=((STATE_BYTES,),), dtypes=(torch.int8,),
+                                   mamba_cache_mode="align"))
+        else:
+            raise ValueError(g.kind)
+    return specs
+
+
+class SimEngine:
+    """One scheduler + one worker connector (TP=1) over simulated KV tensors."""
+
+    def __init__(self, model_dir: str, url: str, groups: list[GroupDef], *, num_blocks: int = 256,
+                 chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None):
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from tierd_client.vllm_connector import TierdConnector
+
+        self.groups = groups
+        self.block_size = groups[0].block_size
+        mc = ModelConfig(model=model_dir, dtype="bfloat16", seed=0, max_model_len=4096, skip_tokenizer_init=True)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+                             enable_chunked_prefill=True, is_encoder_decoder=False)
+        has_mamba = any(g.kind == "mamba" for g in groups)
+        cc = CacheConfig(block_size=self.block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+                         enable_prefix_caching=True, **({"mamba_cache_mode": "align"} if has_mamba else {}))
+        cfg_extra = {"tierd.url": url, "tierd.chunk_tokens": chunk_tokens, "tierd.timeout_s": 5,
+                     "tierd.lookup_timeout_s": 2, **(extra or {})}
+        kvt = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd_client.vllm_connector",
+                               kv_role="kv_both", kv_load_failure_policy="recompute",
+                               kv_connector_extra_config=cfg_extra, engine_id=uuid.uuid4().hex)
+        self.vllm_config = vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
+                                           kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+        specs = make_specs(groups)
+        self.layer_names = [[f"g{gi}.layer{l}" for l in range(g.layers)] for gi, g in enumerate(groups)]
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in zip(self.layer_names, specs)])
+        vc.cache_config.num_gpu_blocks = num_blocks
+        self.kv_cache_config = kcc
+        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
+                                   structured_output_manager=StructuredOutputManager(vc), block_size=self.block_size)
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, TierdConnector)
+        self.worker = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
+        # simulated KV: per group per layer a [num_blocks, block_size, TOK_BYTES] (or state) int8 tensor
+        self.kv: dict[str, torch.Tensor] = {}
+        for gi, g in enumerate(groups):
+            for name in self.layer_names[gi]:
+                shape = (num_blocks, STATE_BYTES) if g.kind == "mamba" else (num_blocks, g.block_size, TOK_BYTES)
+                self.kv[name] = torch.zeros(shape, dtype=torch.int8)
+        self.worker.register_kv_caches(self.kv)
+        self.finished: dict[str, object] = {}
+        self.failed_loads: set[str] = set()
+        self.computed: dict[str, list[tuple[int, int]]] = {}  # req -> [(start, n)] the forward ran
+        self.block_ids: dict[str, list[list[int]]] = {}  # req -> its block table at its first forward
+        self.steps = 0
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None):
+        from vllm import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+        from vllm.utils.hashing import sha256
+
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
+                      cache_salt=cache_salt, block_hasher=get_request_block_hasher(self.block_size, sha256))
+        self.scheduler.add_request(req)
+        return req
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def step(self):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        self._forward(so)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        wmeta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        self.failed_loads |= res.failed_recving
+        if wmeta is not None:
+            self.failed_loads |= wmeta.failed_loads
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            done_prefill = req.num_computed_tokens >= req.num_tokens
+            sampled.append([7 + len(req.output_token_ids)] if done_prefill else [])
+        out = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+            logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+            kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending,
+                                                  finished_recving=res.finished_recving,
+                                                  failed_recving=res.failed_recving, invalid_block_ids=invalid,
+                                                  kv_connector_worker_meta=wmeta),
+        )
+        engine_out = self.scheduler.update_from_output(so, out)
+        for outs in engine_out.values():
+            for o in outs.outputs:
+                if o.finished:
+                    self.finished[o.request_id] = o
+        self.steps += 1
+        return so
+
+    def run(self, max_steps: int = 500, idle_sleep: float = 0.002):
+        import time
+
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            so = self.step()
+            if not so.num_scheduled_tokens:
+                time.sleep(idle_sleep)  # waiting for a load: let the daemon answer
+        raise AssertionError(f"requests still unfinished after {max_steps} steps: "
+                             f"{[r for r in self.scheduler.requests]}")
+
+    def _forward(self, so):
+        """Write what a model would: per token its bytes, per recurrent group the prefix state."""
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = req.num_computed_tokens - n  # num_computed_tokens was advanced at schedule time
+            self.computed.setdefault(rid, []).append((start, n))
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
+            self.block_ids.setdefault(rid, [list(x) for x in ids])
+            tokens = list(req.all_token_ids)
+            for gi, g in enumerate(self.groups):
+                for li, name in enumerate(self.layer_names[gi]):
+                    kv = self.kv[name].numpy()
+                    if g.kind == "mamba":
+                        end = start + n
+                        if end % g.block_size == 0 or end == len(tokens):
+                            kv[ids[gi][(end - 1) // g.block_size]] = state_bytes(tokens[:end], li)
+                        continue
+                    for p in range(start, min(start + n, len(tokens))):
+                        kv[ids[gi][p // g.block_size], p % g.block_size] = token_bytes(tokens[p], p, li)
+
+    # ---- checks ------------------------------------------------------------------------------------
+    def expected_block(self, gi: int, layer: int, tokens: list[int], block_index: int) -> np.ndarray:
+        g = self.groups[gi]
+        if g.kind == "mamba":
+            return state_bytes(tokens[: (block_index + 1) * g.block_size], layer)
+        return np.stack([token_bytes(tokens[p], p, layer)
+                         for p in range(block_index * g.block_size, (block_index + 1) * g.block_size)])
+
+    def first_computed(self, rid: str) -> int:
+        """Position of the first token the forward computed for ``rid`` (the hit before it)."""
+        return self.computed[rid][0][0]
+
+    def assert_restored(self, rid: str, tokens: list[int], upto: int) -> None:
+        """KV of positions [0, upto) in rid's blocks equals what a forward writes, in every group
+        (full: every block; sliding: the blocks in the window before ``upto``; mamba: the state at ``upto``)."""
+        ids = self.block_ids[rid]
+        for gi, g in enumerate(self.groups):
+            for li, name in enumerate(self.layer_names[gi]):
+                kv = self.kv[name].numpy()
+                if g.kind == "mamba":
+                    idx = upto // g.block_size - 1
+                    np.testing.assert_array_equal(kv[ids[gi][idx]], self.expected_block(gi, li, tokens, idx))
+                    continue
+                first = 0 if g.kind == "full" else max(0, (upto - g.window + 1) // g.block_size)
+                for b in range(first, upto // g.block_size):
+                    np.testing.assert_array_equal(kv[ids[gi][b]], self.expected_block(gi, li, tokens, b),
+                                                  err_msg=f"group {gi} layer {li} block {b}")
+
+    def close(self):
+        self.worker.shutdown()
+        self.connector.shutdown()
