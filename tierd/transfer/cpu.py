@@ -20,7 +20,7 @@ class HostTensor:
     def __init__(self, ref: TensorRef, where: str):
         path = ref.handle.get("path")
         offset = ref.handle.get("offset", 0)
-        if not isinstance(path, str) or not path.startswith("/dev/shm/") or ".." in path:
+        if not isinstance(path, str) or not path.startswith("/dev/shm/") or ".." in path or "\x00" in path:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: shm path must be a file under /dev/shm/, got {path!r}")
         if not isinstance(offset, int) or offset < 0:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: shm offset must be a non-negative integer")
