@@ -97,6 +97,8 @@ class TierdClient:
         self._hello: dict | None = None
         self._hello_event = threading.Event()
         self._recovering = False
+        self._connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
+        self._ever_connected = False
         self._next_ping = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"tierd-client-{name}", daemon=True)
         self._thread.start()
@@ -230,14 +232,18 @@ class TierdClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not connected
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.url)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         waiting: list[_Pending] = []  # not yet sent: no connection so far
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(50))
+                if monitor in events:
+                    self._on_monitor(monitor)
                 if sock in events:
                     self._recv_all(sock)
                 if self._wake_r in events:
@@ -254,6 +260,8 @@ class TierdClient:
                 waiting = self._expire(self._send_waiting(sock, waiting))
                 self._maybe_ping()
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             for p in list(self._pending.values()) + waiting:
                 self._fail(p, TierdError("CLOSED", "client closed"))
@@ -267,11 +275,43 @@ class TierdClient:
             req_id = next(self._ids)
             try:
                 sock.send(codec.encode_request(p.op, req_id, p.body), zmq.NOBLOCK)
-            except zmq.Again:  # no connection yet: keep it until its deadline
-                left.extend(waiting[i:])
+            except zmq.Again:
+                if self._ever_connected and not self._connected:
+                    # the daemon went away: answer now rather than at the deadline
+                    for q in waiting[i:]:
+                        self._fail(q, DaemonUnavailable(self.url))
+                    return left
+                left.extend(waiting[i:])  # first connection still being made: wait for it
                 break
             self._pending[req_id] = p
         return left
+
+    def _on_monitor(self, monitor) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                lost, self._pending = list(self._pending.values()), {}
+                if lost:
+                    log.warning("tierd at %s disconnected; failing %d requests in flight", self.url, len(lost))
+                for p in lost:  # a dead daemon never answers; nothing it did is committed after our deadline
+                    self._fail(p, DaemonUnavailable(self.url))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                reconnect = self._ever_connected
+                self._connected = self._ever_connected = True
+                if reconnect and not self._recovering:
+                    # a new daemon (or the same one after a blip): new session, same registrations
+                    self._recovering = True
+                    log.info("reconnected to tierd at %s; saying HELLO and re-registering", self.url)
+                    self._send_internal("HELLO", self._hello_body(), self._on_hello)
+                    for reg in list(self._registrations.values()):
+                        self._send_internal("REGISTER", {"instance": reg.instance, "layout": reg.layout},
+                                            self._on_reregister)
 
     def _recv_all(self, sock) -> None:
         while True:

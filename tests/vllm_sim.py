@@ -124,10 +124,14 @@ class SimEngine:
         return req
 
     # ---- the loop ----------------------------------------------------------------------------------
-    def step(self):
+    def step(self, after_schedule=None):
+        """One engine step; ``after_schedule(so)`` runs between scheduling and the worker side
+        (where a failure can be injected between a LOOKUP and its RETRIEVE)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.scheduler.schedule()
+        if after_schedule is not None:
+            after_schedule(so)
         meta = so.kv_connector_metadata
         w = self.worker
         w.handle_preemptions(meta)
@@ -164,13 +168,14 @@ class SimEngine:
         self.steps += 1
         return so
 
-    def run(self, max_steps: int = 500, idle_sleep: float = 0.002):
+    def run(self, max_steps: int = 500, idle_sleep: float = 0.002, after_schedule=None):
         import time
 
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
+                self.flush()
                 return
-            so = self.step()
+            so = self.step(after_schedule)
             if not so.num_scheduled_tokens:
                 time.sleep(idle_sleep)  # waiting for a load: let the daemon answer
         raise AssertionError(f"requests still unfinished after {max_steps} steps: "
@@ -224,6 +229,12 @@ class SimEngine:
                     np.testing.assert_array_equal(kv[ids[gi][b]], self.expected_block(gi, li, tokens, b),
                                                   err_msg=f"group {gi} layer {li} block {b}")
 
+    def flush(self):
+        """Wait for the stores this engine sent (a real engine does not need to)."""
+        self.worker.worker.flush()
+
     def close(self):
-        self.worker.shutdown()
-        self.connector.shutdown()
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.worker.shutdown()
+            self.connector.shutdown()

@@ -183,14 +183,19 @@ class WorkerSide:
         self.failed = set()
         return out
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Let pending stores finish (bounded), then leave the daemon."""
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait (bounded) until every store sent so far is answered."""
         deadline = time.monotonic() + timeout
         for fut, _ in self.stores:
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001
                 pass
+        self._prune_stores()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let pending stores finish (bounded), then leave the daemon."""
+        self.flush(timeout)
         self.stores = []
         if self.registered:
             try:

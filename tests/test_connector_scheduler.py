@@ -1,0 +1,183 @@
+"""TierdConnector driven by vLLM's real Scheduler (both roles) against a real ``tierd serve``.
+
+Engine "A" computes and stores a prompt; engine "B" (a fresh scheduler, block pool and zeroed KV
+tensors: a new engine in all but the process) must get the prefix from the tier, byte for byte,
+in single-group, sliding-window and attention + mamba configurations; failures injected between
+LOOKUP and RETRIEVE must end in a recompute, never a hang or a lookup/load loop.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from conftest_vllm import tiny_model  # noqa: E402,F401
+from vllm_sim import GroupDef, SimEngine  # noqa: E402
+
+CHUNK = 64
+
+CONFIGS = {
+    "single": [GroupDef("full")],
+    "sliding": [GroupDef("full"), GroupDef("sliding", window=40)],
+    "mamba": [GroupDef("full"), GroupDef("mamba")],
+}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+@pytest.fixture
+def engines(tiny_model, daemon):  # noqa: F811
+    made = []
+
+    def make(groups, **kw):
+        e = SimEngine(tiny_model, daemon.endpoint, groups, chunk_tokens=kw.pop("chunk_tokens", CHUNK), **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        try:
+            e.close()
+        except Exception:  # noqa: BLE001 - a test may have killed the daemon
+            pass
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_new_engine_restores_prefix_byte_equal(engines, daemon, config):
+    groups = CONFIGS[config]
+    tokens = prompt(200, seed=len(config))
+    a = engines(groups)
+    a.add("a", tokens)
+    a.run()
+    assert a.first_computed("a") == 0  # nothing in the tier yet
+    stored = daemon.status()["stored_chunks"]
+    assert stored >= 3
+
+    b = engines(groups)
+    b.add("b", tokens)
+    b.run()
+    hit = b.first_computed("b")
+    assert hit == 3 * CHUNK, f"{config}: expected the forward to start after 3 restored chunks, got {hit}"
+    assert not b.failed_loads
+    b.assert_restored("b", tokens, hit)
+    s = daemon.status()
+    assert s["retrieved_chunks"] >= 3 and s["retrieve_failed_blocks"] == 0
+
+
+@pytest.mark.parametrize("config", ["single", "mamba"])
+def test_whole_prompt_hit_leaves_one_token_to_compute(engines, config):
+    tokens = prompt(200, seed=11)
+    a = engines(CONFIGS[config])
+    a.add("a", tokens)
+    a.run()
+    b = engines(CONFIGS[config])
+    if config == "single":
+        # a prompt of exactly 3 chunks: attention restores all but the last token, which is recomputed
+        b.add("b", tokens[: 3 * CHUNK])
+        b.run()
+        assert b.first_computed("b") == 3 * CHUNK - 1
+    else:
+        # a recurrent state exists only at chunk boundaries, so the hit must end short of the last
+        # token: 3 chunks + 1 token restores 3 chunks and computes the one token left
+        b.add("b", tokens[: 3 * CHUNK + 1])
+        b.run()
+        assert b.first_computed("b") == 3 * CHUNK
+        b.assert_restored("b", tokens, 3 * CHUNK)
+    assert "b" in b.finished and not b.failed_loads
+
+
+def test_cache_salt_separates_prefixes(engines):
+    tokens = prompt(200, seed=3)
+    a = engines(CONFIGS["single"])
+    a.add("a", tokens, cache_salt="tenant-1")
+    a.run()
+    b = engines(CONFIGS["single"])
+    b.add("other-tenant", tokens, cache_salt="tenant-2")
+    b.add("same-tenant", prompt(200, seed=3), cache_salt="tenant-1")
+    b.run()
+    assert b.first_computed("other-tenant") in (0, 3 * CHUNK)
+    assert b.first_computed("same-tenant") == 3 * CHUNK
+    # the other tenant never read tenant-1's chunks: it computed from 0 or hit its own engine's APC
+    assert b.computed["other-tenant"][0][0] == 0 or b.first_computed("same-tenant") < b.first_computed("other-tenant")
+
+
+def test_chunk_size_that_is_not_a_block_multiple_is_refused(tiny_model, daemon):  # noqa: F811
+    from tierd_client.vllm_connector.geometry import ChunkSizeError
+
+    with pytest.raises(ChunkSizeError) as err:
+        SimEngine(tiny_model, daemon.endpoint, [GroupDef("full", block_size=16)], chunk_tokens=40)
+    msg = str(err.value)
+    assert "tierd.chunk_tokens=48" in msg and "block_size=16" in msg and "--block-size" in msg
+
+
+def _lookups(daemon) -> int:
+    return daemon.status()["lookups"]
+
+
+def test_object_evicted_between_lookup_and_retrieve_recomputes(engines, daemon_factory, tiny_model, client_factory):  # noqa: F811
+    d = daemon_factory("--lease-ttl-s", "0.3")
+    tokens = prompt(200, seed=21)
+    a = SimEngine(tiny_model, d.endpoint, CONFIGS["single"], chunk_tokens=CHUNK)
+    a.add("a", tokens)
+    a.run()
+    a.close()
+    admin = client_factory(d)
+    b = SimEngine(tiny_model, d.endpoint, CONFIGS["single"], chunk_tokens=CHUNK)
+    try:
+        b.add("b", tokens)
+        evicted = []
+
+        def evict(so):
+            if not evicted and so.kv_connector_metadata.loads:  # LOOKUP answered, load planned
+                time.sleep(0.8)  # the lease's TTL passes
+                evicted.append(admin.clear()["evicted"])
+
+        before = _lookups(d)
+        b.run(after_schedule=evict)
+        assert evicted and evicted[0] >= 3
+        assert "b" in b.failed_loads
+        assert b.computed["b"][-1][0] >= 0 and "b" in b.finished
+        # recomputed from scratch after the failed load, and the tier was not asked again
+        starts = [s for s, _ in b.computed["b"]]
+        assert starts[0] == 0
+        assert _lookups(d) - before == 1
+    finally:
+        b.close()
+
+
+def test_daemon_killed_mid_load_recomputes_without_hanging(daemon, tiny_model):  # noqa: F811
+    tokens = prompt(200, seed=31)
+    a = SimEngine(tiny_model, daemon.endpoint, CONFIGS["mamba"], chunk_tokens=CHUNK)
+    a.add("a", tokens)
+    a.run()
+    a.close()
+    b = SimEngine(tiny_model, daemon.endpoint, CONFIGS["mamba"], chunk_tokens=CHUNK)
+    try:
+        b.add("b", tokens)
+        killed = []
+
+        def kill(so):
+            if not killed and so.kv_connector_metadata.loads:
+                daemon.kill()
+                killed.append(True)
+
+        t0 = time.monotonic()
+        b.run(after_schedule=kill, max_steps=5000)
+        assert killed
+        assert "b" in b.failed_loads  # hybrid model: reported as failed_recving
+        assert [s for s, _ in b.computed["b"]][0] == 0
+        assert time.monotonic() - t0 < 30
+        # later requests run without the tier, without waiting for it
+        b.add("c", prompt(200, seed=32))
+        t1 = time.monotonic()
+        b.run(max_steps=5000)
+        assert "c" in b.finished and time.monotonic() - t1 < 15
+    finally:
+        b.close()
