@@ -1,0 +1,1 @@
+"""CUDA/HIP sources of tierd's batched gather/scatter kernels (built by tierd.transfer.native)."""
