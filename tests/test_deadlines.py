@@ -1,0 +1,105 @@
+"""Deadlines: a STORE or RETRIEVE carries the client's wall-clock deadline. Arriving late it is
+answered EXPIRED at once; a STORE whose copy finishes late is aborted (nothing committed, the
+chunk stays absent and can be stored again); a RETRIEVE whose copy would start late copies
+nothing into the engine's blocks."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from kv import GroupGeom, keys
+from tierd_client import DeadlineExceeded
+from util import chunk, ranks, raw  # noqa: F401 - fixtures
+from wire import wait_for
+
+BIG = GroupGeom("full", layers=4, block_bytes=128 << 10, block_tokens=4)  # 2 MiB per chunk
+
+
+def test_expired_on_arrival(daemon, raw, ranks):
+    rank = ranks(GroupGeom("full"))
+    r = raw(daemon)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    a, b = keys(2)
+    past = time.time() - 1
+    assert r.error("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": past}) == "EXPIRED"
+    st = daemon.status()
+    assert st["objects"] == 0 and st["stores"] == 0 and st["errors_by_code"] == {"EXPIRED": 1}
+    assert r.ok("LOOKUP", {"namespace": rank.ns, "keys": [a], "groups": rank.specs(), "chunk_tokens": 16})["chunks"] == 0
+    r.ok("STORE", {"instance": "r", "chunks": [chunk(b, range(4))]})
+    rank.kv[0][:, 40:44] = 0
+    assert r.error("RETRIEVE", {"instance": "r", "chunks": [chunk(b, range(40, 44))], "deadline": past}) == "EXPIRED"
+    assert not rank.kv[0][:, 40:44].any()
+    assert r.ok("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": time.time() + 30})["results"] == ["stored"]
+
+
+def busy_lane(r, ks, seconds):
+    """Queue RETRIEVEs on the rank's copy lane worth about ``seconds`` of copying; returns their req_ids."""
+    body = {"instance": "r", "chunks": [chunk(k, range(32 + 4 * i, 36 + 4 * i)) for i, k in enumerate(ks)]}
+    t = time.monotonic()
+    for q in [r.send_request("RETRIEVE", body) for _ in range(8)]:
+        assert r.recv(30)[:2] == [q, True]
+    one = (time.monotonic() - t) / 8
+    n = max(8, min(400, math.ceil(seconds / one)))
+    return [r.send_request("RETRIEVE", body) for _ in range(n)]
+
+
+def test_store_finishing_after_its_deadline_commits_nothing(daemon_factory, raw, ranks):
+    d = daemon_factory(pool_mb=64)
+    rank = ranks(BIG, num_blocks=68)  # 0-31 stored from, 32-63 the busy retrieves' targets
+    r = raw(d)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    ks = keys(8)
+    r.ok("STORE", {"instance": "r", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]})
+    queued = busy_lane(r, ks, 1.5)
+    late = keys(1)[0]
+    rank.kv[0][:, 64:68] = 0
+    store_id = r.send_request("STORE", {"instance": "r", "chunks": [chunk(late, range(4))], "deadline": time.time() + 0.3})
+    retr_id = r.send_request("RETRIEVE", {"instance": "r", "chunks": [chunk(ks[0], range(64, 68))],
+                                          "deadline": time.time() + 0.3})
+    replies = {}
+    while len(replies) < len(queued) + 2:
+        req_id, ok, body = r.recv(30)
+        assert req_id not in replies
+        replies[req_id] = (ok, body)
+    assert all(replies[q][0] for q in queued)
+    ok, body = replies[store_id]
+    assert not ok and body["code"] == "EXPIRED"
+    assert "nothing was stored" in body["message"]  # it arrived in time: the finished copy was dropped
+    ok, body = replies[retr_id]
+    assert not ok and body["code"] == "EXPIRED"
+    assert not rank.kv[0][:, 64:68].any()  # not a byte copied into the engine's blocks
+    st = d.status()
+    assert st["objects"] == 8 and st["stored_chunks"] == 8
+    look = {"namespace": rank.ns, "keys": [late], "groups": rank.specs(), "chunk_tokens": 16, "lease": False}
+    assert r.ok("LOOKUP", look)["chunks"] == 0
+    # the aborted object left no trace: the chunk stores normally now
+    assert r.ok("STORE", {"instance": "r", "chunks": [chunk(late, range(4))]})["results"] == ["stored"]
+    assert r.ok("LOOKUP", look)["chunks"] == 1
+
+
+def test_client_giving_up_means_never_stored(daemon_factory, client_factory, ranks):
+    d = daemon_factory(pool_mb=64)
+    c = client_factory(d)
+    rank = ranks(BIG, num_blocks=64)
+    c.register("r", rank.layout())
+    ks = keys(8)
+    body = [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]
+    c.store("r", body)
+    back = [chunk(k, range(32 + 4 * i, 36 + 4 * i)) for i, k in enumerate(ks)]
+    t = time.monotonic()
+    for f in [c.retrieve_async("r", back) for _ in range(8)]:
+        f.result()
+    n = max(8, min(400, math.ceil(1.5 / ((time.monotonic() - t) / 8))))
+    futs = [c.retrieve_async("r", back) for _ in range(n)]
+    late = keys(1)[0]
+    with pytest.raises(DeadlineExceeded):
+        c.store("r", [chunk(late, range(4))], timeout=0.3)
+    for f in futs:
+        assert all(f.result()["ok"])
+    wait_for(lambda: d.status()["errors_by_code"].get("EXPIRED") == 1, 10, what="the daemon to expire the store")
+    assert c.lookup(rank.ns, [late], rank.specs(), 16, lease=False)["chunks"] == 0
+    assert d.status()["objects"] == 8
