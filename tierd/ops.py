@@ -19,7 +19,7 @@ from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol import fields as f
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, namespace_id
-from tierd.protocol.layout import GroupSpec, Namespace, PageLayout
+from tierd.protocol.layout import GroupKind, GroupSpec, Namespace, PageLayout
 from tierd.sessions import Instance, Session
 from tierd.transfer.plan import CopyItem, split_nulls
 
@@ -116,6 +116,11 @@ class Ops:
         layout = PageLayout.from_wire(f.get(body, "layout", ""))
         old = self.d.instances.get(inst_id)
         if old is not None:
+            if old.layout != layout and old.session != identity and old.session in self.d.sessions:
+                raise ProtocolError(
+                    ErrorCode.LAYOUT_MISMATCH,
+                    f"instance {inst_id!r} is registered by another live client with a different layout",
+                )
             if old.layout == layout:  # idempotent re-register (a reconnecting client)
                 previous = self.d.sessions.get(old.session)
                 if previous is not None:
@@ -170,6 +175,17 @@ class Ops:
         want_lease = f.as_bool(f.get(body, "lease", "", True), "lease")
         ranks = [0] if replicated else list(range(ns.world_size))
         ns_id = namespace_id(ns)
+        for inst in self.d.instances.values():
+            if inst.ns == ns_id:
+                lay = inst.layout
+                if (list(lay.specs[: len(specs)]) != specs or len(specs) > len(lay.specs)
+                        or lay.chunk_tokens != chunk_tokens or lay.replicated != replicated):
+                    raise ProtocolError(
+                        ErrorCode.LAYOUT_MISMATCH,
+                        f"LOOKUP groups/chunk_tokens/replicated differ from the layout {inst.id!r} registered "
+                        "in this namespace",
+                    )
+                break
         self.d.namespaces.setdefault(ns_id, ns)
         hit, objs = self.d.pool.lookup(ns_id, keys, specs, chunk_tokens, ranks)
         stats = self.d.stats
@@ -240,7 +256,12 @@ class Ops:
             return {"results": job.results}
         plan: dict[int, list[CopyItem]] = {}
         object_sets = self._parts(inst)
+        has_full = any(g.spec.kind is GroupKind.FULL for g in layout.groups)
         for key, blocks in chunks:
+            if has_full and "rejected" in job.results:
+                job.results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
+                self.d.stats.add("store_rejects")
+                continue
             split = [split_nulls(ids, null) for ids in blocks]
             if not any(len(ids) for ids, _ in split):
                 job.results.append("empty")  # an all-null chunk is not stored

@@ -242,6 +242,9 @@ class Daemon:
                 self.stats.observe(job.op, time.perf_counter() - job.t0, job.nbytes)
 
     def _housekeeping(self, now: float) -> None:
+        live = {inst.ns for inst in self.instances.values()}
+        for ns_id in [n for n in self.namespaces if n not in live and not self.pool.per_ns.get(n)]:
+            del self.namespaces[ns_id]
         expired = self.leases.expire(now, self.sessions)
         if expired:
             self.stats.add("leases_expired", expired)
@@ -329,7 +332,8 @@ class Daemon:
     def close(self) -> None:
         for inst_id in list(self.instances):
             self.unregister(inst_id)
-        self.xfer.close()
+        self.xfer.close()  # waits for every queued copy, then each gets its reply
+        self._finish_jobs()
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
@@ -344,7 +348,7 @@ class Daemon:
 
 
 def _endpoint_alive(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:
-    """Whether a tierd answers on ``endpoint`` (HELLO with a short deadline)."""
+    """Whether a tierd answers on ``endpoint`` (any reply to a PING within the deadline)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -46,11 +46,24 @@ class Pool:
         """Reserve room for an object. Returns the (pinned, unready) Obj, EXISTS, or None when
         nothing evictable frees enough room."""
         with self.lock:
+            replace = None
             entry = self.index.get(ns, key)
-            if entry is not None and any((g, rank) in entry.parts for g in span):
-                return EXISTS
+            if entry is not None:
+                old = {entry.parts[(g, rank)] for g in span if (g, rank) in entry.parts}
+                if old:
+                    prev = next(iter(old)) if len(old) == 1 else None
+                    if (prev is None or not prev.ready or prev.pins or prev.span != span
+                            or mask & prev.mask != prev.mask or mask == prev.mask):
+                        return EXISTS  # stored or being stored; or the new copy would lose blocks
+                    replace = prev  # the new copy holds every block the old one had, and more
             cls = self.slabs.size_class(nbytes)
+            if replace is not None:
+                replace.pins += 1  # not its own eviction victim
             got = self._alloc(cls)
+            if replace is not None:
+                replace.pins -= 1
+                if got is not None:
+                    self._drop(replace)
             if got is None:
                 return None
             obj = Obj(ns, key, span, rank, nbytes, mask, label)

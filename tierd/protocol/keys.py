@@ -53,7 +53,7 @@ def chunk_hashes(
     first ``start`` chunks' outputs while still chaining through them, so a caller that
     already holds ``h_0..h_{start-1}`` passes the last one as ``parent`` and ``start=0``.
     """
-    arr = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64))
+    arr = np.ascontiguousarray(np.asarray(tokens, dtype="<i8"))  # little-endian on every host
     n = len(arr) // chunk_tokens
     prev = parent if parent is not None else root_hash()
     extras = list(chunk_extras) if chunk_extras is not None else []
