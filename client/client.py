@@ -32,7 +32,6 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 log = logging.getLogger("tierd_client")
 
 _DEADLINE_OPS = ("STORE", "RETRIEVE")
-_RECOVERABLE = (ErrorCode.UNKNOWN_SESSION.name, ErrorCode.UNKNOWN_INSTANCE.name)
 
 
 class TierdError(Exception):
@@ -327,9 +326,16 @@ class TierdClient:
             p = self._pending.pop(req_id, None)
             if p is None:
                 continue  # answer to a request that already timed out
-            if not ok and body.get("code") in _RECOVERABLE and not p.retried and p.op != "HELLO":
-                if body.get("code") == ErrorCode.UNKNOWN_SESSION.name or p.op != "REGISTER":
+            if not ok and not p.retried and p.op not in ("HELLO", "REGISTER"):
+                code = body.get("code")
+                if code == ErrorCode.UNKNOWN_SESSION.name:
                     self._recover(p)
+                    continue
+                reg = self._registrations.get(p.body.get("instance")) if code == ErrorCode.UNKNOWN_INSTANCE.name else None
+                if reg is not None:  # the daemon dropped this rank only (e.g. UNREGISTER elsewhere): re-register it
+                    p.retried = True
+                    self._send_internal("REGISTER", {"instance": reg.instance, "layout": reg.layout}, self._on_reregister)
+                    self._outbox.put(p)
                     continue
             if ok:
                 self._resolve(p, body)
