@@ -83,7 +83,7 @@ class TransferEngine:
 
     def drain(self) -> list[tuple[Any, Any, BaseException | None]]:
         try:
-            while os.read(self.wake_r, 4096):
+            while self.wake_r >= 0 and os.read(self.wake_r, 4096):  # closed: finished jobs are still queued
                 pass
         except BlockingIOError:
             pass
@@ -108,3 +108,4 @@ class TransferEngine:
         self._lanes.clear()
         os.close(self.wake_r)
         os.close(self._wake_w)
+        self.wake_r = self._wake_w = -1  # drain() after close() must not read a reused descriptor

@@ -1,0 +1,91 @@
+"""Shutdown and the socket file: SIGTERM and SIGINT make the daemon exit 0 within 10 s and remove
+its socket; a second daemon on a live socket is refused with a clear message (and leaves the first
+untouched); a stale socket file from a SIGKILLed daemon does not stop a new one."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from kv import GroupGeom, keys
+from util import chunk, ranks, raw  # noqa: F401 - fixtures
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_cleanly(daemon, client_factory, ranks, sig):
+    c = client_factory(daemon)
+    rank = ranks(GroupGeom("full"))
+    c.register("r", rank.layout())
+    c.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(keys(4))])
+    assert daemon.socket_file.exists()
+    t0 = time.monotonic()
+    assert daemon.stop(sig, timeout=10) == 0
+    assert time.monotonic() - t0 < 10
+    assert not daemon.socket_file.exists()
+    assert "stopped" in daemon.log.read_text()
+
+
+def serve(endpoint, *extra):
+    return subprocess.run([sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1", *extra],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+
+def test_second_daemon_on_a_live_socket_is_refused(daemon, client):
+    res = serve(daemon.endpoint)
+    assert res.returncode != 0
+    assert "another tierd is already serving" in res.stderr and daemon.endpoint in res.stderr
+    assert "Traceback" not in res.stderr
+    # the first one still serves on its (untouched) socket
+    assert daemon.socket_file.exists()
+    assert client.ping()["boot_id"] == client.server["boot_id"]
+    assert daemon.proc.poll() is None
+
+
+def test_stale_socket_file_does_not_block_a_new_daemon(daemon, client_factory, ranks):
+    daemon.kill()  # SIGKILL: no cleanup
+    assert daemon.socket_file.exists()
+    daemon.start()
+    c = client_factory(daemon)
+    rank = ranks(GroupGeom("full"))
+    c.register("r", rank.layout())
+    assert c.store("r", [chunk(keys(1)[0], range(4))])["results"] == ["stored"]
+    assert daemon.stop() == 0 and not daemon.socket_file.exists()
+
+
+def test_socket_file_mode(daemon_factory):
+    d = daemon_factory("--socket-mode", "0660")
+    assert d.socket_file.stat().st_mode & 0o777 == 0o660
+    d2 = daemon_factory()
+    assert d2.socket_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_sigterm_with_copies_in_flight_answers_every_request_and_exits_0(daemon_factory, raw, ranks):
+    """Regression: close() drained finished copies through the transfer engine's wake pipe after
+    closing it (EBADF), so a daemon that had served a rank exited 1 and left its socket file."""
+    d = daemon_factory(pool_mb=64)
+    rank = ranks(GroupGeom("full", layers=4, block_bytes=128 << 10, block_tokens=4), num_blocks=64)
+    r = raw(d)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    ks = keys(8)
+    r.ok("STORE", {"instance": "r", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]})
+    body = {"instance": "r", "chunks": [chunk(k, range(32 + 4 * i, 36 + 4 * i)) for i, k in enumerate(ks)]}
+    sent = [r.send_request("RETRIEVE", body) for _ in range(20)]
+    time.sleep(0.05)
+    d.proc.send_signal(signal.SIGTERM)
+    replies = {}
+    try:
+        while len(replies) < len(sent):
+            req_id, ok, reply = r.recv(10)
+            assert req_id not in replies
+            replies[req_id] = ok or reply["code"]
+    except TimeoutError:
+        pass
+    assert d.proc.wait(10) == 0
+    assert not d.socket_file.exists()
+    assert set(replies) == set(sent), f"{len(sent) - len(replies)} requests never answered"
+    assert set(replies.values()) <= {True, "SHUTTING_DOWN"}
+    assert "Traceback" not in d.log.read_text()
