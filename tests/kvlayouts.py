@@ -24,6 +24,7 @@ class Case:
     buf: object  # flat uint8 torch tensor holding every layer
     group: GroupLayout
     bpc: int  # manager blocks per chunk
+    _flat: np.ndarray | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -31,7 +32,9 @@ class Case:
 
     def reference(self, block: int) -> np.ndarray:
         """[layers, block_bytes] of manager block ``block``, read straight from the buffer."""
-        flat = self.buf.cpu().numpy()
+        if self._flat is None:
+            self._flat = self.buf.cpu().numpy()
+        flat = self._flat
         out = []
         for s in self.group.layers:
             start = s.offset + block * s.block_stride

@@ -53,9 +53,19 @@ def bench_table(r: dict) -> str:
         ("store", f"{r['store_gbps']:.2f} GB/s  ({r['store_ratio']:.2f}x baseline)"),
         ("retrieve", f"{r['retrieve_gbps']:.2f} GB/s  ({r['retrieve_ratio']:.2f}x baseline)"),
     ]
-    for key, label in (("both_gbps", "both ways"), ("per_block_gbps", "per-block memcpy baseline")):
-        if key in r:
-            rows.append((label, f"{r[key]:.2f} GB/s"))
+    if "both_gbps" in r:
+        ratio = f"  ({r['both_ratio']:.2f}x both-ways baseline {r['baseline_both_gbps']:.2f} GB/s)" if "both_ratio" in r else ""
+        rows.append(("both ways", f"{r['both_gbps']:.2f} GB/s{ratio}"))
+    if "per_block_gbps" in r:
+        rows.append(("per-block memcpy baseline", f"{r['per_block_gbps']:.2f} GB/s"))
+    if "baseline_d2h_gbps" in r:
+        rows.append(("raw pinned copy", f"D2H {r['baseline_d2h_gbps']:.2f} GB/s, H2D {r['baseline_h2d_gbps']:.2f} GB/s"))
+    if "chunk_latency_ms" in r:
+        lat = r["chunk_latency_ms"]
+        rows.append((f"one {r.get('chunk_tokens', '')}-token chunk", f"store {lat['store']:.2f} ms, retrieve {lat['retrieve']:.2f} ms (median)"))
+    if "lookups_per_s" in r:
+        rows.append(("lookups", f"{r['lookups_per_s']:.0f}/s one at a time, {r['lookups_per_s_pipelined']:.0f}/s pipelined "
+                                f"({r['lookup_keys']} keys each)"))
     rows.append(("baseline", f"{r['baseline_gbps']:.2f} GB/s  ({r.get('baseline', 'memcpy of the same bytes')})"))
     rows.append(("verified", "yes, every byte" if r["verified"] else "NO: restored bytes differ"))
     return _rows(rows)

@@ -427,7 +427,7 @@ class CudaRankMemory:
         with torch.cuda.device(self.device):
             ev = self._events.get(handle)
             if ev is None:
-                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
+                ev = torch.cuda.Event.from_ipc_handle(torch.device("cuda", self.device), handle)
                 self._events[handle] = ev
                 while len(self._events) > MAX_EVENTS:
                     self._events.popitem(last=False)
