@@ -38,11 +38,13 @@ def test_expired_on_arrival(daemon, raw, ranks):
 def busy_lane(r, ks, seconds):
     """Queue RETRIEVEs on the rank's copy lane worth about ``seconds`` of copying; returns their req_ids."""
     body = {"instance": "r", "chunks": [chunk(k, range(32 + 4 * i, 36 + 4 * i)) for i, k in enumerate(ks)]}
-    t = time.monotonic()
-    for q in [r.send_request("RETRIEVE", body) for _ in range(8)]:
-        assert r.recv(30)[:2] == [q, True]
-    one = (time.monotonic() - t) / 8
-    n = max(8, min(400, math.ceil(seconds / one)))
+    one = math.inf
+    for _ in range(2):  # the first round also faults the target pages in: keep the faster
+        t = time.monotonic()
+        for q in [r.send_request("RETRIEVE", body) for _ in range(6)]:
+            assert r.recv(30)[:2] == [q, True]
+        one = min(one, (time.monotonic() - t) / 6)
+    n = max(16, min(600, math.ceil(seconds / one)))
     return [r.send_request("RETRIEVE", body) for _ in range(n)]
 
 
@@ -90,10 +92,13 @@ def test_client_giving_up_means_never_stored(daemon_factory, client_factory, ran
     body = [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]
     c.store("r", body)
     back = [chunk(k, range(32 + 4 * i, 36 + 4 * i)) for i, k in enumerate(ks)]
-    t = time.monotonic()
-    for f in [c.retrieve_async("r", back) for _ in range(8)]:
-        f.result()
-    n = max(8, min(400, math.ceil(1.5 / ((time.monotonic() - t) / 8))))
+    one = math.inf
+    for _ in range(2):  # the first round also faults the target pages in: keep the faster
+        t = time.monotonic()
+        for f in [c.retrieve_async("r", back) for _ in range(6)]:
+            f.result()
+        one = min(one, (time.monotonic() - t) / 6)
+    n = max(16, min(600, math.ceil(1.5 / one)))
     futs = [c.retrieve_async("r", back) for _ in range(n)]
     late = keys(1)[0]
     with pytest.raises(DeadlineExceeded):
