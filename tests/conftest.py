@@ -126,3 +126,6 @@ def client_factory():
 @pytest.fixture
 def client(daemon, client_factory):
     return client_factory(daemon)
+
+
+from conftest_vllm import tiny_model, vllm_cpu_env  # noqa: E402,F401 - session fixture for real-engine tests

@@ -1,0 +1,176 @@
+"""A tiny random-weight Llama and a locally trained byte-level BPE tokenizer, built without downloads.
+
+    build_tiny_llama() -> "/home/.../.cache/tierd/tiny-llama-v1"
+
+The model is for engine plumbing (vLLM + KV connectors) on CPU, not for text: 2 layers, hidden 256,
+4 heads, 2 KV heads, head_dim 64, vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts
+fit). Building takes a few seconds and needs only torch, transformers and tokenizers.
+
+Deterministic: the tokenizer is trained on a generated corpus, and every weight is drawn from one
+seeded ``torch.Generator`` in parameter order (not transformers' init, which may change between
+versions), so every build of a recipe gives the same bytes. ``tiny_model.json`` in the folder
+records the recipe and the sha256 of each file; it is written last, so its presence marks a
+complete build.
+
+Safe under concurrent callers (processes or pytest-xdist workers): a build happens in a private
+temporary folder next to the target and is renamed into place atomically; an flock serialises
+builders so the work is done once. Location: ``path``, else ``$TIERD_TINY_MODEL_DIR``, else
+``~/.cache/tierd/tiny-llama-v1``.
+
+CLI: ``python tests/tiny_model.py [PATH]`` builds (if needed) and prints the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+RECIPE = "tiny-llama-v1"
+SEED = 0
+MARKER = "tiny_model.json"
+
+# Bump RECIPE (and so the default folder name) whenever anything below changes.
+CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<unk>"]  # ids 0, 1, 2: bos, eos, unk
+
+
+def default_dir() -> Path:
+    env = os.environ.get("TIERD_TINY_MODEL_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/tierd").expanduser() / RECIPE
+
+
+def is_built(path: str | os.PathLike) -> bool:
+    marker = Path(path) / MARKER
+    try:
+        return json.loads(marker.read_text()).get("recipe") == RECIPE
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_llama(path: str | os.PathLike | None = None) -> str:
+    """Build the tiny model at ``path`` (default: see module doc) unless it is there; return the folder."""
+    target = Path(path).expanduser() if path is not None else default_dir()
+    target = target.absolute()
+    if is_built(target):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _flock(target.parent / f".{target.name}.lock"):
+        if is_built(target):  # another process finished while we waited
+            return str(target)
+        if target.exists():  # not ours to guess about: a half-copied folder or a different recipe
+            stale = target.parent / f".{target.name}.stale-{os.getpid()}"
+            os.rename(target, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            os.chmod(tmp, 0o755)
+            _build_into(tmp)
+            os.rename(tmp, target)  # atomic: readers see nothing or a complete folder
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_built(target):  # lost a race with a builder that ignored the lock (e.g. NFS)
+                return str(target)
+            raise
+    assert is_built(target), target
+    return str(target)
+
+
+@contextlib.contextmanager
+def _flock(lock_path: Path):
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _corpus() -> list[str]:
+    """A deterministic, varied English-ish corpus so BPE learns real merges (no randomness involved)."""
+    words = ("the quick brown fox jumps over lazy dog cache tier daemon page block chunk token prefix "
+             "engine worker store lookup retrieve lease memory host pool shared model layer head key "
+             "value attention request reply error counter status hello world paris france capital").split()
+    lines = []
+    for i in range(3000):
+        n = 6 + i % 11
+        picked = [words[(i * 7 + j * 13 + (i // 5) * j) % len(words)] for j in range(n)]
+        lines.append(" ".join(picked).capitalize() + f" {i}. " + ("KV-cache #%d, block=%d." % (i % 97, i % 32)))
+    lines += ["Hello, my name is vLLM. The capital of France is Paris. KV cache tiering daemon."] * 100
+    return lines
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CONFIG["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    assert tok.get_vocab_size() <= CONFIG["vocab_size"], tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        model_max_length=CONFIG["max_position_embeddings"],
+    )
+    assert fast.bos_token_id == CONFIG["bos_token_id"] and fast.eos_token_id == CONFIG["eos_token_id"]
+    fast.save_pretrained(out)
+
+
+def _build_model(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**CONFIG, dtype="bfloat16")
+    model = LlamaForCausalLM(cfg)
+    gen = torch.Generator(device="cpu").manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # definition order: stable
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+            else:  # Linear [out, in]: unit-variance activations, so the output depends on the context
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) / p.shape[-1] ** 0.5)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
+def _build_into(out: Path) -> None:
+    _build_tokenizer(out)
+    _build_model(out)
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != MARKER)
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    (out / MARKER).write_text(json.dumps({"recipe": RECIPE, "seed": SEED, "config": CONFIG, "sha256": digest},
+                                         indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    print(build_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else None))
