@@ -1,0 +1,52 @@
+"""The frame codec: strict decoding (no extension types, bounded sizes, string map keys), typed
+errors, and the req_id recovered from the head of a frame that does not decode whole."""
+
+import msgpack
+import pytest
+
+from tierd.protocol import codec
+from tierd.protocol.errors import ErrorCode, ProtocolError
+
+MAX = 1 << 16
+
+
+def fails(frame, max_bytes=MAX):
+    with pytest.raises(ProtocolError) as err:
+        codec.decode_request(frame, max_bytes)
+    return err.value.code, err.value.req_id
+
+
+def test_round_trip():
+    frame = codec.encode_request("STORE", 12, {"instance": "x", "chunks": [{"key": b"k" * 16, "blocks": [[1, -1]]}]})
+    assert codec.decode_request(frame, MAX) == ("STORE", 12, {"instance": "x", "chunks": [{"key": b"k" * 16, "blocks": [[1, -1]]}]})
+    assert codec.decode_reply(codec.encode_reply(12, {"a": 1}), MAX) == (12, True, {"a": 1})
+    rid, ok, body = codec.decode_reply(codec.encode_error(3, ErrorCode.EXPIRED, "late"), MAX)
+    assert (rid, ok, body) == (3, False, {"code": "EXPIRED", "message": "late"})
+
+
+def test_too_large_keeps_req_id():
+    frame = codec.encode_request("PING", 99, {"pad": b"x" * MAX})
+    assert fails(frame) == (ErrorCode.TOO_LARGE, 99)
+
+
+def test_bad_body_keeps_req_id():
+    assert fails(msgpack.packb(["PING", 7, {"x": msgpack.ExtType(1, b"")}], use_bin_type=True)) == (ErrorCode.BAD_REQUEST, 7)
+    assert fails(msgpack.packb(["PING", 8, {1: 2}])) == (ErrorCode.BAD_REQUEST, 8)
+    assert fails(msgpack.packb(["PING", 9, []])) == (ErrorCode.BAD_REQUEST, 9)
+    assert fails(msgpack.packb([1, 10, {}])) == (ErrorCode.BAD_REQUEST, 10)
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\x93", msgpack.packb(["PING", -1, {}]), msgpack.packb(["PING", True, {}]),
+    msgpack.packb(["PING", "5", {}]), msgpack.packb([b"x" * 5000, 5, {1: 2}]), msgpack.packb(["PING", 1]),
+    msgpack.packb({"op": "PING"}),
+])
+def test_unrecoverable_req_id(frame):
+    code, req_id = fails(frame)
+    assert code is ErrorCode.BAD_REQUEST and req_id is None
+
+
+def test_limits_bound_allocation():
+    # a header announcing a huge array: refused without allocating it
+    assert fails(b"\x93\xa4PING\x01\xdd\xff\xff\xff\xff")[0] is ErrorCode.BAD_REQUEST
+    assert fails(msgpack.packb(["PING", 1, {"a": list(range((1 << 20) + 1))}]), 1 << 24)[0] is ErrorCode.BAD_REQUEST

@@ -1,0 +1,127 @@
+"""Host memory segments: first-fit extents that coalesce on free, a set grown on demand up to
+(never past) its ceiling, whole multiples of the alignment."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierd.pool.segments import Segment, SegmentSet
+
+KIB = 1 << 10
+
+
+def test_free_coalesces_with_both_neighbours():
+    seg = Segment(0, 64 * KIB, None)
+    try:
+        a, b, c, d = (seg.alloc(4 * KIB) for _ in range(4))
+        assert (a, b, c, d) == (0, 4 * KIB, 8 * KIB, 12 * KIB)
+        seg.free(b, 4 * KIB)
+        assert seg._free == [[4 * KIB, 4 * KIB], [16 * KIB, 48 * KIB]]
+        seg.free(c, 4 * KIB)  # merges with the previous extent
+        assert seg._free == [[4 * KIB, 8 * KIB], [16 * KIB, 48 * KIB]]
+        seg.free(d, 4 * KIB)  # bridges both
+        assert seg._free == [[4 * KIB, 60 * KIB]]
+        seg.free(a, 4 * KIB)
+        assert seg._free == [[0, 64 * KIB]] and seg.free_bytes == 64 * KIB
+    finally:
+        seg.close(None)
+
+
+def test_first_fit_reuses_the_lowest_hole():
+    seg = Segment(0, 64 * KIB, None)
+    try:
+        offs = [seg.alloc(8 * KIB) for _ in range(8)]
+        assert seg.alloc(1) is None
+        seg.free(offs[5], 8 * KIB)
+        seg.free(offs[2], 8 * KIB)
+        assert seg.alloc(8 * KIB) == offs[2]
+        assert seg.alloc(16 * KIB) is None  # no hole that large
+        assert seg.alloc(8 * KIB) == offs[5]
+    finally:
+        seg.close(None)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=24), st.randoms(use_true_random=False))
+def test_any_free_order_coalesces_back_to_one_extent(sizes, rnd):
+    seg = Segment(0, 256 * KIB, None)
+    try:
+        held = []
+        for s in sizes:
+            off = seg.alloc(s * KIB)
+            if off is not None:
+                held.append((off, s * KIB))
+        spans = sorted(held)
+        for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+            assert o1 + n1 <= o2  # never overlapping
+        rnd.shuffle(held)
+        for off, n in held:
+            seg.free(off, n)
+        assert seg._free == [[0, 256 * KIB]]
+    finally:
+        seg.close(None)
+
+
+def test_segment_memory_is_writable_and_distinct():
+    seg = Segment(0, 16 * KIB, None)
+    try:
+        seg.view[:] = 7
+        assert int(seg.view.sum()) == 7 * 16 * KIB
+    finally:
+        seg.close(None)
+
+
+def test_set_grows_on_demand_and_never_past_its_ceiling():
+    s = SegmentSet(ceiling=1 << 20, initial=0, segment_bytes=256 * KIB, align=4 * KIB)
+    try:
+        assert s.backed == 0 and s.segments == []
+        got = [s.alloc(200 * KIB) for _ in range(5)]
+        assert all(g is not None for g in got[:4]) and got[4] is None  # 4 segments of 256 KiB
+        assert s.backed == 1 << 20 == s.ceiling
+        seg, off = got[0]
+        s.free(seg, off, 200 * KIB)
+        assert s.alloc(200 * KIB) == (seg, off)
+    finally:
+        s.close()
+
+
+def test_initial_backing_is_made_up_front():
+    s = SegmentSet(ceiling=1 << 20, initial=512 * KIB, segment_bytes=256 * KIB, align=4 * KIB)
+    try:
+        assert s.backed == 512 * KIB and len(s.segments) == 2
+        s.alloc(100 * KIB)
+        assert s.backed == 512 * KIB  # served from what is backed
+    finally:
+        s.close()
+
+
+def test_unaligned_ceiling_is_rounded_down():
+    """Regression: the last segment was rounded up to the alignment past the ceiling."""
+    ceiling = (1 << 20) - 135
+    s = SegmentSet(ceiling=ceiling, initial=ceiling, segment_bytes=ceiling, align=4 * KIB)
+    try:
+        assert s.backed <= ceiling and s.ceiling <= ceiling
+        while s.alloc(4 * KIB) is not None:
+            pass
+        assert s.backed <= ceiling
+    finally:
+        s.close()
+
+
+def test_alignment_must_be_a_power_of_two():
+    with pytest.raises(ValueError):
+        SegmentSet(1 << 20, 0, 1 << 20, 3000)
+
+
+def test_allocations_are_aligned():
+    s = SegmentSet(ceiling=1 << 20, initial=0, segment_bytes=1 << 20, align=8 * KIB)
+    try:
+        for n in random.Random(1).choices(range(1, 30000), k=20):
+            got = s.alloc(n)
+            if got is None:
+                break
+            assert got[1] % (8 * KIB) == 0
+    finally:
+        s.close()
