@@ -181,3 +181,21 @@ def test_daemon_killed_mid_load_recomputes_without_hanging(daemon, tiny_model): 
         assert "c" in b.finished and time.monotonic() - t1 < 15
     finally:
         b.close()
+
+
+def test_speculative_step_over_a_chunk_boundary_still_stores_the_chunk(engines):
+    """Decode with 3 drafts a step (2 accepted, 1 rejected): positions jump 250 -> 253 -> 256 ->
+    ...; the chunk ending at 256 is still stored, with the accepted tokens' KV, never a rejected
+    draft's."""
+    tokens = prompt(250, seed=41)
+    a = engines(CONFIGS["single"], spec_tokens=3, spec_accept=2)
+    a.add("a", tokens, max_tokens=14)
+    a.run()
+    full = tokens + [SimEngine.true_token(i) for i in range(14)]
+    steps = [n for _, n in a.computed["a"]]
+    assert max(steps[1:]) > 1, "the engine never ran a speculative step"
+    b = engines(CONFIGS["single"])
+    b.add("b", full[:4 * CHUNK + 1])
+    b.run()
+    assert b.first_computed("b") == 4 * CHUNK  # chunk 3 (192..256), crossed by a draft step, was stored
+    b.assert_restored("b", full, 4 * CHUNK)

@@ -61,7 +61,8 @@ class SimEngine:
     """One scheduler + one worker connector (TP=1) over simulated KV tensors."""
 
     def __init__(self, model_dir: str, url: str, groups: list[GroupDef], *, num_blocks: int = 256,
-                 chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None):
+                 chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None,
+                 spec_tokens: int = 0, spec_accept: int = 0):
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -72,6 +73,9 @@ class SimEngine:
 
         self.groups = groups
         self.block_size = groups[0].block_size
+        # speculative decoding: each decode step proposes spec_tokens drafts, the first
+        # spec_accept of them right (accepted), the rest wrong (rejected, their KV garbage)
+        self.spec_tokens, self.spec_accept = spec_tokens, spec_accept
         mc = ModelConfig(model=model_dir, dtype="bfloat16", seed=0, max_model_len=4096, skip_tokenizer_init=True)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
                              enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -83,8 +87,15 @@ class SimEngine:
         kvt = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd_client.vllm_connector",
                                kv_role="kv_both", kv_load_failure_policy="recompute",
                                kv_connector_extra_config=cfg_extra, engine_id=uuid.uuid4().hex)
+        spec = {}
+        if spec_tokens:
+            from vllm.config import ParallelConfig, SpeculativeConfig
+
+            spec["speculative_config"] = SpeculativeConfig(
+                method="ngram", num_speculative_tokens=spec_tokens, prompt_lookup_max=4, prompt_lookup_min=2,
+                target_model_config=mc, target_parallel_config=ParallelConfig())
         self.vllm_config = vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
-                                           kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+                                           kv_transfer_config=kvt, device_config=DeviceConfig("cpu"), **spec)
         specs = make_specs(groups)
         self.layer_names = [[f"g{gi}.layer{l}" for l in range(g.layers)] for gi, g in enumerate(groups)]
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -150,8 +161,13 @@ class SimEngine:
         sampled = []
         for rid in req_ids:
             req = self.scheduler.requests[rid]
-            done_prefill = req.num_computed_tokens >= req.num_tokens
-            sampled.append([7 + len(req.output_token_ids)] if done_prefill else [])
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            done_prefill = req.num_computed_tokens - len(drafts) >= req.num_tokens
+            n_out = len(req.output_token_ids)
+            ok = 0
+            while ok < len(drafts) and drafts[ok] == self.true_token(n_out + ok):
+                ok += 1
+            sampled.append([self.true_token(n_out + i) for i in range(ok + 1)] if done_prefill else [])
         out = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
             logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
@@ -161,12 +177,27 @@ class SimEngine:
                                                   kv_connector_worker_meta=wmeta),
         )
         engine_out = self.scheduler.update_from_output(so, out)
+        if self.spec_tokens:
+            from vllm.v1.outputs import DraftTokenIds
+
+            live = [r for r in req_ids if r in self.scheduler.requests]
+            drafts = []
+            for r in live:
+                n_out = len(self.scheduler.requests[r].output_token_ids)
+                drafts.append([self.true_token(n_out + i) if i < self.spec_accept else 3
+                               for i in range(self.spec_tokens)])
+            self.scheduler.update_draft_token_ids(DraftTokenIds(live, drafts))
         for outs in engine_out.values():
             for o in outs.outputs:
                 if o.finished:
                     self.finished[o.request_id] = o
         self.steps += 1
         return so
+
+    @staticmethod
+    def true_token(n_out: int) -> int:
+        """The token the simulated model samples as output number ``n_out``."""
+        return 7 + n_out
 
     def run(self, max_steps: int = 500, idle_sleep: float = 0.002, after_schedule=None):
         import time
@@ -189,7 +220,7 @@ class SimEngine:
             self.computed.setdefault(rid, []).append((start, n))
             ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
             self.block_ids.setdefault(rid, [list(x) for x in ids])
-            tokens = list(req.all_token_ids)
+            tokens = list(req.all_token_ids) + list(so.scheduled_spec_decode_tokens.get(rid, []))
             for gi, g in enumerate(self.groups):
                 for li, name in enumerate(self.layer_names[gi]):
                     kv = self.kv[name].numpy()
