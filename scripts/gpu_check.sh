@@ -29,7 +29,7 @@ PY
 tail -3 "$OUT/build.log"
 
 echo "== tests"
-timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -rs -s -p no:cacheprovider --basetemp=/tmp/pt \
+[ "${TESTS:-}" = none ] || timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -rs -s -p no:cacheprovider --basetemp=/tmp/pt \
   ${TESTS:-tests/test_gpu_kernels.py tests/test_gpu_daemon.py tests/test_store_event.py tests/test_roundtrip.py} \
   > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?" >> "$OUT/gpu_tests.log"
@@ -37,11 +37,14 @@ tail -5 "$OUT/gpu_tests.log"
 for f in $(ls -t /tmp/pt/*/*/daemon.log 2>/dev/null | head -40); do echo "== $f"; tail -40 "$f"; done > "$OUT/daemons.log" 2>&1
 
 echo "== bench" | tee "$OUT/bench.log"
-for kind in mha mla; do
+# BENCHES: mha, mla, and mha-torch / mla-torch (the daemon copies with the pure-torch fallback)
+for kind in ${BENCHES:-mha mla}; do
   args="--chunks $CHUNKS --batch $BATCH --rounds $ROUNDS"
-  [ $kind = mla ] && args="$args --mla --layers 61"
-  echo "== tierd bench --device cuda --json $args" >> "$OUT/bench.log"
-  timeout ${BENCH_TIMEOUT:-150} python3 -m tierd bench --device cuda --json $args > "$OUT/bench_$kind.json" 2>> "$OUT/bench.log"
+  case $kind in mla*) args="$args --mla --layers 61";; esac
+  case $kind in *-torch) impl=torch;; *) impl=auto;; esac
+  echo "== TIERD_CUDA_IMPL=$impl tierd bench --device cuda --json $args" >> "$OUT/bench.log"
+  TIERD_CUDA_IMPL=$impl timeout ${BENCH_TIMEOUT:-150} python3 -m tierd bench --device cuda --json $args \
+    > "$OUT/bench_$kind.json" 2>> "$OUT/bench.log"
   echo "exit $?" >> "$OUT/bench.log"
   python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
     "$OUT/bench_$kind.json" >> "$OUT/bench.log" 2>&1

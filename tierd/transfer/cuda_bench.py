@@ -127,7 +127,7 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
     ns = namespace("tierd-bench-cuda", uuid.uuid4().hex)
     lay = layout(ns, 0, chunk_tokens, refs, [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")], device="cuda")
     specs = group_specs(lay)
-    pool_bytes = int(pool_gb * 2**30) if pool_gb else int(2 * total * 1.05) + (512 << 20)
+    pool_bytes = int(pool_gb * 2**30) if pool_gb else int(2 * total * 1.05) + 24 * object_bytes + (512 << 20)
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}")
     ctx = private_daemon(pool_bytes, extra) if url is None else contextlib.nullcontext(url)
     fence = StoreFence(dev)
@@ -141,7 +141,7 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
         return bool(torch.equal(kv[:, a[0] : a[-1] + 1], kv[:, b[0] : b[-1] + 1]))
 
     out: dict = {}
-    with ctx as endpoint, TierdClient(endpoint, timeout_s=300, name="tierd-bench-cuda") as client:
+    with ctx as endpoint, TierdClient(endpoint, timeout_s=300, connect_timeout_s=300, name="tierd-bench-cuda") as client:
         client.wait_ready(120)
         t0 = time.monotonic()
         while True:  # the daemon loads the extension in the background; time it only once loaded
