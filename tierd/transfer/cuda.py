@@ -27,6 +27,8 @@ import glob
 import logging
 import os
 import threading
+import time
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -165,6 +167,7 @@ class CudaSupport:
         self.count = torch.cuda.device_count()
         self._uuids: dict[str, int] | None = None
         self.devices_open: set[int] = set()
+        self.memories: weakref.WeakSet = weakref.WeakSet()
         native.start()
 
     def pinner(self) -> HostPinner:
@@ -190,7 +193,18 @@ class CudaSupport:
         log.info("CUDA device %d opened (%s)", index, self.torch.cuda.get_device_name(index))
 
     def rank_memory(self, layout: PageLayout) -> "CudaRankMemory":
-        return CudaRankMemory(layout, self)
+        memory = CudaRankMemory(layout, self)
+        self.memories.add(memory)
+        return memory
+
+    def lane_stats(self) -> dict:
+        out = {}
+        for memory in list(self.memories):
+            for name, lane in (("store", memory.store_lane), ("retrieve", memory.load_lane)):
+                acc = out.setdefault(name, {"impl": lane.impl})
+                for k, v in lane.stats.items():
+                    acc[k] = round(acc.get(k, 0) + v, 6)
+        return out
 
     def status(self) -> dict:
         return {
@@ -203,6 +217,7 @@ class CudaSupport:
             "pin_failed_bytes": self.host.failed_bytes,
             "staging_slot_bytes": SLOT_BYTES,
             "staging_slots": SLOTS,
+            "lanes": self.lane_stats(),
         }
 
 
@@ -279,6 +294,15 @@ class Lane:
         self.host_desc = None
         self.sm = torch.cuda.get_device_properties(device).multi_processor_count
         self.impl = "none"
+        self.stats = {"calls": 0, "bytes": 0, "batches": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
+
+    def _account(self, plan: gather.Plan, t0: float, t1: float) -> None:
+        st = self.stats
+        st["calls"] += 1
+        st["bytes"] += plan.obj * len(plan.items)
+        st["batches"] += len(plan.batches)
+        st["host_s"] += t1 - t0  # planning, uploads, launches: the Python side of a copy
+        st["sync_s"] += time.perf_counter() - t1  # waiting for the device
 
     def _slots(self, obj: int):
         if self.staging is None or obj > self.slot_bytes:
@@ -306,6 +330,7 @@ class Lane:
         devs = [slot_ptr + k * plan.obj for k in range(len(items))]
         if mod is not None:
             hs, ds, ns = gather.coalesce(hosts, devs, plan.obj, self.pinner.same_range)
+            self.stats["dmas"] += len(hs)
             if d2h:
                 mod.memcpy_many(hs, ds, ns, True, stream.cuda_stream)
             else:
@@ -343,6 +368,7 @@ class Lane:
             (gather.torch_scatter if scatter else gather.torch_gather)(*args)
 
     def store(self, g: GroupCopy, items: list[CopyItem], mod) -> None:
+        t0 = time.perf_counter()
         plan = gather.make_plan(g.group, items, self.slot_bytes)
         staging = self._slots(plan.obj)
         desc = self._upload(plan.desc)
@@ -358,9 +384,12 @@ class Lane:
             self._host_copies(mod, plan, b, slot_ptr, True, self.copy)
             self.free[s].record(self.copy)
             self.used[s] = True
+        t1 = time.perf_counter()
         self.copy.synchronize()
+        self._account(plan, t0, t1)
 
     def retrieve(self, g: GroupCopy, items: list[CopyItem], mod) -> None:
+        t0 = time.perf_counter()
         plan = gather.make_plan(g.group, items, self.slot_bytes)
         staging = self._slots(plan.obj)
         desc = self._upload(plan.desc)
@@ -376,7 +405,9 @@ class Lane:
             self._device_copy(mod, g, plan, b, desc, slot_ptr, scatter=True)
             self.free[s].record(self.kernel)
             self.used[s] = True
+        t1 = time.perf_counter()
         self.kernel.synchronize()  # the reply means: the bytes are in the engine's blocks
+        self._account(plan, t0, t1)
 
     def close(self) -> None:
         self.kernel.synchronize()

@@ -280,6 +280,8 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
         "register_s": round(register_s, 3),
         "bench_build_s": round(build_s, 3),
         "pinned_bytes": status.get("memory_pinned_bytes"),
+        "lanes": status.get("cuda_detail", {}).get("lanes"),
+        "pool_hugepages": os.environ.get("TIERD_POOL_HUGEPAGES", "0") == "1",
         "times_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
         "verified": bool(verified),
     })
