@@ -49,6 +49,15 @@ class Job:
     touch: list[bytes] = field(default_factory=list)  # STORE: the prefix before its chunks
 
 
+def _keys(body: dict, name: str, required: bool = True) -> list[bytes]:
+    """A list of PAGE hashes, checked without building a field path per key (LOOKUP's hot path)."""
+    keys = f.as_list(f.get(body, name, "", ... if required else []), name, MAX_CHUNKS)
+    for i, k in enumerate(keys):
+        if type(k) is not bytes or not MIN_KEY_BYTES <= len(k) <= MAX_KEY_BYTES:
+            f.as_bytes(k, f"{name}[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES)  # raises with the reason
+    return keys
+
+
 class Expired(Exception):
     """The client's deadline passed before the copy could start."""
 
@@ -166,7 +175,7 @@ class Ops:
     # ---- lookup ------------------------------------------------------------------------------
     def lookup(self, identity, session: Session, body, ctx) -> dict:
         ns = Namespace.from_wire(f.get(body, "namespace", ""))
-        keys = [f.as_bytes(k, f"keys[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES) for i, k in enumerate(f.as_list(f.get(body, "keys", ""), "keys", MAX_CHUNKS))]
+        keys = _keys(body, "keys")
         chunk_tokens = f.as_int(f.get(body, "chunk_tokens", ""), "chunk_tokens", 1, 1 << 24)
         specs = [GroupSpec.from_wire(g, f"groups[{i}]") for i, g in enumerate(f.as_list(f.get(body, "groups", ""), "groups", 64, 1))]
         for i, spec in enumerate(specs):
@@ -242,7 +251,7 @@ class Ops:
     def store(self, identity, session, body, ctx):
         inst = self._instance(body)
         chunks = self._chunks(inst, body)
-        touch = [f.as_bytes(k, f"touch[{i}]", MIN_KEY_BYTES, MAX_KEY_BYTES) for i, k in enumerate(f.as_list(f.get(body, "touch", "", []), "touch", MAX_CHUNKS))]
+        touch = _keys(body, "touch", required=False)
         event = f.get(body, "event", "", None)
         if event is not None:  # interprocess event on the engine's forward stream (CUDA layouts)
             event = f.as_bytes(event, "event", IPC_EVENT_BYTES, IPC_EVENT_BYTES)

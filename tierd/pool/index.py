@@ -99,15 +99,29 @@ class Index:
         space = self.spaces.get(ns)
         if space is None or not keys:
             return 0, []
-        full = [(gi, (1 << s.blocks_per_chunk(chunk_tokens)) - 1) for gi, s in enumerate(specs) if s.kind is GroupKind.FULL]
+        # full-attention parts, checked for every chunk: ((group, rank) key, group, needed mask)
+        full = [((gi, r), gi, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
+                for gi, s in enumerate(specs) if s.kind is GroupKind.FULL for r in ranks]
         other = [(gi, s) for gi, s in enumerate(specs) if s.kind is not GroupKind.FULL]
         entries: list[ChunkEntry | None] = []
+        objs: list[Obj] = []  # what a retrieve reads, in chunk order
         if full:
+            get = space.get
             for key in keys:
-                entry = space.get(key)
-                if entry is None or not all(_has(entry, gi, ranks, need) for gi, need in full):
+                entry = get(key)
+                if entry is None:
                     break
-                entries.append(entry)
+                parts = entry.parts
+                for part, gi, need in full:
+                    o = parts.get(part)
+                    if o is None or not o.ready or (o.mask >> o.span[gi][0]) & need != need:
+                        break
+                    objs.append(o)
+                else:
+                    entries.append(entry)
+                    continue
+                del objs[len(entries) * len(full):]  # the partly matched chunk's parts
+                break
         else:
             entries = [space.get(key) for key in keys]
         boundary = len(entries)
@@ -115,14 +129,14 @@ class Index:
             boundary -= 1
         if boundary == 0:
             return 0, []
-        objs: dict[Obj, None] = {}  # ordered, without the duplicates of combined objects
-        for j in range(boundary):
-            entry = entries[j]
-            for gi, spec in enumerate(specs):
+        del objs[boundary * len(full):]
+        for gi, spec in other:
+            for j in range(max(0, boundary - spec.lookback_chunks(chunk_tokens)), boundary):
                 if spec.needed_mask(j, boundary, chunk_tokens):
-                    for r in ranks:
-                        objs[entry.parts[(gi, r)]] = None
-        return boundary, list(objs)
+                    objs.extend(entries[j].parts[(gi, r)] for r in ranks)
+        if any(len(o.span) > 1 for o in objs[: len(full) + 1]):  # combined objects: once each
+            objs = list(dict.fromkeys(objs))
+        return boundary, objs
 
     @staticmethod
     def _others_ok(entries, other, boundary: int, chunk_tokens: int, ranks) -> bool:

@@ -32,7 +32,6 @@ class Pool:
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}
-        self._owners: dict[Slab, list[Obj | None]] = {}
         self._tick = 0
         self.objects = 0
         self.used_bytes = 0
@@ -68,7 +67,7 @@ class Pool:
                 return None
             obj = Obj(ns, key, span, rank, nbytes, mask, label)
             obj.slab, obj.slot = got
-            self._owners.setdefault(obj.slab, [None] * obj.slab.nslots)[obj.slot] = obj
+            obj.slab.owners[obj.slot] = obj
             self.index.insert(obj)
             self.objects += 1
             self.used_bytes += cls.slot_bytes
@@ -154,8 +153,13 @@ class Pool:
         lru.move_to_end(obj)
 
     def _touch_prefix(self, objs: Sequence[Obj]) -> None:
+        """Touch ready objects tail first: the first one ends up most recent."""
+        tick, lrus = self._tick, self.lru
         for obj in reversed(objs):
-            self._touch(obj)
+            tick += 1
+            obj.tick = tick
+            lrus[obj.slab.cls].move_to_end(obj)  # a ready object is always in its class's LRU
+        self._tick = tick
 
     def _alloc(self, cls: SizeClass):
         got = self.slabs.alloc(cls)
@@ -184,8 +188,7 @@ class Pool:
                 if other is cls:
                     continue
                 for slab in other.slabs:
-                    owners = self._owners.get(slab, ())
-                    live = [o for o in owners if o is not None]
+                    live = list(slab.owners.values())
                     if any(o.pins for o in live):
                         continue
                     age = max((o.tick for o in live), default=-1)
@@ -193,9 +196,8 @@ class Pool:
                         best, best_age = slab, age
             if best is None:
                 return False
-            for obj in [o for o in self._owners.get(best, ()) if o is not None]:
+            for obj in list(best.owners.values()):
                 self._evict(obj)
-            self._owners.pop(best, None)
             self.slabs.release_slab(best)
             if self.slabs.add_slab(cls) is not None:
                 return True
@@ -210,7 +212,7 @@ class Pool:
         lru = self.lru.get(obj.slab.cls)
         if lru is not None:
             lru.pop(obj, None)
-        self._owners[obj.slab][obj.slot] = None
+        del obj.slab.owners[obj.slot]
         obj.slab.cls.give(obj.slab, obj.slot)
         self.objects -= 1
         self.used_bytes -= obj.slab.cls.slot_bytes

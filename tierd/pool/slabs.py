@@ -12,15 +12,27 @@ SLAB_TARGET_BYTES = 64 << 20  # a slab holds as many slots as fit in this, at le
 
 
 class Slab:
-    __slots__ = ("cls", "segment", "offset", "nslots", "free", "used")
+    __slots__ = ("cls", "segment", "offset", "nslots", "free", "fresh", "used", "owners")
 
     def __init__(self, cls: "SizeClass", segment: Segment, offset: int, nslots: int):
         self.cls = cls
         self.segment = segment
         self.offset = offset
         self.nslots = nslots
-        self.free = list(range(nslots - 1, -1, -1))  # stack: pops slot 0 first
+        self.free: list[int] = []  # slots given back (a stack)
+        self.fresh = 0  # slots [fresh, nslots) were never handed out
         self.used = 0
+        self.owners: dict[int, object] = {}  # slot -> the object in it (the pool's bookkeeping)
+
+    @property
+    def has_room(self) -> bool:
+        return bool(self.free) or self.fresh < self.nslots
+
+    def pop(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.fresh += 1
+        return self.fresh - 1
 
     @property
     def nbytes(self) -> int:
@@ -43,17 +55,17 @@ class SizeClass:
     def take(self) -> tuple[Slab, int] | None:
         while self.open_slabs:
             slab = self.open_slabs[-1]
-            if slab.free:
-                slot = slab.free.pop()
+            if slab.has_room:
+                slot = slab.pop()
                 slab.used += 1
-                if not slab.free:
+                if not slab.has_room:
                     self.open_slabs.pop()
                 return slab, slot
             self.open_slabs.pop()
         return None
 
     def give(self, slab: Slab, slot: int) -> None:
-        if not slab.free:
+        if not slab.has_room:
             self.open_slabs.append(slab)
         slab.free.append(slot)
         slab.used -= 1

@@ -1,0 +1,141 @@
+"""LOOKUP latency with a large index, and the daemon's metadata cost per million objects.
+
+    python benchmarks/lookup_latency.py [--objects 1000000] [--prompt-tokens 32768] [--json]
+
+A private ``tierd serve`` is filled through the real protocol with ``--objects`` tiny objects
+(one 64-byte block each), then a 32k-token prompt is looked up over and over, as its keys would
+arrive from an engine: with 16-token chunks (2048 keys a LOOKUP) and with 256-token chunks (128
+keys), hit and miss. Latency is client-side round trip (ZeroMQ ipc, msgpack, the fold), p50/p99.
+Metadata overhead is the daemon's RSS growth minus the pool bytes the objects occupy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from tierd.bench import private_daemon  # noqa: E402
+from tierd_client import TierdClient  # noqa: E402
+from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
+from tierd_client.shm import SharedBuffer  # noqa: E402
+
+BLOCK_BYTES = 64
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def percentiles(samples: list[float]) -> dict:
+    a = np.asarray(samples) * 1e3
+    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p99_ms": round(float(np.percentile(a, 99)), 4),
+            "mean_ms": round(float(a.mean()), 4), "n": len(samples)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--objects", type=int, default=1_000_000)
+    ap.add_argument("--prompt-tokens", type=int, default=32768)
+    ap.add_argument("--repeats", type=int, default=500)
+    ap.add_argument("--batch", type=int, default=8192, help="chunks per STORE while filling")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    pool = args.objects * BLOCK_BYTES * 2 + (64 << 20)
+    results: dict = {"objects": args.objects, "prompt_tokens": args.prompt_tokens}
+    with private_daemon(pool, ("--l1-align-bytes", "64", "--l1-segment-mb", "256")) as endpoint:
+        client = TierdClient(endpoint, timeout_s=120, name="lookup-bench")
+        client.wait_ready(30)
+        pid = client.server["pid"]
+        nblocks = 4096
+        buf = SharedBuffer(nblocks * BLOCK_BYTES)
+        try:
+            ns = namespace("lookup-bench", uuid.uuid4().hex[:8])
+            span = block_span((nblocks, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=0, offset=0)
+            # one layout, two chunk geometries: 16-token chunks (1 block) for most of the index
+            client.register("fill", layout(ns, 0, 16, [buf.ref()], [group("full", 16, [span])]))
+            specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
+            rss0 = rss_bytes(pid)
+            keys_prompt = [uuid.uuid4().bytes for _ in range(args.prompt_tokens // 16)]
+            t0 = time.perf_counter()
+            stored, i = 0, 0
+            while stored < args.objects:
+                n = min(args.batch, args.objects - stored)
+                if stored == 0:
+                    ks = keys_prompt + [uuid.uuid4().bytes for _ in range(n - len(keys_prompt))]
+                else:
+                    ks = [uuid.uuid4().bytes for _ in range(n)]
+                chunks = [{"key": k, "blocks": [[(i + j) % nblocks]]} for j, k in enumerate(ks)]
+                res = client.store("fill", chunks)
+                assert res["results"].count("stored") == n, res["results"][:4]
+                stored += n
+                i += n
+                if not args.json:
+                    print(f"\rfilled {stored:,}/{args.objects:,} objects", end="", file=sys.stderr, flush=True)
+            fill_s = time.perf_counter() - t0
+            if not args.json:
+                print(file=sys.stderr)
+            status = client.status()
+            time.sleep(0.5)
+            rss1 = rss_bytes(pid)
+            results["fill_s"] = round(fill_s, 2)
+            results["fill_objects_per_s"] = round(args.objects / fill_s)
+            results["daemon_rss_growth_bytes"] = rss1 - rss0
+            results["pool_used_bytes"] = status["memory_used_bytes"]
+            overhead = max(0, rss1 - rss0 - status["memory_used_bytes"])
+            results["metadata_bytes_per_object"] = round(overhead / args.objects, 1)
+            results["metadata_mib_per_million_objects"] = round(overhead / args.objects * 1e6 / 2**20, 1)
+
+            def measure(keys, chunk_tokens, lease, space=ns):
+                lat = []
+                for _ in range(args.repeats):
+                    t = time.perf_counter()
+                    r = client.lookup(space, keys, specs, chunk_tokens, lease=lease)
+                    lat.append(time.perf_counter() - t)
+                    if r.get("lease"):
+                        client.release(r["lease"])
+                return r["chunks"], percentiles(lat)
+
+            hit, results["lookup_2048_keys_hit"] = measure(keys_prompt, 16, False)
+            assert hit == len(keys_prompt), hit
+            results["lookup_2048_keys_hit"]["chunks"] = hit
+            miss_keys = [uuid.uuid4().bytes for _ in keys_prompt]
+            _, results["lookup_2048_keys_miss"] = measure(miss_keys, 16, False)
+            _, results["lookup_2048_keys_hit_with_lease"] = measure(keys_prompt, 16, True)
+            # 256-token chunks: 128 keys for the same prompt (a second namespace of 16-block chunks)
+            ns2 = namespace("lookup-bench-256", uuid.uuid4().hex[:8])
+            client.register("fill256", layout(ns2, 0, 256, [buf.ref()], [group("full", 16, [span])]))
+            keys128 = [uuid.uuid4().bytes for _ in range(args.prompt_tokens // 256)]
+            client.store("fill256", [{"key": k, "blocks": [list(range(16))]} for k in keys128])
+            hit, results["lookup_128_keys_hit"] = measure(keys128, 256, False, ns2)
+            assert hit == len(keys128)
+            t = time.perf_counter()
+            n = 0
+            while time.perf_counter() - t < 2.0:
+                client.lookup(ns2, keys128, specs, 256, lease=False)
+                n += 1
+            results["lookups_per_s_128_keys_sequential"] = round(n / (time.perf_counter() - t))
+        finally:
+            client.close()
+            buf.close()
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for k, v in results.items():
+            print(f"{k:40} {v}")
+
+
+if __name__ == "__main__":
+    main()
