@@ -99,3 +99,22 @@ def test_bench_json():
 def test_bench_rejects_bad_geometry(args):
     res = tierd("bench", "--json", "--chunks", "2", "--rounds", "1", *args)
     assert res.returncode == 1 and "multiple of" in res.stderr
+
+
+def test_serve_with_http_port_0_logs_the_port_it_picked(tmp_path):
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "tierd", "serve", "--socket", f"ipc://{tmp_path}/t.sock",
+                             "--http-port", "0", "--l1-size-gb", "0.01", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stderr.readline()
+        assert "HTTP on http://127.0.0.1:" in line, line
+        url = line.rsplit("HTTP on ", 1)[1].strip()
+        assert not url.endswith(":0")
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as resp:
+            assert resp.read().strip() == b"ok"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
