@@ -6,7 +6,7 @@ A private ``tierd serve`` is filled through the real protocol with ``--objects``
 (one 64-byte block each), then a 32k-token prompt is looked up over and over, as its keys would
 arrive from an engine: with 16-token chunks (2048 keys a LOOKUP) and with 256-token chunks (128
 keys), hit and miss. Latency is client-side round trip (ZeroMQ ipc, msgpack, the fold), p50/p99.
-Metadata overhead is the daemon's RSS growth minus the pool bytes the objects occupy.
+Metadata overhead is the daemon's RSS growth minus the pool memory backed meanwhile.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
             # one layout, two chunk geometries: 16-token chunks (1 block) for most of the index
             client.register("fill", layout(ns, 0, 16, [buf.ref()], [group("full", 16, [span])]))
             specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
-            rss0 = rss_bytes(pid)
+            rss0, backed0 = rss_bytes(pid), client.status()["memory_total_bytes"]
             keys_prompt = [uuid.uuid4().bytes for _ in range(args.prompt_tokens // 16)]
             t0 = time.perf_counter()
             stored, i = 0, 0
@@ -94,7 +94,9 @@ def main() -> None:
             results["fill_objects_per_s"] = round(args.objects / fill_s)
             results["daemon_rss_growth_bytes"] = rss1 - rss0
             results["pool_used_bytes"] = status["memory_used_bytes"]
-            overhead = max(0, rss1 - rss0 - status["memory_used_bytes"])
+            results["pool_backed_growth_bytes"] = status["memory_total_bytes"] - backed0
+            # the pool's backed segments are resident too (pre-touched shared memory): not metadata
+            overhead = max(0, rss1 - rss0 - (status["memory_total_bytes"] - backed0))
             results["metadata_bytes_per_object"] = round(overhead / args.objects, 1)
             results["metadata_mib_per_million_objects"] = round(overhead / args.objects * 1e6 / 2**20, 1)
 

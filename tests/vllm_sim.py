@@ -57,13 +57,38 @@ def make_specs(groups: list[GroupDef]):
     return specs
 
 
+def make_vllm_config(model_dir: str, url: str, block_size: int, chunk_tokens: int, *, max_batched: int = 256,
+                     extra: dict | None = None, mamba: bool = False, spec_tokens: int = 0):
+    """vLLM's own config objects for a CPU engine with TierdConnector (no model is loaded)."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    mc = ModelConfig(model=model_dir, dtype="bfloat16", seed=0, max_model_len=4096, skip_tokenizer_init=True)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+                         enable_chunked_prefill=True, is_encoder_decoder=False)
+    cc = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+                     enable_prefix_caching=True, **({"mamba_cache_mode": "align"} if mamba else {}))
+    cfg_extra = {"tierd.url": url, "tierd.chunk_tokens": chunk_tokens, "tierd.timeout_s": 5,
+                 "tierd.lookup_timeout_s": 2, **(extra or {})}
+    kvt = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd_client.vllm_connector",
+                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config=cfg_extra, engine_id=uuid.uuid4().hex)
+    spec = {}
+    if spec_tokens:
+        from vllm.config import ParallelConfig, SpeculativeConfig
+
+        spec["speculative_config"] = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=spec_tokens, prompt_lookup_max=4, prompt_lookup_min=2,
+            target_model_config=mc, target_parallel_config=ParallelConfig())
+    return VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kvt,
+                      device_config=DeviceConfig("cpu"), **spec)
+
+
 class SimEngine:
     """One scheduler + one worker connector (TP=1) over simulated KV tensors."""
 
     def __init__(self, model_dir: str, url: str, groups: list[GroupDef], *, num_blocks: int = 256,
                  chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None,
                  spec_tokens: int = 0, spec_accept: int = 0):
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -76,26 +101,9 @@ class SimEngine:
         # speculative decoding: each decode step proposes spec_tokens drafts, the first
         # spec_accept of them right (accepted), the rest wrong (rejected, their KV garbage)
         self.spec_tokens, self.spec_accept = spec_tokens, spec_accept
-        mc = ModelConfig(model=model_dir, dtype="bfloat16", seed=0, max_model_len=4096, skip_tokenizer_init=True)
-        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
-                             enable_chunked_prefill=True, is_encoder_decoder=False)
-        has_mamba = any(g.kind == "mamba" for g in groups)
-        cc = CacheConfig(block_size=self.block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
-                         enable_prefix_caching=True, **({"mamba_cache_mode": "align"} if has_mamba else {}))
-        cfg_extra = {"tierd.url": url, "tierd.chunk_tokens": chunk_tokens, "tierd.timeout_s": 5,
-                     "tierd.lookup_timeout_s": 2, **(extra or {})}
-        kvt = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd_client.vllm_connector",
-                               kv_role="kv_both", kv_load_failure_policy="recompute",
-                               kv_connector_extra_config=cfg_extra, engine_id=uuid.uuid4().hex)
-        spec = {}
-        if spec_tokens:
-            from vllm.config import ParallelConfig, SpeculativeConfig
-
-            spec["speculative_config"] = SpeculativeConfig(
-                method="ngram", num_speculative_tokens=spec_tokens, prompt_lookup_max=4, prompt_lookup_min=2,
-                target_model_config=mc, target_parallel_config=ParallelConfig())
-        self.vllm_config = vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
-                                           kv_transfer_config=kvt, device_config=DeviceConfig("cpu"), **spec)
+        self.vllm_config = vc = make_vllm_config(
+            model_dir, url, self.block_size, chunk_tokens, max_batched=max_batched, extra=extra,
+            mamba=any(g.kind == "mamba" for g in groups), spec_tokens=spec_tokens)
         specs = make_specs(groups)
         self.layer_names = [[f"g{gi}.layer{l}" for l in range(g.layers)] for gi, g in enumerate(groups)]
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
