@@ -43,17 +43,22 @@ class Obj:
         return self.slab.segment.view[off : off + self.nbytes]
 
 
-class ChunkEntry:
-    __slots__ = ("parts",)
+# A chunk entry is a plain dict: (engine group, rank) -> Obj (one object may fill several keys).
+ChunkEntry = dict
 
-    def __init__(self):
-        self.parts: dict[tuple[int, int], Obj] = {}
+_PART_KEYS: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def part_key(group: int, rank: int) -> tuple[int, int]:
+    """The shared (group, rank) tuple: a million entries do not each need their own."""
+    key = (group, rank)
+    return _PART_KEYS.setdefault(key, key)
 
 
 def _has(entry: ChunkEntry | None, group: int, ranks: Sequence[int], need: int) -> bool:
     if entry is None:
         return False
-    parts = entry.parts
+    parts = entry
     for r in ranks:
         o = parts.get((group, r))
         if o is None or not o.ready or (o.mask >> o.span[group][0]) & need != need:
@@ -71,23 +76,23 @@ class Index:
 
     def find(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
         entry = self.get(ns, key)
-        return None if entry is None else entry.parts.get((group, rank))
+        return None if entry is None else entry.get((group, rank))
 
     def insert(self, obj: Obj) -> None:
         space = self.spaces.setdefault(obj.ns, {})
         entry = space.get(obj.key)
         if entry is None:
-            entry = space[obj.key] = ChunkEntry()
+            entry = space[obj.key] = {}
         for group in obj.span:
-            assert (group, obj.rank) not in entry.parts
-            entry.parts[(group, obj.rank)] = obj
+            assert (group, obj.rank) not in entry
+            entry[part_key(group, obj.rank)] = obj
 
     def remove(self, obj: Obj) -> None:
         space = self.spaces[obj.ns]
         entry = space[obj.key]
         for group in obj.span:
-            del entry.parts[(group, obj.rank)]
-        if not entry.parts:
+            del entry[(group, obj.rank)]
+        if not entry:
             del space[obj.key]
             if not space:
                 del self.spaces[obj.ns]
@@ -111,7 +116,7 @@ class Index:
                 entry = get(key)
                 if entry is None:
                     break
-                parts = entry.parts
+                parts = entry
                 for part, gi, need in full:
                     o = parts.get(part)
                     if o is None or not o.ready or (o.mask >> o.span[gi][0]) & need != need:
@@ -133,7 +138,7 @@ class Index:
         for gi, spec in other:
             for j in range(max(0, boundary - spec.lookback_chunks(chunk_tokens)), boundary):
                 if spec.needed_mask(j, boundary, chunk_tokens):
-                    objs.extend(entries[j].parts[(gi, r)] for r in ranks)
+                    objs.extend(entries[j][(gi, r)] for r in ranks)
         if any(len(o.span) > 1 for o in objs[: len(full) + 1]):  # combined objects: once each
             objs = list(dict.fromkeys(objs))
         return boundary, objs

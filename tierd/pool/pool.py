@@ -36,7 +36,8 @@ class Pool:
         self.objects = 0
         self.used_bytes = 0
         self.per_group: Counter[str] = Counter()
-        self.per_ns: Counter[bytes] = Counter()  # objects per namespace id
+        self.per_ns: Counter[bytes] = Counter()
+        self._spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # objects per namespace id
         self.evictions = 0
         self.evicted_bytes = 0
 
@@ -48,7 +49,7 @@ class Pool:
             replace = None
             entry = self.index.get(ns, key)
             if entry is not None:
-                old = {entry.parts[(g, rank)] for g in span if (g, rank) in entry.parts}
+                old = {entry[(g, rank)] for g in span if (g, rank) in entry}
                 if old:
                     prev = next(iter(old)) if len(old) == 1 else None
                     if (prev is None or not prev.ready or prev.pins or prev.span != span
@@ -65,6 +66,7 @@ class Pool:
                     self._drop(replace)
             if got is None:
                 return None
+            span = self._spans.setdefault(tuple(span.items()), span)  # one dict per layout, shared
             obj = Obj(ns, key, span, rank, nbytes, mask, label)
             obj.slab, obj.slot = got
             obj.slab.owners[obj.slot] = obj
@@ -104,7 +106,7 @@ class Pool:
             for key in keys:
                 entry = self.index.get(ns, key)
                 if entry is not None:
-                    objs.extend(o for o in entry.parts.values() if o.ready)
+                    objs.extend(o for o in entry.values() if o.ready)
             self._touch_prefix(objs)
 
     def find_ready(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
@@ -188,7 +190,7 @@ class Pool:
                 if other is cls:
                     continue
                 for slab in other.slabs:
-                    live = list(slab.owners.values())
+                    live = [o for o in slab.owners if o is not None]
                     if any(o.pins for o in live):
                         continue
                     age = max((o.tick for o in live), default=-1)
@@ -196,7 +198,7 @@ class Pool:
                         best, best_age = slab, age
             if best is None:
                 return False
-            for obj in list(best.owners.values()):
+            for obj in [o for o in best.owners if o is not None]:
                 self._evict(obj)
             self.slabs.release_slab(best)
             if self.slabs.add_slab(cls) is not None:
@@ -212,7 +214,7 @@ class Pool:
         lru = self.lru.get(obj.slab.cls)
         if lru is not None:
             lru.pop(obj, None)
-        del obj.slab.owners[obj.slot]
+        obj.slab.owners[obj.slot] = None
         obj.slab.cls.give(obj.slab, obj.slot)
         self.objects -= 1
         self.used_bytes -= obj.slab.cls.slot_bytes

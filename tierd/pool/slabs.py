@@ -22,7 +22,7 @@ class Slab:
         self.free: list[int] = []  # slots given back (a stack)
         self.fresh = 0  # slots [fresh, nslots) were never handed out
         self.used = 0
-        self.owners: dict[int, object] = {}  # slot -> the object in it (the pool's bookkeeping)
+        self.owners: list[object | None] = [None] * nslots  # slot -> its object (the pool's bookkeeping)
 
     @property
     def has_room(self) -> bool:
