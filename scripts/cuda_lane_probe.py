@@ -88,16 +88,16 @@ def main():
             items = [CopyItem(np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64), np.arange(BPC, dtype=np.int64), BPC,
                               arr[c * obj : (c + 1) * obj]) for c in range(chunks)]
             calls = [items[i : i + n] for i in range(0, chunks, n)]
-            r[f"lane_store_{n}"] = round(nbytes / best(lambda: [lane.store(g, c, mod) for c in calls]) / 1e9, 2)
-            r[f"lane_retrieve_{n}"] = round(nbytes / best(lambda: [lane.retrieve(g, c, mod) for c in calls]) / 1e9, 2)
+            r[f"lane_store_{n}"] = round(nbytes / best(lambda: [t.wait() for t in [lane.store(g, c, mod) for c in calls]]) / 1e9, 2)
+            r[f"lane_retrieve_{n}"] = round(nbytes / best(lambda: [t.wait() for t in [lane.retrieve(g, c, mod) for c in calls]]) / 1e9, 2)
         if kind in ("cudaHostAlloc", "anon-thp"):  # a bigger staging ring: does slot size matter?
             big = tc.Lane(torch, DEV, tc.HostPinner())
             big.slot_bytes = 256 << 20
             items = [CopyItem(np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64), np.arange(BPC, dtype=np.int64), BPC,
                               arr[c * obj : (c + 1) * obj]) for c in range(chunks)]
             calls = [items[i : i + 16] for i in range(0, chunks, 16)]
-            r["lane_store_16_slot256"] = round(nbytes / best(lambda: [big.store(g, c, mod) for c in calls]) / 1e9, 2)
-            r["lane_retrieve_16_slot256"] = round(nbytes / best(lambda: [big.retrieve(g, c, mod) for c in calls]) / 1e9, 2)
+            r["lane_store_16_slot256"] = round(nbytes / best(lambda: [t.wait() for t in [big.store(g, c, mod) for c in calls]]) / 1e9, 2)
+            r["lane_retrieve_16_slot256"] = round(nbytes / best(lambda: [t.wait() for t in [big.retrieve(g, c, mod) for c in calls]]) / 1e9, 2)
             big.close()
         st = lane.stats
         r["lane_host_us_per_call"] = round(st["host_s"] / st["calls"] * 1e6, 1)

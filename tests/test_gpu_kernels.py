@@ -38,10 +38,10 @@ def store_and_retrieve(case, mod_or_none):
         lane = tcuda.Lane(torch, DEV, tcuda.HostPinner())
         lane.slot_bytes = obj  # one chunk per batch: 4 batches through a 3-slot ring
         g = tcuda.GroupCopy(case.group, [case.buf], torch, DEV)
-        lane.store(g, items, mod_or_none)
+        lane.store(g, items, mod_or_none).wait()
         target = torch.zeros_like(case.buf)
         g2 = tcuda.GroupCopy(case.group, [target], torch, DEV)
-        lane.retrieve(g2, items, mod_or_none)
+        lane.retrieve(g2, items, mod_or_none).wait()
         lane.close()
     return host_t, items, ids, target
 
@@ -58,6 +58,33 @@ def test_kernel_and_fallback_copy_identical_bytes(case, mod):
     written = sorted(b for full in ids for b in full if b >= 0)
     for got, want in zip(gather.layer_views(case.group, [k_target]), gather.layer_views(case.group, [case.buf])):
         assert torch.equal(got[written], want[written])
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_overlapping_calls_share_the_staging_ring(mod, impl):
+    """Calls return before their copies finish; queued back to back, each wraps the 3-slot ring
+    (one chunk per slot), so a call's first gather waits for the previous call's DMAs."""
+    m = mod if impl == "kernel" else None
+    case = vllm_case(torch, "LHBNC", f"cuda:{DEV}", layers=4, blocks=64, heads=2, tokens=16, c=64, bpc=4)
+    obj = object_bytes(case)
+    host_t = torch.zeros(case.num_blocks // case.bpc * obj, dtype=torch.uint8, pin_memory=True)
+    items, ids = items_for(case, host_t.numpy(), null_every=0)
+    with torch.cuda.device(DEV):
+        lane = tcuda.Lane(torch, DEV, tcuda.HostPinner())
+        lane.slot_bytes = obj
+        g = tcuda.GroupCopy(case.group, [case.buf], torch, DEV)
+        tickets = [lane.store(g, items[i : i + 3], m) for i in range(0, len(items), 3)]
+        for t in tickets:
+            t.wait()
+        check_objects(case, items, ids)
+        target = torch.zeros_like(case.buf)
+        g2 = tcuda.GroupCopy(case.group, [target], torch, DEV)
+        tickets = [lane.retrieve(g2, items[i : i + 3], m) for i in range(0, len(items), 3)]
+        for t in tickets:
+            t.wait()
+        lane.close()
+    assert torch.equal(target, case.buf)
+    assert lane.stats["calls"] == 2 * len(tickets)
 
 
 def test_vector_widths_cover_every_path(mod):

@@ -21,6 +21,7 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES, namespace_id
 from tierd.protocol.layout import GroupKind, GroupSpec, Namespace, PageLayout
 from tierd.sessions import Instance, Session
+from tierd.transfer.engine import pending
 from tierd.transfer.plan import CopyItem, split_nulls
 
 if TYPE_CHECKING:
@@ -321,8 +322,7 @@ class Ops:
         def copy():
             if wait_event is not None:
                 wait_event(event)  # the gathers below start only once the engine's writes are done
-            for g, items in plan.items():
-                memory.store(g, items)
+            return pending([memory.store(g, items) for g, items in plan.items()])  # cuda: done on the device later
 
         self.d.submit(job, copy)
         return PENDING
@@ -386,8 +386,7 @@ class Ops:
         def copy():
             if deadline and time.time() > deadline:
                 raise Expired()  # the engine may have given these blocks to another request
-            for g, items in plan.items():
-                memory.retrieve(g, items)
+            return pending([memory.retrieve(g, items) for g, items in plan.items()])
 
         self.d.submit(job, copy)
         return PENDING

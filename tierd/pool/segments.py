@@ -16,9 +16,6 @@ from typing import Protocol
 import numpy as np
 
 
-HUGEPAGES = os.environ.get("TIERD_POOL_HUGEPAGES", "0") == "1"
-
-
 class Pinner(Protocol):
     def pin(self, addr: int, nbytes: int) -> None: ...
 
@@ -31,24 +28,14 @@ class Segment:
     def __init__(self, index: int, nbytes: int, pinner: Pinner | None):
         self.index = index
         self.nbytes = nbytes
-        if HUGEPAGES:
-            # Anonymous memory on transparent huge pages: DMA to a pinned range runs at line rate
-            # with 2 MiB pages, where 4 KiB pages cost the copy engines throughput.
-            self._fd = -1
-            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            if hasattr(self._map, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            np.frombuffer(self._map, dtype=np.uint8)[::4096] = 0  # pre-touch (a fault per huge page)
-        else:
-            self._fd = os.memfd_create(f"tierd-l1-{index}", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(self._fd, nbytes)
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._map = mmap.mmap(self._fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except BaseException:
-                os.close(self._fd)
-                raise
+        self._fd = os.memfd_create(f"tierd-l1-{index}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(self._fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.pinned = False
@@ -94,8 +81,7 @@ class Segment:
             self._map.close()
         except BufferError:
             pass  # a straggling view; the mapping goes with the process
-        if self._fd >= 0:
-            os.close(self._fd)
+        os.close(self._fd)
 
 
 class SegmentSet:

@@ -13,8 +13,11 @@ one rank on two transfer threads, so both directions overlap on the link). A lan
 stream, a copy stream and a ring of device staging slots. STORE: gather kernel (all layers x all
 blocks of a batch of chunks) into a slot on the kernel stream, then one DMA per object (adjacent
 objects merged) into the pinned pool on the copy stream, slots double/triple-buffered so the
-gather of batch k+1 overlaps the DMA of batch k; the closure returns when the last DMA is done.
-RETRIEVE is the mirror image and returns only once the scatter has completed on the device.
+gather of batch k+1 overlaps the DMA of batch k. A copy call returns as soon as its work is
+queued, with a Pending that the lane's waiter thread waits on (transfer/engine.py): the next
+request is planned and queued while the device still copies this one, so the link never idles
+between requests, and the reply still goes out only when the copy is complete: the last DMA for
+a STORE, the last scatter kernel for a RETRIEVE (the bytes are in the engine's blocks).
 A STORE may carry an interprocess event recorded on the engine's forward stream: the kernel
 stream waits on it (on the GPU) before its first gather.
 """
@@ -36,6 +39,7 @@ import numpy as np
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import GroupLayout, PageLayout, TensorRef
 from tierd.transfer import gather, native
+from tierd.transfer.engine import Pending
 from tierd.transfer.plan import CopyItem
 
 log = logging.getLogger("tierd.cuda")
@@ -291,7 +295,7 @@ class Lane:
         self.ready = [torch.cuda.Event() for _ in range(SLOTS)]
         self.free = [torch.cuda.Event() for _ in range(SLOTS)]
         self.used = [False] * SLOTS
-        self.host_desc = None
+        self.cursor = 0  # the ring turns across calls, so back-to-back calls overlap too
         self.sm = torch.cuda.get_device_properties(device).multi_processor_count
         self.impl = "none"
         self.stats = {"calls": 0, "bytes": 0, "batches": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
@@ -302,27 +306,42 @@ class Lane:
         st["bytes"] += plan.obj * len(plan.items)
         st["batches"] += len(plan.batches)
         st["host_s"] += t1 - t0  # planning, uploads, launches: the Python side of a copy
-        st["sync_s"] += time.perf_counter() - t1  # waiting for the device
 
     def _slots(self, obj: int):
         if self.staging is None or obj > self.slot_bytes:
             if obj > self.slot_bytes:
                 self.slot_bytes = -(-obj // (1 << 20)) << 20
+            self.kernel.synchronize()  # earlier calls may still use the old ring
+            self.copy.synchronize()
             self.staging = None
             self.staging = self.torch.empty(SLOTS * self.slot_bytes, dtype=self.torch.uint8, device=self.device)
             self.used = [False] * SLOTS
         return self.staging
 
     def _upload(self, desc: np.ndarray):
+        """Descriptors to the device on the kernel stream. Calls overlap (a call returns before its
+        copies finish), so each gets its own pinned buffer: torch's caching host allocator reuses
+        it only after the copy recorded on it has run; the device buffer is stream-ordered."""
         torch = self.torch
-        n = desc.size
-        if self.host_desc is None or self.host_desc.numel() < n:
-            self.host_desc = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
-        self.host_desc.numpy()[:n] = desc.ravel()
+        host = torch.from_numpy(np.ascontiguousarray(desc).ravel()).pin_memory()
         with torch.cuda.stream(self.kernel):
-            dev = torch.empty(n, dtype=torch.int64, device=self.device)
-            dev.copy_(self.host_desc[:n], non_blocking=True)
+            dev = torch.empty(desc.size, dtype=torch.int64, device=self.device)
+            dev.copy_(host, non_blocking=True)
         return dev.view(desc.shape)
+
+    def _ticket(self, plan: gather.Plan, stream, t0: float) -> Pending:
+        """The call's completion: an event after its last device op, waited for by the lane's waiter."""
+        done = self.torch.cuda.Event()
+        done.record(stream)
+        t1 = time.perf_counter()
+        self._account(plan, t0, t1)
+
+        def wait() -> None:
+            t = time.perf_counter()
+            done.synchronize()
+            self.stats["sync_s"] += time.perf_counter() - t
+
+        return Pending([wait])
 
     def _host_copies(self, mod, plan: gather.Plan, b: gather.Batch, slot_ptr: int, d2h: bool, stream) -> None:
         items = plan.items[b.i0 : b.i1]
@@ -367,13 +386,13 @@ class Lane:
         with torch.cuda.stream(self.kernel):
             (gather.torch_scatter if scatter else gather.torch_gather)(*args)
 
-    def store(self, g: GroupCopy, items: list[CopyItem], mod) -> None:
+    def store(self, g: GroupCopy, items: list[CopyItem], mod) -> Pending:
         t0 = time.perf_counter()
         plan = gather.make_plan(g.group, items, self.slot_bytes)
         staging = self._slots(plan.obj)
         desc = self._upload(plan.desc)
         self.impl = "kernel" if mod is not None and g.kernel_ok else "torch"
-        for n, b in enumerate(plan.batches):
+        for n, b in enumerate(plan.batches, self.cursor):
             s = n % SLOTS
             slot_ptr = staging.data_ptr() + s * self.slot_bytes
             if self.used[s]:
@@ -384,17 +403,16 @@ class Lane:
             self._host_copies(mod, plan, b, slot_ptr, True, self.copy)
             self.free[s].record(self.copy)
             self.used[s] = True
-        t1 = time.perf_counter()
-        self.copy.synchronize()
-        self._account(plan, t0, t1)
+        self.cursor += len(plan.batches)
+        return self._ticket(plan, self.copy, t0)
 
-    def retrieve(self, g: GroupCopy, items: list[CopyItem], mod) -> None:
+    def retrieve(self, g: GroupCopy, items: list[CopyItem], mod) -> Pending:
         t0 = time.perf_counter()
         plan = gather.make_plan(g.group, items, self.slot_bytes)
         staging = self._slots(plan.obj)
         desc = self._upload(plan.desc)
         self.impl = "kernel" if mod is not None and g.kernel_ok else "torch"
-        for n, b in enumerate(plan.batches):
+        for n, b in enumerate(plan.batches, self.cursor):
             s = n % SLOTS
             slot_ptr = staging.data_ptr() + s * self.slot_bytes
             if self.used[s]:
@@ -405,9 +423,8 @@ class Lane:
             self._device_copy(mod, g, plan, b, desc, slot_ptr, scatter=True)
             self.free[s].record(self.kernel)
             self.used[s] = True
-        t1 = time.perf_counter()
-        self.kernel.synchronize()  # the reply means: the bytes are in the engine's blocks
-        self._account(plan, t0, t1)
+        self.cursor += len(plan.batches)
+        return self._ticket(plan, self.kernel, t0)  # the reply waits for it: bytes in the engine's blocks
 
     def close(self) -> None:
         self.kernel.synchronize()
@@ -466,15 +483,19 @@ class CudaRankMemory:
                 self._events.move_to_end(handle)
             self.store_lane.kernel.wait_event(ev)
 
-    def store(self, group: int, items: list[CopyItem]) -> None:
+    def store(self, group: int, items: list[CopyItem]) -> Pending | None:
+        """Queue the copies; the returned Pending finishes when the bytes are in the pool."""
         if items:
             with self.torch.cuda.device(self.device):
-                self.store_lane.store(self.groups[group], items, self._module())
+                return self.store_lane.store(self.groups[group], items, self._module())
+        return None
 
-    def retrieve(self, group: int, items: list[CopyItem]) -> None:
+    def retrieve(self, group: int, items: list[CopyItem]) -> Pending | None:
+        """Queue the copies; the returned Pending finishes when the scatter is done on the GPU."""
         if items:
             with self.torch.cuda.device(self.device):
-                self.load_lane.retrieve(self.groups[group], items, self._module())
+                return self.load_lane.retrieve(self.groups[group], items, self._module())
+        return None
 
     def close(self) -> None:
         with self.torch.cuda.device(self.device):

@@ -17,11 +17,33 @@ from typing import Any
 READ_LANE = "\x00read"  # suffix of a duplex rank's retrieve lane
 
 
+class Pending:
+    """What a copy returns when its device work is queued but not yet finished. The lane starts
+    the next job at once (so the device gets back-to-back work) and a waiter thread per lane
+    calls ``wait()`` and completes the jobs in order; the reply still means "done"."""
+
+    __slots__ = ("waits",)
+
+    def __init__(self, waits: list[Callable[[], None]]):
+        self.waits = waits
+
+    def wait(self) -> None:
+        for w in self.waits:
+            w()
+
+
+def pending(results) -> Pending | None:
+    """One Pending for the results of several copy calls (None when all finished in the call)."""
+    waits = [w for r in results if isinstance(r, Pending) for w in r.waits]
+    return Pending(waits) if waits else None
+
+
 class TransferEngine:
     def __init__(self, workers: int = 0):
         self.workers = workers
         self._shared = [ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{i}") for i in range(workers)]
         self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._waiters: dict[ThreadPoolExecutor, ThreadPoolExecutor] = {}
         self._next = 0
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self._wake_w = os.pipe()
@@ -58,20 +80,49 @@ class TransferEngine:
 
             pool.submit(last)
         if not self._shared:
-            pool.shutdown(wait=False)
-            if read is not None:
-                read.shutdown(wait=False)
+            for p in (pool, read):
+                if p is not None:
+                    p.submit(self._drop_waiter, p)  # after the lane's last job handed over its wait
+                    p.shutdown(wait=False)
 
     def submit(self, lane: str, fn: Callable[[], Any], job: Any) -> None:
         with self._lock:
             self._inflight += 1
-        self._lanes[lane].submit(self._run, fn, job)
+        pool = self._lanes[lane]
+        pool.submit(self._run, fn, job, pool)
 
-    def _run(self, fn: Callable[[], Any], job: Any) -> None:
+    def _run(self, fn: Callable[[], Any], job: Any, pool: ThreadPoolExecutor | None = None) -> None:
         try:
             result, exc = fn(), None
         except BaseException as e:  # reported to the client as DEVICE_ERROR, never lost
             result, exc = None, e
+        if exc is None and isinstance(result, Pending) and pool is not None:
+            self._waiter(pool).submit(self._settle, job, result)
+            return
+        self._finish(job, result, exc)
+
+    def _settle(self, job: Any, result: Pending) -> None:
+        try:
+            result.wait()
+            exc = None
+        except BaseException as e:  # noqa: BLE001 - a device error: DEVICE_ERROR
+            exc = e
+        self._finish(job, None, exc)
+
+    def _waiter(self, pool: ThreadPoolExecutor) -> ThreadPoolExecutor:
+        with self._lock:
+            waiter = self._waiters.get(pool)
+            if waiter is None:
+                waiter = self._waiters[pool] = ThreadPoolExecutor(1, thread_name_prefix="tierd-wait")
+            return waiter
+
+    def _drop_waiter(self, pool: ThreadPoolExecutor) -> None:
+        with self._lock:
+            waiter = self._waiters.pop(pool, None)
+        if waiter is not None:
+            waiter.shutdown(wait=False)  # queued waits still run
+
+    def _finish(self, job: Any, result: Any, exc: BaseException | None) -> None:
         self._done.put((job, result, exc))
         try:
             os.write(self._wake_w, b"x")
@@ -105,6 +156,9 @@ class TransferEngine:
     def close(self) -> None:
         for pool in set(self._lanes.values()) | set(self._shared):
             pool.shutdown(wait=True)
+        for waiter in list(self._waiters.values()):
+            waiter.shutdown(wait=True)
+        self._waiters.clear()
         self._lanes.clear()
         os.close(self.wake_r)
         os.close(self._wake_w)
