@@ -12,11 +12,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tierd.protocol.keys import chunk_hashes, root_hash
 from tierd.protocol.layout import GroupKind, GroupSpec
 
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import Geometry
+from tierd_client.vllm_connector.keys import extend_keys, unkeyable as _unkeyable
 from tierd_client.vllm_connector.metadata import ChunkIO, LoadJob, StoreJob, TierdMetadata
 
 log = logging.getLogger("tierd_client.vllm_connector")
@@ -54,14 +54,7 @@ class SchedulerSide:
 
     # ---- keys ---------------------------------------------------------------------------------
     def _keys(self, st: ReqState, upto_chunks: int) -> list[bytes]:
-        req = st.request
-        C = self.geo.chunk_tokens
-        if len(st.keys) < upto_chunks:
-            tokens = req.all_token_ids
-            parent = st.keys[-1] if st.keys else _root(req)
-            start = len(st.keys)
-            extras = _mm_extras(req, start, upto_chunks, C)
-            st.keys.extend(chunk_hashes(tokens[start * C : upto_chunks * C], C, parent=parent, chunk_extras=extras))
+        extend_keys(st.request, st.keys, upto_chunks, self.geo.chunk_tokens)
         return st.keys[:upto_chunks]
 
     # ---- lookups --------------------------------------------------------------------------------
@@ -257,29 +250,6 @@ class SchedulerSide:
     def _lease_ttl(self) -> float:
         server = getattr(self.client, "server", None) or {}
         return float(server.get("lease_ttl_s", 60.0))
-
-
-def _unkeyable(request) -> bool:
-    """Requests keyed by embeddings instead of token ids cannot be named by PAGE hashes."""
-    return getattr(request, "prompt_embeds", None) is not None or getattr(request, "prompt_token_ids", []) is None
-
-
-def _root(request) -> bytes:
-    lora = getattr(request, "lora_request", None)
-    return root_hash(getattr(request, "cache_salt", None), getattr(lora, "lora_name", None) if lora else None)
-
-
-def _mm_extras(request, start: int, end: int, chunk_tokens: int) -> list | None:
-    """Per chunk, the identifiers of multimodal items whose placeholders overlap it."""
-    feats = getattr(request, "mm_features", None) or []
-    if not feats:
-        return None
-    out = []
-    for j in range(start, end):
-        lo, hi = j * chunk_tokens, (j + 1) * chunk_tokens
-        ids = [f.identifier for f in feats if f.mm_position.offset < hi and f.mm_position.offset + f.mm_position.length > lo]
-        out.append(ids or None)
-    return out
 
 
 def _new_blocks(so, ngroups: int) -> list[set[int]]:
