@@ -37,9 +37,6 @@ class Settings:
     heartbeat_timeout_s: float = _opt(30.0, "Seconds without a message after which a client is dead: its leases and registrations go.", min=0.1)
     lease_ttl_s: float = _opt(60.0, "Seconds a LOOKUP lease keeps its objects from eviction unless released or consumed.", min=0.1)
     max_frame_mb: int = _opt(64, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
-    gil_switch_ms: float = _opt(
-        1.0, "Python's thread switch interval in the daemon, in ms: how long request handling may hold the "
-        "interpreter while copy threads wait to queue the next transfer (Python's default is 5).", min=0.05, max=100.0)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self):

@@ -12,7 +12,6 @@ import os
 import queue
 import signal
 import stat
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -40,7 +39,6 @@ SHUTDOWN_GRACE_S = 8.0
 class Daemon:
     def __init__(self, settings: Settings):
         self.settings = settings
-        sys.setswitchinterval(settings.gil_switch_ms / 1000)
         self.stats = Stats()
         self.cuda = _cuda_support()
         self.pool = Pool(
