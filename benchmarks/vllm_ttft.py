@@ -523,6 +523,8 @@ def run_round(name: str, rnd: int, args, workload: dict, model: str, workdir: Pa
         tier = LMCache(cdir, args.lmcache_venv, args.pool_gb)
         python = str(args.lmcache_venv / "bin" / "python")
     env = dict(os.environ, **CHILD_ENV)
+    if args.omp_threads > 0:
+        env["OMP_NUM_THREADS"] = str(args.omp_threads)
     if name == "lmcache":  # nothing of this checkout on the lmcache venv's path
         env.pop("PYTHONPATH", None)
     base = {"model": model, "max_model_len": args.max_model_len, "block_size": args.block_size,
@@ -641,6 +643,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--pool-gb", type=float, default=2.0, help="host pool of each tier daemon")
+    ap.add_argument("--omp-threads", type=int, default=1,
+                    help="OMP_NUM_THREADS of the engine processes (0: leave unset; vLLM then runs one OpenMP "
+                         "thread per core, which a busy neighbour on a small host slows down several-fold)")
     ap.add_argument("--idle-wait", type=float, default=60.0,
                     help="before each pass wait up to this many seconds for the host to be <25%% busy (0: off)")
     ap.add_argument("--linger-s", type=float, default=1.0, help="sleep at the end of a pass (async stores)")
@@ -698,7 +703,7 @@ def main() -> None:
     summary = {
         "bench": "vllm_ttft", "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
         "requests": args.requests, "rounds": args.rounds, "block_size": args.block_size,
-        "chunk_tokens": CHUNK_TOKENS, "warmup_tokens": args.warmup_tokens,
+        "chunk_tokens": CHUNK_TOKENS, "warmup_tokens": args.warmup_tokens, "omp_threads": args.omp_threads,
         "model": model, "workdir": str(workdir),
         "rows": rows,
         "errors": errors, "lmcache_venv": venv_info,
