@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest_vllm import tiny_model  # noqa: F401 - the fixture under test
 from tiny_model import MARKER, RECIPE, build_tiny_llama
 
 HERE = Path(__file__).resolve().parent
@@ -19,7 +18,7 @@ def _digests(folder: str | Path) -> dict:
     return json.loads((Path(folder) / MARKER).read_text())["sha256"]
 
 
-def test_shape_fits_4k_prompts(tiny_model):  # noqa: F811
+def test_shape_fits_4k_prompts(tiny_model):
     cfg = json.loads((Path(tiny_model) / "config.json").read_text())
     assert cfg["max_position_embeddings"] == 8192
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]) == (2, 256, 4)
@@ -31,13 +30,13 @@ def test_shape_fits_4k_prompts(tiny_model):  # noqa: F811
     assert len(tok) <= cfg["vocab_size"]
 
 
-def test_every_build_gives_the_same_bytes(tiny_model, tmp_path):  # noqa: F811
+def test_every_build_gives_the_same_bytes(tiny_model, tmp_path):
     again = build_tiny_llama(tmp_path / "again")
     assert _digests(again) == _digests(tiny_model)
     assert build_tiny_llama(again) == again  # built once: a second call only checks the marker
 
 
-def test_racing_builders_leave_one_complete_folder(tiny_model, tmp_path):  # noqa: F811
+def test_racing_builders_leave_one_complete_folder(tiny_model, tmp_path):
     target = tmp_path / "raced"
     procs = [subprocess.Popen([sys.executable, str(HERE / "tiny_model.py"), str(target)], stdout=subprocess.PIPE,
                               text=True) for _ in range(3)]
