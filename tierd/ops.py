@@ -59,6 +59,41 @@ def _keys(body: dict, name: str, required: bool = True) -> list[bytes]:
     return keys
 
 
+class _ObjectSet:
+    """One object a chunk needs: the groups it holds, as (group, mask shift, byte offset)."""
+
+    def __init__(self, parts: list[tuple[int, int, int]], nbytes: int, label: str):
+        self.parts = parts
+        self.span = {g: (sh, off) for g, sh, off in parts}
+        self.nbytes = nbytes
+        self.label = label
+
+
+class _Geometry:
+    """Per registered instance, what every STORE/RETRIEVE of it needs, computed once."""
+
+    def __init__(self, layout: PageLayout, separate: bool):
+        groups, C = layout.groups, layout.chunk_tokens
+        self.bpcs = [g.spec.blocks_per_chunk(C) for g in groups]
+        self.gbytes = [g.object_bytes(C) for g in groups]
+        self.limits = [g.num_blocks for g in groups]
+        self.full_masks = [(1 << n) - 1 for n in self.bpcs]
+        self.positions = [np.arange(n, dtype=np.int64) for n in self.bpcs]
+        for p in self.positions:
+            p.flags.writeable = False
+        self.has_full = any(g.spec.kind is GroupKind.FULL for g in groups)
+        if separate:
+            self.objects = [_ObjectSet([(g, 0, 0)], self.gbytes[g], f"g{g}/{groups[g].spec.kind.value}")
+                            for g in range(len(groups))]
+        else:
+            parts, shift, off = [], 0, 0
+            for g in range(len(groups)):
+                parts.append((g, shift, off))
+                shift += self.bpcs[g]
+                off += self.gbytes[g]
+            self.objects = [_ObjectSet(parts, off, "all")]
+
+
 class Expired(Exception):
     """The client's deadline passed before the copy could start."""
 
@@ -216,38 +251,36 @@ class Ops:
 
     # ---- store / retrieve ----------------------------------------------------------------------
     def _chunks(self, inst: Instance, body: dict) -> list[tuple[bytes, list[list[int]]]]:
-        layout = inst.layout
+        geo = self._geom(inst)
         null = self.d.settings.null_block_id
-        bpcs = [g.spec.blocks_per_chunk(layout.chunk_tokens) for g in layout.groups]
-        limits = [g.num_blocks for g in layout.groups]
+        ngroups = len(geo.bpcs)
         out = []
         for i, c in enumerate(f.as_list(f.get(body, "chunks", ""), "chunks", MAX_CHUNKS)):
-            c = f.as_map(c, f"chunks[{i}]")
-            key = f.as_bytes(f.get(c, "key", f"chunks[{i}]"), f"chunks[{i}].key", MIN_KEY_BYTES, MAX_KEY_BYTES)
-            groups = f.as_list(f.get(c, "blocks", f"chunks[{i}]"), f"chunks[{i}].blocks", len(bpcs), len(bpcs))
-            blocks = []
+            if type(c) is not dict:
+                f.as_map(c, f"chunks[{i}]")
+            key = c.get("key")
+            if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+                f.as_bytes(f.get(c, "key", f"chunks[{i}]"), f"chunks[{i}].key", MIN_KEY_BYTES, MAX_KEY_BYTES)
+            groups = c.get("blocks")
+            if type(groups) is not list or len(groups) != ngroups:
+                f.as_list(f.get(c, "blocks", f"chunks[{i}]"), f"chunks[{i}].blocks", ngroups, ngroups)
             for g, ids in enumerate(groups):
-                where = f"chunks[{i}].blocks[{g}]"
-                ids = f.as_list(ids, where, bpcs[g], bpcs[g])
-                for j, b in enumerate(ids):
-                    if not isinstance(b, int) or isinstance(b, bool) or (b != null and not 0 <= b < limits[g]):
-                        raise f.bad(f"{where}[{j}]", f"block id {b!r} is neither null ({null}) nor in [0, {limits[g]})")
-                blocks.append(ids)
-            out.append((key, blocks))
+                limit = geo.limits[g]
+                # fast path: a list of in-range ints (no nulls); anything else is checked one by one
+                if not (type(ids) is list and len(ids) == geo.bpcs[g] and all(type(b) is int for b in ids)
+                        and min(ids) >= 0 and max(ids) < limit):
+                    where = f"chunks[{i}].blocks[{g}]"
+                    ids = f.as_list(ids, where, geo.bpcs[g], geo.bpcs[g])
+                    for j, b in enumerate(ids):
+                        if not isinstance(b, int) or isinstance(b, bool) or (b != null and not 0 <= b < limit):
+                            raise f.bad(f"{where}[{j}]", f"block id {b!r} is neither null ({null}) nor in [0, {limit})")
+            out.append((key, groups))
         return out
 
-    def _parts(self, inst: Instance) -> list[list[tuple[int, int, int]]]:
-        """Objects per chunk: lists of (group, mask shift, byte offset) packed into one object."""
-        layout = inst.layout
-        groups = range(len(layout.groups))
-        if self.d.settings.separate_object_groups:
-            return [[(g, 0, 0)] for g in groups]
-        parts, shift, off = [], 0, 0
-        for g in groups:
-            parts.append((g, shift, off))
-            shift += layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
-            off += layout.groups[g].object_bytes(layout.chunk_tokens)
-        return [parts]
+    def _geom(self, inst: Instance) -> "_Geometry":
+        if inst.geom is None:
+            inst.geom = _Geometry(inst.layout, self.d.settings.separate_object_groups)
+        return inst.geom
 
     def store(self, identity, session, body, ctx):
         inst = self._instance(body)
@@ -265,32 +298,32 @@ class Ops:
             self.d.stats.add("stores")
             return {"results": job.results}
         plan: dict[int, list[CopyItem]] = {}
-        object_sets = self._parts(inst)
-        has_full = any(g.spec.kind is GroupKind.FULL for g in layout.groups)
+        geo = self._geom(inst)
         for key, blocks in chunks:
-            if has_full and "rejected" in job.results:
+            if geo.has_full and "rejected" in job.results:
                 job.results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
                 self.d.stats.add("store_rejects")
                 continue
-            split = [split_nulls(ids, null) for ids in blocks]
+            split = [split_nulls(ids, null, geo.positions[g]) for g, ids in enumerate(blocks)]
             if not any(len(ids) for ids, _ in split):
                 job.results.append("empty")  # an all-null chunk is not stored
                 continue
             new: list[Obj] = []
             items: list[tuple[int, CopyItem]] = []
             status = "exists"
-            for parts in object_sets:
-                present = [(g, sh, off) for g, sh, off in parts if len(split[g][0])]
+            for obj_set in geo.objects:
+                present = [(g, sh, off) for g, sh, off in obj_set.parts if len(split[g][0])]
                 if not present:
                     continue
                 mask = 0
                 for g, sh, _ in present:
-                    for p in split[g][1].tolist():
-                        mask |= 1 << (sh + p)
-                nbytes = sum(layout.groups[g].object_bytes(layout.chunk_tokens) for g, _, _ in parts)
-                label = f"g{parts[0][0]}/{layout.groups[parts[0][0]].spec.kind.value}" if len(parts) == 1 else "all"
-                span = {g: (sh, off) for g, sh, off in parts}
-                obj = pool.begin_write(inst.ns, key, span, inst.rank_key, nbytes, mask, label)
+                    ids, pos = split[g]
+                    if len(ids) == geo.bpcs[g]:
+                        mask |= geo.full_masks[g] << sh
+                    else:
+                        for p in pos.tolist():
+                            mask |= 1 << (sh + p)
+                obj = pool.begin_write(inst.ns, key, obj_set.span, inst.rank_key, obj_set.nbytes, mask, obj_set.label)
                 if obj is EXISTS:
                     continue
                 if obj is None:
@@ -301,9 +334,7 @@ class Ops:
                 view = obj.view()
                 for g, _, off in present:
                     ids, pos = split[g]
-                    gbytes = layout.groups[g].object_bytes(layout.chunk_tokens)
-                    bpc = layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
-                    items.append((g, CopyItem(ids, pos, bpc, view[off : off + gbytes])))
+                    items.append((g, CopyItem(ids, pos, geo.bpcs[g], view[off : off + geo.gbytes[g]])))
             if status == "rejected":
                 pool.abort(new)  # all groups of a chunk or none
                 self.d.stats.add("store_rejects")
@@ -349,20 +380,24 @@ class Ops:
         inst = self._instance(body)
         chunks = self._chunks(inst, body)
         lease_id = f.as_int(f.get(body, "lease", "", 0), "lease", 0)
-        layout, pool, null = inst.layout, self.d.pool, self.d.settings.null_block_id
+        pool, null = self.d.pool, self.d.settings.null_block_id
         job = Job("RETRIEVE", ctx.envelope, ctx.req_id, ctx.t0, inst, lease=lease_id, deadline=_deadline(body))
         plan: dict[int, list[CopyItem]] = {}
         reads: dict[Obj, None] = {}
+        geo = self._geom(inst)
         for key, blocks in chunks:
             ok = True
             for g, ids in enumerate(blocks):
-                ids_arr, pos = split_nulls(ids, null)
+                ids_arr, pos = split_nulls(ids, null, geo.positions[g])
                 if not len(ids_arr):
                     continue
                 obj = pool.find_ready(inst.ns, key, g, inst.rank_key)
                 have = 0 if obj is None else obj.mask >> obj.span[g][0]
-                present = np.array([bool(have >> p & 1) for p in pos.tolist()], dtype=bool)
-                if not present.all():
+                if have & geo.full_masks[g] == geo.full_masks[g]:
+                    present = None  # every block of the chunk is held: the common case
+                else:
+                    present = np.array([bool(have >> p & 1) for p in pos.tolist()], dtype=bool)
+                if present is not None and not present.all():
                     # Report exactly the blocks not restored; still restore the ones held.
                     ok = False
                     job.failed.extend([g, int(b)] for b in ids_arr[~present].tolist())
@@ -370,8 +405,7 @@ class Ops:
                     if not len(ids_arr):
                         continue
                 shift, off = obj.span[g]
-                gbytes = layout.groups[g].object_bytes(layout.chunk_tokens)
-                bpc = layout.groups[g].spec.blocks_per_chunk(layout.chunk_tokens)
+                gbytes, bpc = geo.gbytes[g], geo.bpcs[g]
                 reads[obj] = None
                 view = obj.view()[off : off + gbytes]
                 plan.setdefault(g, []).append(CopyItem(ids_arr, pos, bpc, view))

@@ -27,6 +27,7 @@ class Instance:
     registered_at: float = field(default_factory=time.time)
     inflight: int = 0
     closed: bool = False
+    geom: object = None  # per-layout constants of STORE/RETRIEVE, computed on first use (ops._Geometry)
 
     @property
     def rank_key(self) -> int:

@@ -26,7 +26,11 @@ class CopyItem:
         return m
 
 
-def split_nulls(block_ids: list[int], null: int) -> tuple[np.ndarray, np.ndarray]:
+def split_nulls(block_ids: list[int], null: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(non-null ids, their positions). ``positions`` (read-only ``arange(len)``) is returned as
+    is when no id is null, the common case."""
+    if positions is not None and null not in block_ids:
+        return np.array(block_ids, dtype=np.int64), positions
     ids = np.asarray(block_ids, dtype=np.int64)
     keep = ids != null
     return ids[keep], np.flatnonzero(keep)
