@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -68,7 +68,6 @@ class _Pending:
 class _Registration:
     instance: str
     layout: dict
-    extra: dict = field(default_factory=dict)
 
 
 class TierdClient:
@@ -373,11 +372,7 @@ class TierdClient:
         if now >= self._next_ping:
             self._next_ping = now + self._heartbeat
             self._outbox.put(_Pending("PING", {}, now + max(self._heartbeat * 2, 1.0), self._heartbeat * 2,
-                                      callback=self._on_ping))
-
-    def _on_ping(self, ok: bool, body: dict) -> None:
-        if ok and self._hello is not None and body.get("boot_id") != self._hello.get("boot_id"):
-            self._hello = dict(self._hello, boot_id=body.get("boot_id"))
+                                      callback=_ignore))
 
     def _expire(self, waiting: list[_Pending]) -> list[_Pending]:
         now = time.monotonic()
@@ -414,3 +409,6 @@ class TierdClient:
         elif p.future is not None and not p.future.done():
             p.future.set_exception(exc)
 
+
+def _ignore(ok: bool, body: dict) -> None:
+    """Heartbeat answers need no handling: a lost session shows as UNKNOWN_SESSION or a disconnect."""

@@ -18,7 +18,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest_vllm import tiny_model  # noqa: E402,F401
 from vllm_sim import make_vllm_config  # noqa: E402
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -32,7 +31,7 @@ PAUSE = 1.0
 
 
 @pytest.fixture
-def worker(tiny_model, daemon):  # noqa: F811
+def worker(tiny_model, daemon):
     vc = make_vllm_config(tiny_model, daemon.endpoint, BLOCK, CHUNK, extra={"tierd.timeout_s": 20})
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8)
     kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])

@@ -12,7 +12,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest_vllm import tiny_model  # noqa: E402,F401
 from vllm_sim import make_vllm_config  # noqa: E402
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -84,24 +83,24 @@ def round_trip(model, url, spec, layout, kernel_block_size=None):
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda l: l.name)
-def test_attention_views_of_every_layout_round_trip(tiny_model, daemon, layout):  # noqa: F811
+def test_attention_views_of_every_layout_round_trip(tiny_model, daemon, layout):
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     round_trip(tiny_model, daemon.endpoint, spec, layout)
 
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC],
                          ids=lambda l: l.name)
-def test_kernel_blocks_smaller_than_manager_blocks_round_trip(tiny_model, daemon, layout):  # noqa: F811
+def test_kernel_blocks_smaller_than_manager_blocks_round_trip(tiny_model, daemon, layout):
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     round_trip(tiny_model, daemon.endpoint, spec, layout, kernel_block_size=BLOCK // 4)
 
 
-def test_mla_latent_pages_round_trip(tiny_model, daemon):  # noqa: F811
+def test_mla_latent_pages_round_trip(tiny_model, daemon):
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     round_trip(tiny_model, daemon.endpoint, spec, KVCacheLayout.LBHNC)
 
 
-def test_mamba_state_pages_round_trip(tiny_model, daemon):  # noqa: F811
+def test_mamba_state_pages_round_trip(tiny_model, daemon):
     spec = MambaSpec(block_size=CHUNK, shapes=((3, 40), (5,)), dtypes=(torch.bfloat16, torch.float32),
                      mamba_cache_mode="align")
     round_trip(tiny_model, daemon.endpoint, spec, KVCacheLayout.LBHNC)

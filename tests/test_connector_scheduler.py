@@ -15,7 +15,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from conftest_vllm import tiny_model  # noqa: E402,F401
 from vllm_sim import GroupDef, SimEngine  # noqa: E402
 
 CHUNK = 64
@@ -33,7 +32,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture
-def engines(tiny_model, daemon):  # noqa: F811
+def engines(tiny_model, daemon):
     made = []
 
     def make(groups, **kw):
@@ -108,7 +107,7 @@ def test_cache_salt_separates_prefixes(engines):
     assert b.computed["other-tenant"][0][0] == 0 or b.first_computed("same-tenant") < b.first_computed("other-tenant")
 
 
-def test_chunk_size_that_is_not_a_block_multiple_is_refused(tiny_model, daemon):  # noqa: F811
+def test_chunk_size_that_is_not_a_block_multiple_is_refused(tiny_model, daemon):
     from tierd_client.vllm_connector.geometry import ChunkSizeError
 
     with pytest.raises(ChunkSizeError) as err:
@@ -121,7 +120,7 @@ def _lookups(daemon) -> int:
     return daemon.status()["lookups"]
 
 
-def test_object_evicted_between_lookup_and_retrieve_recomputes(engines, daemon_factory, tiny_model, client_factory):  # noqa: F811
+def test_object_evicted_between_lookup_and_retrieve_recomputes(engines, daemon_factory, tiny_model, client_factory):
     d = daemon_factory("--lease-ttl-s", "0.3")
     tokens = prompt(200, seed=21)
     a = SimEngine(tiny_model, d.endpoint, CONFIGS["single"], chunk_tokens=CHUNK)
@@ -152,7 +151,7 @@ def test_object_evicted_between_lookup_and_retrieve_recomputes(engines, daemon_f
         b.close()
 
 
-def test_daemon_killed_mid_load_recomputes_without_hanging(daemon, tiny_model):  # noqa: F811
+def test_daemon_killed_mid_load_recomputes_without_hanging(daemon, tiny_model):
     tokens = prompt(200, seed=31)
     a = SimEngine(tiny_model, daemon.endpoint, CONFIGS["mamba"], chunk_tokens=CHUNK)
     a.add("a", tokens)

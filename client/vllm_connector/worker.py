@@ -111,15 +111,15 @@ class WorkerSide:
         for job in meta.loads:
             ids = [self._ids(c) for c in job.chunks]
             if not self._try_register():
-                self._fail_load(job.req_id, [b for c in ids for g in c for b in g if b != self.null])
+                self._fail_load(job.req_id, self._flat(ids))
                 continue
-            self._fence([set(b for c in ids for b in c[g] if b != self.null) for g in range(len(self.geo.groups))])
+            self._fence(self._per_group(ids))
             chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
             try:
                 fut = self.client.retrieve_async(self.instance, chunks, lease=job.lease, timeout=self.cfg.timeout_s)
             except Exception as exc:  # noqa: BLE001
                 log.warning("tierd: load for %s not sent: %s", job.req_id, exc)
-                self._fail_load(job.req_id, [b for c in ids for g in c for b in g if b != self.null])
+                self._fail_load(job.req_id, self._flat(ids))
                 continue
             self.loads[job.req_id] = (fut, ids)
 
@@ -136,7 +136,7 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - a store not made is a future miss, nothing more
                 log.debug("tierd: store for %s not sent: %s", job.req_id, exc)
                 continue
-            reads = [set(b for c in ids for b in c[g] if b != self.null) for g in range(len(self.geo.groups))]
+            reads = self._per_group(ids)
             self.stores.append((fut, reads))
         self._prune_stores()
 
@@ -154,7 +154,7 @@ class WorkerSide:
                 bad = [int(b) for _, b in fut.result()["failed"]]
                 log.warning("tierd: load for %s missed %d blocks", req_id, len(bad))
             else:
-                bad = [b for c in ids for g in c for b in g if b != self.null]
+                bad = self._flat(ids)
                 log.warning("tierd: load for %s failed: %s", req_id, exc)
             self._record_failure(req_id, bad)
             failed.add(req_id)
@@ -213,6 +213,15 @@ class WorkerSide:
     def _ids(self, chunk: ChunkIO) -> list[list[int]]:
         null, vnull = self.null, self.vllm_null
         return [[null if b == SKIP or b == vnull else int(b) for b in ids] for ids in chunk.blocks]
+
+    def _flat(self, ids: list[list[list[int]]]) -> list[int]:
+        """Every non-null block id of a job's chunks (per chunk, per group lists)."""
+        return [b for per_group in self._per_group(ids) for b in per_group]
+
+    def _per_group(self, ids: list[list[list[int]]]) -> list[set[int]]:
+        """Per engine group, the non-null block ids of a job's chunks."""
+        null = self.null
+        return [{b for c in ids for b in c[g] if b != null} for g in range(len(self.geo.groups))]
 
     def _fence(self, blocks: list[set[int]]) -> None:
         """Wait for pending stores that read any of ``blocks`` (per group) before they are overwritten."""

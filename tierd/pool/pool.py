@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from tierd.pool.index import Index, Obj
 from tierd.pool.segments import Pinner, SegmentSet
-from tierd.pool.slabs import Slab, SlabAllocator, SizeClass
+from tierd.pool.slabs import SlabAllocator, SizeClass
 from tierd.protocol.layout import GroupSpec
 
 

@@ -18,13 +18,6 @@ class CopyItem:
     def complete(self) -> bool:
         return len(self.ids) == self.bpc
 
-    @property
-    def mask(self) -> int:
-        m = 0
-        for p in self.pos.tolist():
-            m |= 1 << p
-        return m
-
 
 def split_nulls(block_ids: list[int], null: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(non-null ids, their positions). ``positions`` (read-only ``arange(len)``) is returned as
