@@ -55,7 +55,7 @@ def paused_store(daemon, w, blocks):
 def test_forward_into_a_block_a_store_still_reads_waits_for_the_store(worker, daemon):
     fut = paused_store(daemon, worker, [4, 5, 6, 7])
     t0 = time.monotonic()
-    worker.handle_preemptions(TierdMetadata(new_blocks=[{6, 20}]))  # block 6 is handed out again
+    worker.handle_preemptions(TierdMetadata(new_blocks={6, 20}))  # block 6 is handed out again
     waited = time.monotonic() - t0
     assert fut.done() and fut.result()["results"] == ["stored"]
     assert waited >= PAUSE * 0.8
@@ -64,7 +64,7 @@ def test_forward_into_a_block_a_store_still_reads_waits_for_the_store(worker, da
 def test_forward_into_other_blocks_does_not_wait(worker, daemon):
     fut = paused_store(daemon, worker, [4, 5, 6, 7])
     t0 = time.monotonic()
-    worker.handle_preemptions(TierdMetadata(new_blocks=[{8, 9, 20}]))
+    worker.handle_preemptions(TierdMetadata(new_blocks={8, 9, 20}))
     assert time.monotonic() - t0 < PAUSE / 2
     assert not fut.done()
     assert fut.result(timeout=10)["results"] == ["stored"]

@@ -1,10 +1,15 @@
-"""A tiny random-weight Llama and a locally trained byte-level BPE tokenizer, built without downloads.
+"""Tiny random-weight models and a locally trained byte-level BPE tokenizer, built without downloads.
 
     build_tiny_llama() -> "/home/.../.cache/tierd/tiny-llama-v1"
+    build_tiny_model("tiny-gemma3-w64-v1") -> ".../tiny-gemma3-w64-v1"
 
-The model is for engine plumbing (vLLM + KV connectors) on CPU, not for text: 2 layers, hidden 256,
-4 heads, 2 KV heads, head_dim 64, vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts
-fit). Building takes a few seconds and needs only torch, transformers and tokenizers.
+The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
+- ``tiny-llama-v1``: 2 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, one KV cache group.
+- ``tiny-gemma3-wN-v1`` (N in GEMMA3_WINDOWS): Gemma3-style text model, 4 layers alternating
+  sliding-window attention (window N tokens) and full attention, 1 KV head, head_dim 32, so
+  vLLM's hybrid allocator makes two KV cache groups (sliding, full).
+All use vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts fit). Building takes a
+few seconds and needs only torch, transformers and tokenizers.
 
 Deterministic: the tokenizer is trained on a generated corpus, and every weight is drawn from one
 seeded ``torch.Generator`` in parameter order (not transformers' init, which may change between
@@ -15,9 +20,9 @@ complete build.
 Safe under concurrent callers (processes or pytest-xdist workers): a build happens in a private
 temporary folder next to the target and is renamed into place atomically; an flock serialises
 builders so the work is done once. Location: ``path``, else ``$TIERD_TINY_MODEL_DIR``, else
-``~/.cache/tierd/tiny-llama-v1``.
+``~/.cache/tierd/<recipe>`` (``$TIERD_TINY_MODEL_DIR`` names the Llama's folder only).
 
-CLI: ``python tests/tiny_model.py [PATH]`` builds (if needed) and prints the folder.
+CLI: ``python tests/tiny_model.py [PATH] [--recipe NAME]`` builds (if needed) and prints the folder.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ RECIPE = "tiny-llama-v1"
 SEED = 0
 MARKER = "tiny_model.json"
 
-# Bump RECIPE (and so the default folder name) whenever anything below changes.
+# Bump a recipe's name (and so its default folder name) whenever anything it builds changes.
 CONFIG = dict(
     vocab_size=1024,
     hidden_size=256,
@@ -54,31 +59,59 @@ CONFIG = dict(
 )
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>"]  # ids 0, 1, 2: bos, eos, unk
 
+GEMMA3_WINDOWS = (16, 32, 64, 100)  # smaller than a 32-token block, one block, two blocks, unaligned
 
-def default_dir() -> Path:
+
+def _gemma3(window: int, hidden: int = 128, heads: int = 2, full_first: bool = False) -> dict:
+    return dict(
+        vocab_size=CONFIG["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+        num_attention_heads=heads, num_key_value_heads=1, head_dim=32, max_position_embeddings=8192,
+        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=True,
+        query_pre_attn_scalar=32, sliding_window=window,
+        layer_types=(["full_attention", "sliding_attention"] if full_first else ["sliding_attention", "full_attention"]) * 2,
+    )
+
+
+# recipe -> (transformers config class, model class, config kwargs)
+RECIPES = {
+    RECIPE: ("LlamaConfig", "LlamaForCausalLM", CONFIG),
+    **{f"tiny-gemma3-w{w}-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(w)) for w in GEMMA3_WINDOWS},
+    "tiny-gemma3-w64-h256-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, 256, 4)),
+    "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
+}
+
+
+def default_dir(recipe: str = RECIPE) -> Path:
     env = os.environ.get("TIERD_TINY_MODEL_DIR")
-    if env:
+    if env and recipe == RECIPE:
         return Path(env).expanduser()
-    return Path("~/.cache/tierd").expanduser() / RECIPE
+    return Path("~/.cache/tierd").expanduser() / recipe
 
 
-def is_built(path: str | os.PathLike) -> bool:
+def is_built(path: str | os.PathLike, recipe: str = RECIPE) -> bool:
     marker = Path(path) / MARKER
     try:
-        return json.loads(marker.read_text()).get("recipe") == RECIPE
+        return json.loads(marker.read_text()).get("recipe") == recipe
     except (OSError, ValueError):
         return False
 
 
 def build_tiny_llama(path: str | os.PathLike | None = None) -> str:
-    """Build the tiny model at ``path`` (default: see module doc) unless it is there; return the folder."""
-    target = Path(path).expanduser() if path is not None else default_dir()
+    """Build the tiny Llama at ``path`` (default: see module doc) unless it is there; return the folder."""
+    return build_tiny_model(RECIPE, path)
+
+
+def build_tiny_model(recipe: str, path: str | os.PathLike | None = None) -> str:
+    """Build ``recipe`` (a key of RECIPES) at ``path`` unless it is there; return the folder."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown tiny model recipe {recipe!r}; known: {sorted(RECIPES)}")
+    target = Path(path).expanduser() if path is not None else default_dir(recipe)
     target = target.absolute()
-    if is_built(target):
+    if is_built(target, recipe):
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _flock(target.parent / f".{target.name}.lock"):
-        if is_built(target):  # another process finished while we waited
+        if is_built(target, recipe):  # another process finished while we waited
             return str(target)
         if target.exists():  # not ours to guess about: a half-copied folder or a different recipe
             stale = target.parent / f".{target.name}.stale-{os.getpid()}"
@@ -87,14 +120,14 @@ def build_tiny_llama(path: str | os.PathLike | None = None) -> str:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             os.chmod(tmp, 0o755)
-            _build_into(tmp)
+            _build_into(tmp, recipe)
             os.rename(tmp, target)  # atomic: readers see nothing or a complete folder
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            if is_built(target):  # lost a race with a builder that ignored the lock (e.g. NFS)
+            if is_built(target, recipe):  # lost a race with a builder that ignored the lock (e.g. NFS)
                 return str(target)
             raise
-    assert is_built(target), target
+    assert is_built(target, recipe), target
     return str(target)
 
 
@@ -145,12 +178,13 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _build_model(out: Path) -> None:
+def _build_model(out: Path, recipe: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(**CONFIG, dtype="bfloat16")
-    model = LlamaForCausalLM(cfg)
+    config_cls, model_cls, kwargs = RECIPES[recipe]
+    cfg = getattr(transformers, config_cls)(**kwargs, dtype="bfloat16")
+    model = getattr(transformers, model_cls)(cfg)
     gen = torch.Generator(device="cpu").manual_seed(SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():  # definition order: stable
@@ -163,14 +197,20 @@ def _build_model(out: Path) -> None:
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
 
 
-def _build_into(out: Path) -> None:
+def _build_into(out: Path, recipe: str) -> None:
     _build_tokenizer(out)
-    _build_model(out)
+    _build_model(out, recipe)
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != MARKER)
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-    (out / MARKER).write_text(json.dumps({"recipe": RECIPE, "seed": SEED, "config": CONFIG, "sha256": digest},
+    (out / MARKER).write_text(json.dumps({"recipe": recipe, "seed": SEED, "config": RECIPES[recipe][2], "sha256": digest},
                                          indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":
-    print(build_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else None))
+    args = sys.argv[1:]
+    name = RECIPE
+    if "--recipe" in args:
+        i = args.index("--recipe")
+        name = args[i + 1]
+        del args[i : i + 2]
+    print(build_tiny_model(name, args[0] if args else None))

@@ -26,10 +26,16 @@ def main() -> None:
     ap.add_argument("--url")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--logprobs", action="store_true", help="also record each generated token's logprob")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="let vLLM compile the model (not enforce_eager)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (num_gpu_blocks_override)")
+    ap.add_argument("--multiprocessing", action="store_true", help="vLLM's default engine-core process")
     ap.add_argument("--pause-after-batch", type=int, default=-1)
     ap.add_argument("--pause-file")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if args.multiprocessing else "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     from vllm import LLM, SamplingParams
@@ -44,17 +50,25 @@ def main() -> None:
             "kv_connector_extra_config": {"tierd.url": args.url, "tierd.chunk_tokens": args.chunk_tokens,
                                           "tierd.timeout_s": 5, "tierd.lookup_timeout_s": 2},
         }
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=4096, enforce_eager=True, block_size=32,
-              max_num_seqs=8, seed=0, **kw)
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=4096, enforce_eager=not args.compile, block_size=32,
+              max_num_seqs=args.max_num_seqs, seed=0, **kw)
     batches = json.loads(Path(args.prompts).read_text())
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    result = {"outputs": [], "cached": [], "ttft_s": []}
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                        logprobs=1 if args.logprobs else None)
+    result = {"outputs": [], "cached": [], "ttft_s": [], "logprobs": []}
     for i, batch in enumerate(batches):
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
         result["ttft_s"].append(time.perf_counter() - t)
         result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
         result["cached"] += [o.num_cached_tokens for o in outs]
+        if args.logprobs:
+            result["logprobs"] += [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                                   for o in outs]
         if i == args.pause_after_batch:
             Path(args.pause_file + ".paused").write_text("1")
             deadline = time.monotonic() + 120

@@ -5,6 +5,15 @@ model is simulated: a "forward" writes, for every scheduled token, bytes derived
 id and its position into exactly the slot vLLM's block table gives it (and, for recurrent
 groups, a state derived from the whole prefix into the state block). Tests can then check that
 what a load restored is byte for byte what a forward would have written.
+
+As in vLLM's hybrid allocator, layer ``i`` of every attention group with the same page shape
+shares one tensor (block ``b`` of any group is the same page), so a block id freed by one group
+and handed to another aliases the memory a pending store may still read.
+
+Every forward checks the invariant a real model depends on (``stale_reads``): each position the
+attention of a scheduled token reads (full: all before it; sliding: its window; recurrent: the
+state at the request's first computed token) holds exactly what a forward of that token wrote.
+A violation raises at once, naming the request, group, layer, position and block.
 """
 
 from __future__ import annotations
@@ -31,6 +40,15 @@ class GroupDef:
 def token_bytes(token: int, pos: int, layer: int) -> np.ndarray:
     base = (token * 1315423911 + pos * 2654435761 + layer * 97) & 0xFFFFFFFF
     return np.frombuffer(np.array([base, base ^ 0x5BD1E995], dtype=np.uint32).tobytes(), dtype=np.int8)
+
+
+def tokens_bytes(tokens, positions, layer: int) -> np.ndarray:
+    """``token_bytes`` of many (token, position) pairs at once: [n, TOK_BYTES] int8."""
+    t = np.asarray(tokens, dtype=np.uint64)
+    p = np.asarray(positions, dtype=np.uint64)
+    base = (t * np.uint64(1315423911) + p * np.uint64(2654435761) + np.uint64(layer * 97)) & np.uint64(0xFFFFFFFF)
+    pair = np.stack([base, base ^ np.uint64(0x5BD1E995)], axis=1).astype(np.uint32)
+    return pair.view(np.int8).reshape(len(t), TOK_BYTES)
 
 
 def state_bytes(tokens: list[int], layer: int) -> np.ndarray:
@@ -88,7 +106,7 @@ class SimEngine:
 
     def __init__(self, model_dir: str, url: str, groups: list[GroupDef], *, num_blocks: int = 256,
                  chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None,
-                 spec_tokens: int = 0, spec_accept: int = 0):
+                 spec_tokens: int = 0, spec_accept: int = 0, share_pages: bool = True):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -115,18 +133,25 @@ class SimEngine:
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, TierdConnector)
         self.worker = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
-        # simulated KV: per group per layer a [num_blocks, block_size, TOK_BYTES] (or state) int8 tensor
+        # simulated KV: per group per layer a [num_blocks, block_size, TOK_BYTES] (or state) int8 tensor;
+        # layer i of attention groups of one block size share a tensor, as vLLM's hybrid allocator does
         self.kv: dict[str, torch.Tensor] = {}
+        shared: dict[tuple, torch.Tensor] = {}
         for gi, g in enumerate(groups):
-            for name in self.layer_names[gi]:
+            for li, name in enumerate(self.layer_names[gi]):
                 shape = (num_blocks, STATE_BYTES) if g.kind == "mamba" else (num_blocks, g.block_size, TOK_BYTES)
-                self.kv[name] = torch.zeros(shape, dtype=torch.int8)
+                key = (shape, li) if g.kind != "mamba" and share_pages else (name,)
+                if key not in shared:
+                    shared[key] = torch.zeros(shape, dtype=torch.int8)
+                self.kv[name] = shared[key]
         self.worker.register_kv_caches(self.kv)
         self.finished: dict[str, object] = {}
         self.failed_loads: set[str] = set()
         self.computed: dict[str, list[tuple[int, int]]] = {}  # req -> [(start, n)] the forward ran
         self.block_ids: dict[str, list[list[int]]] = {}  # req -> its block table at its first forward
         self.steps = 0
+        self.reads_checked = 0  # positions stale_reads verified (a test can assert it did work)
+        self.on_forward = None
 
     # ---- requests ----------------------------------------------------------------------------------
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None):
@@ -221,7 +246,50 @@ class SimEngine:
                              f"{[r for r in self.scheduler.requests]}")
 
     def _forward(self, so):
-        """Write what a model would: per token its bytes, per recurrent group the prefix state."""
+        """Write what a model would, then check what its attention read (``stale_reads``)."""
+        if self.on_forward is not None:
+            self.on_forward(so)  # a test's look at the KV before this forward writes it
+        self._write(so)
+        bad = self.stale_reads(so)
+        if bad:
+            raise AssertionError(f"step {self.steps}: {len(bad)} positions read stale KV, first "
+                                 f"(request, group, layer, position, block): {bad[:6]}")
+
+    def stale_reads(self, so) -> list[tuple]:
+        """Positions this step's attention reads that do not hold their token's bytes. Checked after
+        the step's writes: a request may read KV another request writes in the same forward (vLLM
+        caches a block as soon as it is scheduled), and those bytes are the same."""
+        bad = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = req.num_computed_tokens - n
+            ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
+            tokens = list(req.all_token_ids)
+            first = len(self.computed[rid]) == 1
+            for gi, g in enumerate(self.groups):
+                for li, name in enumerate(self.layer_names[gi]):
+                    kv = self.kv[name].numpy()
+                    if g.kind == "mamba":
+                        if first and start > 0:  # the state the first computed token continues from
+                            b = ids[gi][(start - 1) // g.block_size]
+                            self.reads_checked += 1
+                            if not np.array_equal(kv[b], state_bytes(tokens[:start], li)):
+                                bad.append((rid, gi, li, "state@%d" % start, b))
+                        continue
+                    lo = 0 if g.kind == "full" else max(0, start - g.window + 1)
+                    pos = np.arange(lo, min(start, len(tokens)))
+                    if not len(pos):
+                        continue
+                    blocks = np.asarray(ids[gi])[pos // g.block_size]
+                    got = kv[blocks, pos % g.block_size]
+                    want = tokens_bytes(np.asarray(tokens)[pos], pos, li)
+                    self.reads_checked += len(pos)
+                    for i in np.flatnonzero((got != want).any(axis=1))[:8]:
+                        bad.append((rid, gi, li, int(pos[i]), int(blocks[i])))
+        return bad
+
+    def _write(self, so):
+        """Per token its bytes, per recurrent group the prefix state."""
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             start = req.num_computed_tokens - n  # num_computed_tokens was advanced at schedule time

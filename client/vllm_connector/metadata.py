@@ -38,8 +38,10 @@ class StoreJob:
 class TierdMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
-    # per group: block ids handed out this step; a pending store reading one must finish first
-    new_blocks: list[set[int]] = field(default_factory=list)
+    # block ids handed out this step, in any KV cache group: a pending store reading one must
+    # finish first. One set for all groups: vLLM's groups draw ids from one block pool, and its
+    # hybrid allocator backs block b of every group with the same page of shared tensors.
+    new_blocks: set[int] = field(default_factory=set)
 
 
 @dataclass

@@ -145,7 +145,7 @@ class SchedulerSide:
 
     # ---- stores -----------------------------------------------------------------------------------
     def build_meta(self, so) -> TierdMetadata:
-        meta = TierdMetadata(loads=self.pending_loads, new_blocks=_new_blocks(so, len(self.geo.groups)))
+        meta = TierdMetadata(loads=self.pending_loads, new_blocks=new_block_ids(so))
         self.pending_loads = []
         for req_id in list(so.preempted_req_ids or ()):
             st = self.reqs.get(req_id)
@@ -234,10 +234,15 @@ class SchedulerSide:
                 st.loading, st.lease = False, 0  # consumed by the ranks' retrieves
 
     def request_finished(self, request) -> tuple[bool, None]:
+        """A request that ends (finished or aborted) while its load is in flight keeps its blocks
+        until the worker reports the load done (vLLM frees them at ``finished_recving``): freed at
+        once, they could be handed to another request while the daemon still writes them."""
         st = self.reqs.pop(request.request_id, None)
-        if st is not None and not st.loading:
+        if st is None:
+            return False, None
+        if not st.loading:
             self._drop_lease(st)
-        return False, None
+        return st.loading, None
 
     def _drop_lease(self, st: ReqState) -> None:
         if st.lease:
@@ -252,13 +257,14 @@ class SchedulerSide:
         return float(server.get("lease_ttl_s", 60.0))
 
 
-def _new_blocks(so, ngroups: int) -> list[set[int]]:
-    out = [set() for _ in range(ngroups)]
+def new_block_ids(so) -> set[int]:
+    """Every block id handed out in this step, over all of vLLM's KV cache groups (including
+    groups tierd does not store: their blocks share pages with the groups it does)."""
+    out: set[int] = set()
 
     def add(block_ids):
-        if block_ids:
-            for g, ids in enumerate(block_ids[:ngroups]):
-                out[g].update(ids)
+        for ids in block_ids or ():
+            out.update(ids)
 
     for req in so.scheduled_new_reqs:
         add(req.block_ids)

@@ -37,7 +37,7 @@ class WorkerSide:
         self._register_future = None
         self._register_at = 0.0
         self.loads: dict[str, tuple[object, list[int]]] = {}
-        self.stores: list[tuple[object, list[set[int]]]] = []
+        self.stores: list[tuple[object, set[int]]] = []  # pending STOREs and the block ids they read
         self.failed: set[str] = set()
         self.invalid_blocks: set[int] = set()
         self._failed_now: set[str] = set()  # loads that failed before being sent
@@ -113,7 +113,7 @@ class WorkerSide:
             if not self._try_register():
                 self._fail_load(job.req_id, self._flat(ids))
                 continue
-            self._fence(self._per_group(ids))
+            self._fence(self._block_set(ids))
             chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
             try:
                 fut = self.client.retrieve_async(self.instance, chunks, lease=job.lease, timeout=self.cfg.timeout_s)
@@ -136,8 +136,7 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - a store not made is a future miss, nothing more
                 log.debug("tierd: store for %s not sent: %s", job.req_id, exc)
                 continue
-            reads = self._per_group(ids)
-            self.stores.append((fut, reads))
+            self.stores.append((fut, self._block_set(ids)))
         self._prune_stores()
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
@@ -216,21 +215,22 @@ class WorkerSide:
 
     def _flat(self, ids: list[list[list[int]]]) -> list[int]:
         """Every non-null block id of a job's chunks (per chunk, per group lists)."""
-        return [b for per_group in self._per_group(ids) for b in per_group]
-
-    def _per_group(self, ids: list[list[list[int]]]) -> list[set[int]]:
-        """Per engine group, the non-null block ids of a job's chunks."""
         null = self.null
-        return [{b for c in ids for b in c[g] if b != null} for g in range(len(self.geo.groups))]
+        return [b for c in ids for per_group in c for b in per_group if b != null]
 
-    def _fence(self, blocks: list[set[int]]) -> None:
-        """Wait for pending stores that read any of ``blocks`` (per group) before they are overwritten."""
-        if not self.stores or not any(blocks):
+    def _block_set(self, ids: list[list[list[int]]]) -> set[int]:
+        """The non-null block ids of a job's chunks, over all groups (see TierdMetadata.new_blocks)."""
+        null = self.null
+        return {b for c in ids for per_group in c for b in per_group if b != null}
+
+    def _fence(self, blocks: set[int]) -> None:
+        """Wait for pending stores that read any of ``blocks`` before they are overwritten."""
+        if not self.stores or not blocks:
             return
         for fut, reads in self.stores:
             if fut.done():
                 continue
-            if any(r & b for r, b in zip(reads, blocks)):
+            if not reads.isdisjoint(blocks):
                 try:
                     fut.result(timeout=self.cfg.timeout_s)
                 except Exception:  # noqa: BLE001 - an expired store is never committed
