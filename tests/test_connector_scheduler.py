@@ -198,3 +198,44 @@ def test_speculative_step_over_a_chunk_boundary_still_stores_the_chunk(engines):
     b.run()
     assert b.first_computed("b") == 4 * CHUNK  # chunk 3 (192..256), crossed by a draft step, was stored
     b.assert_restored("b", full, 4 * CHUNK)
+
+
+def test_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_lands(engines, daemon):
+    """A request that ends during its load must keep its blocks until the load has landed (vLLM
+    holds them until finished_recving names it), or the daemon writes into blocks vLLM has handed
+    to other requests; the late finished_recving must then free them."""
+    import os
+    import signal
+
+    from vllm.v1.request import RequestStatus
+
+    tokens = prompt(200, seed=51)
+    a = engines(CONFIGS["sliding"])
+    a.add("a", tokens)
+    a.run()
+    b = engines(CONFIGS["sliding"])
+    b.add("b", tokens)
+    held = {}
+
+    def pause_and_abort(so):
+        if not held and so.kv_connector_metadata.loads:
+            os.kill(daemon.proc.pid, signal.SIGSTOP)  # the RETRIEVE stays in flight
+            held["blocks"] = [blk for ids in b.scheduler.kv_cache_manager.get_block_ids("b") for blk in ids if blk]
+            b.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+
+    try:
+        b.step(after_schedule=pause_and_abort)
+        while not held:
+            b.step(after_schedule=pause_and_abort)
+        pool = b.scheduler.kv_cache_manager.block_pool
+        assert held["blocks"] and all(pool.blocks[i].ref_cnt > 0 for i in held["blocks"]), \
+            "blocks of a request whose load is in flight were freed"
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    for _ in range(500):
+        b.step()
+        if "b" not in b.scheduler.requests:
+            break
+        time.sleep(0.01)
+    assert "b" not in b.scheduler.requests  # freed once the load landed
+    assert all(pool.blocks[i].ref_cnt == 0 for i in held["blocks"])

@@ -234,15 +234,12 @@ class SchedulerSide:
                 st.loading, st.lease = False, 0  # consumed by the ranks' retrieves
 
     def request_finished(self, request) -> tuple[bool, None]:
-        """A request that ends (finished or aborted) while its load is in flight keeps its blocks
-        until the worker reports the load done (vLLM frees them at ``finished_recving``): freed at
-        once, they could be handed to another request while the daemon still writes them."""
+        """Never delays the free: stores are fenced instead (see the worker), and a request that
+        ends during its load is held by vLLM itself until ``finished_recving`` names it."""
         st = self.reqs.pop(request.request_id, None)
-        if st is None:
-            return False, None
-        if not st.loading:
+        if st is not None and not st.loading:
             self._drop_lease(st)
-        return st.loading, None
+        return False, None
 
     def _drop_lease(self, st: ReqState) -> None:
         if st.lease:
