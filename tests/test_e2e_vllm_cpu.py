@@ -8,11 +8,7 @@ and killing the daemon in the middle of a pass must still complete every request
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import DaemonProcess  # noqa: E402
-from conftest_vllm import VLLM_CPU_ENV  # noqa: E402
+from engine_runs import engine, finish, run_engine  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -35,34 +31,6 @@ PROMPT_TOKENS = 1100  # 4 full chunks (1024 tokens) + a 76-token tail per prompt
 def prompts(n: int = 4) -> list[list[int]]:
     rng = random.Random(1234)
     return [[rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
-
-
-def run_engine(tmp: Path, name: str, batches, url: str | None = None, pause_after: int = -1, timeout: float = 240):
-    pfile, out = tmp / f"{name}.prompts.json", tmp / f"{name}.out.json"
-    pfile.write_text(json.dumps(batches))
-    cmd = [sys.executable, str(HERE / "vllm_engine_run.py"), "--model", build_tiny_llama(), "--prompts", str(pfile),
-           "--out", str(out)]
-    if url:
-        cmd += ["--url", url]
-    if pause_after >= 0:
-        cmd += ["--pause-after-batch", str(pause_after), "--pause-file", str(tmp / name)]
-    env = {**os.environ, **VLLM_CPU_ENV}
-    log = open(tmp / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return proc, out, log
-
-
-def finish(proc, out: Path, log, timeout: float = 240) -> dict:
-    try:
-        rc = proc.wait(timeout)
-    finally:
-        log.close()
-    assert rc == 0, f"engine failed ({rc}):\n{Path(log.name).read_text()[-4000:]}"
-    return json.loads(out.read_text())
-
-
-def engine(tmp: Path, name: str, batches, url: str | None = None) -> dict:
-    return finish(*run_engine(tmp, name, batches, url))
 
 
 @pytest.fixture(scope="module")

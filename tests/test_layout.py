@@ -60,9 +60,13 @@ def test_geometry_errors():
     assert code_of(lay) is ErrorCode.BAD_REQUEST
 
 
-def test_state_groups_ignore_chunk_multiples():
-    lay = base(kind="state", chunk=18)
-    assert PageLayout.from_wire(lay).groups[0].spec.blocks_per_chunk(18) == 1
+def test_state_groups_need_chunks_that_end_on_a_state_block():
+    """Regression: the daemon accepted a state group whose blocks do not divide the chunk (the
+    connector refused it). A chunk's state is the state at the chunk's end, which an engine keeps
+    only at block ends: a chunk of 18 tokens over 4-token state blocks has none to store."""
+    assert code_of(base(kind="state", chunk=18)) is ErrorCode.LAYOUT_INVALID
+    lay = base(kind="state", chunk=16)
+    assert PageLayout.from_wire(lay).groups[0].spec.blocks_per_chunk(16) == 1
 
 
 def test_needed_masks():

@@ -85,7 +85,9 @@ class GroupSpec:
         return chunk_tokens // self.block_tokens
 
     def check_chunk(self, chunk_tokens: int, path: str) -> None:
-        if self.kind is not GroupKind.STATE and chunk_tokens % self.block_tokens:
+        # Every kind: a chunk boundary must be a block boundary. For a state group this is what
+        # makes "the state at the end of the chunk" exist: an engine keeps states at block ends.
+        if chunk_tokens % self.block_tokens:
             raise ProtocolError(
                 ErrorCode.LAYOUT_INVALID,
                 f"{path}: chunk_tokens {chunk_tokens} is not a multiple of block_tokens {self.block_tokens}",
