@@ -113,3 +113,19 @@ def test_live_idle_client_keeps_its_registration(daemon_factory, client_factory,
     assert st["sessions_reaped"] == 0
     assert st["instances"][0]["last_heartbeat_s_ago"] < 1.0
     c.store("idle", [chunk(keys(1)[0], range(4))])  # no re-registration needed
+
+
+def test_bye_frees_the_session_its_leases_and_instances_at_once(daemon, raw, ranks):
+    """A client that closes cleanly says BYE: the daemon drops it now, not a heartbeat timeout later."""
+    rank = ranks(GroupGeom("full"))
+    r = raw(daemon)
+    r.hello()
+    r.ok("REGISTER", {"instance": "leaving", "layout": rank.layout()})
+    ks = keys(2)
+    r.ok("STORE", {"instance": "leaving", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]})
+    assert r.ok("LOOKUP", {"namespace": rank.ns, "keys": ks, "groups": rank.specs(), "chunk_tokens": 16})["lease"]
+    assert daemon.status()["leases_active"] == 1
+    assert r.ok("BYE", {}) == {}
+    st = daemon.status()
+    assert st["sessions"] == 0 and not st["instances"] and st["leases_active"] == 0
+    assert r.error("PING", {}) == "UNKNOWN_SESSION"

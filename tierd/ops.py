@@ -111,6 +111,7 @@ class Ops:
         self.boot_id = uuid.uuid4().hex
         self.table = {
             "HELLO": self.hello,
+            "BYE": self.bye,
             "REGISTER": self.register,
             "UNREGISTER": self.unregister,
             "LOOKUP": self.lookup,
@@ -145,6 +146,11 @@ class Ops:
             "lease_ttl_s": s.lease_ttl_s,
             "max_frame_bytes": s.max_frame_bytes,
         }
+
+    def bye(self, identity, session, body, ctx) -> dict:
+        """A client closing cleanly: its leases and instances go now, not at the heartbeat timeout."""
+        self.d.drop_session(identity, reason="BYE")
+        return {}
 
     def ping(self, identity, session, body, ctx) -> dict:
         return {"time": time.time(), "boot_id": self.boot_id}
