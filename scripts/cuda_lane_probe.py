@@ -16,7 +16,7 @@ import torch
 
 from tierd.transfer import cuda as tc
 from tierd.transfer import native
-from tierd.transfer.plan import CopyItem
+from tierd.transfer.items import CopyItem
 from tierd_client.layouts import block_span, group
 from tierd.protocol.layout import GroupLayout
 

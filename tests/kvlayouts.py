@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.protocol.layout import GroupLayout
-from tierd.transfer.plan import CopyItem
+from tierd.transfer.items import CopyItem
 from tierd_client.layouts import block_span, group
 
 VLLM_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")

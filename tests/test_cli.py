@@ -71,7 +71,7 @@ def test_status_prints_a_table_and_json(daemon, client, ranks):
     data = json.loads(res.stdout)
     assert data["objects"] == 3 and data["instances"][0]["instance"] == "rank-zero"
     assert set(data) == set(daemon.status())
-    res = tierd("status", "--http-port", str(daemon.http_port), "--json")
+    res = tierd("status", "--socket", daemon.endpoint, "--json")  # STATUS over the daemon's own socket
     assert json.loads(res.stdout)["boot_id"] == data["boot_id"]
 
 

@@ -1,10 +1,13 @@
-"""The frame codec: strict decoding (no extension types, bounded sizes, string map keys), typed
-errors, and the req_id recovered from the head of a frame that does not decode whole."""
+"""The frame codec: a request decoded in one step into its typed message (no extension types,
+bounded sizes), typed errors, and the req_id recovered from the head of a frame that does not
+decode whole."""
+
+import time
 
 import msgpack
 import pytest
 
-from tierd.protocol import codec
+from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 
 MAX = 1 << 16
@@ -18,7 +21,9 @@ def fails(frame, max_bytes=MAX):
 
 def test_round_trip():
     frame = codec.encode_request("STORE", 12, {"instance": "x", "chunks": [{"key": b"k" * 16, "blocks": [[1, -1]]}]})
-    assert codec.decode_request(frame, MAX) == ("STORE", 12, {"instance": "x", "chunks": [{"key": b"k" * 16, "blocks": [[1, -1]]}]})
+    op, req_id, msg = codec.decode_request(frame, MAX)
+    assert (op, req_id) == ("STORE", 12)
+    assert msg == messages.Store("x", [messages.Chunk(b"k" * 16, [[1, -1]])])
     assert codec.decode_reply(codec.encode_reply(12, {"a": 1}), MAX) == (12, True, {"a": 1})
     rid, ok, body = codec.decode_reply(codec.encode_error(3, ErrorCode.EXPIRED, "late"), MAX)
     assert (rid, ok, body) == (3, False, {"code": "EXPIRED", "message": "late"})
@@ -30,7 +35,8 @@ def test_too_large_keeps_req_id():
 
 
 def test_bad_body_keeps_req_id():
-    assert fails(msgpack.packb(["PING", 7, {"x": msgpack.ExtType(1, b"")}], use_bin_type=True)) == (ErrorCode.BAD_REQUEST, 7)
+    ext = msgpack.ExtType(1, b"")
+    assert fails(msgpack.packb(["RELEASE", 7, {"lease": ext}], use_bin_type=True)) == (ErrorCode.BAD_REQUEST, 7)
     assert fails(msgpack.packb(["PING", 8, {1: 2}])) == (ErrorCode.BAD_REQUEST, 8)
     assert fails(msgpack.packb(["PING", 9, []])) == (ErrorCode.BAD_REQUEST, 9)
     assert fails(msgpack.packb([1, 10, {}])) == (ErrorCode.BAD_REQUEST, 10)
@@ -49,4 +55,12 @@ def test_unrecoverable_req_id(frame):
 def test_limits_bound_allocation():
     # a header announcing a huge array: refused without allocating it
     assert fails(b"\x93\xa4PING\x01\xdd\xff\xff\xff\xff")[0] is ErrorCode.BAD_REQUEST
-    assert fails(msgpack.packb(["PING", 1, {"a": list(range((1 << 20) + 1))}]), 1 << 24)[0] is ErrorCode.BAD_REQUEST
+    # more chunks than a STORE may carry
+    chunk = {"key": b"k" * 16, "blocks": [[1]]}
+    frame = msgpack.packb(["STORE", 1, {"instance": "x", "chunks": [chunk] * (messages.MAX_CHUNKS + 1)}])
+    assert fails(frame, 1 << 26)[0] is ErrorCode.BAD_REQUEST
+    # a huge field the op does not have is skipped, never built
+    frame = msgpack.packb(["PING", 1, {"a": list(range(1 << 20))}])
+    t0 = time.perf_counter()
+    assert codec.decode_request(frame, 1 << 24)[2] == messages.Ping()
+    assert time.perf_counter() - t0 < 0.5

@@ -74,6 +74,8 @@ def test_store_finishing_after_its_deadline_commits_nothing(daemon_factory, raw,
     ok, body = replies[retr_id]
     assert not ok and body["code"] == "EXPIRED"
     assert not rank.kv[0][:, 64:68].any()  # not a byte copied into the engine's blocks
+    # regression: an expired RETRIEVE is the client's deadline, not a failed copy (no ERROR line)
+    assert "copy for r failed" not in d.log.read_text()
     st = d.status()
     assert st["objects"] == 8 and st["stored_chunks"] == 8
     look = {"namespace": rank.ns, "keys": [late], "groups": rank.specs(), "chunk_tokens": 16, "lease": False}

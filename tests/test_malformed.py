@@ -131,7 +131,7 @@ def test_msgpack_ext_types_are_rejected(daemon, raw):
     r = raw(daemon)
     r.hello()
     for ext in (msgpack.ExtType(5, b"abc"), msgpack.Timestamp(1, 0)):
-        msg = one_reply(r, pack(["PING", 55, {"x": ext}]))
+        msg = one_reply(r, pack(["RELEASE", 55, {"lease": ext}]))
         assert msg[1] is False and msg[2]["code"] == "BAD_REQUEST" and msg[0] == 55
         msg = one_reply(r, pack([ext, 56, {}]))
         assert msg[2]["code"] == "BAD_REQUEST"

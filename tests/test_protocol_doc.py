@@ -3,21 +3,22 @@ reply field and `tierd serve` flag the code has is named there, and no line is o
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+import msgspec
+
 from kv import FakeRank, GroupGeom, keys
 from tierd.cli import serve
+from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode
 from tierd.stats import COUNTERS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "protocol.md"
-OPS = ROOT / "tierd" / "ops.py"
 MAX_COLUMNS = 100
 
 
@@ -35,46 +36,63 @@ def missing(doc: str, words) -> list[str]:
     return sorted({w for w in words if not named(doc, w)})
 
 
-def _ops_tree() -> ast.Module:
-    return ast.parse(OPS.read_text())
+def section(doc: str, op: str) -> str:
+    """The text of ``### OP`` up to the next heading."""
+    m = re.search(rf"^### {op}$(.*?)(?=^##)", doc, re.M | re.S)
+    assert m, f"docs/protocol.md has no '### {op}' section"
+    return m.group(1)
 
 
-def op_names() -> list[str]:
-    """The keys of ``self.table = {...}`` in tierd/ops.py, read without building a daemon."""
-    for node in ast.walk(_ops_tree()):
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Attribute) and t.attr == "table" for t in node.targets)
-            and isinstance(node.value, ast.Dict)
-        ):
-            return [k.value for k in node.value.keys]
-    raise AssertionError("tierd/ops.py has no `self.table = {...}`")
+def tables(text: str) -> list[list[list[str]]]:
+    """Markdown tables in ``text``: per table its rows (header first), cells stripped."""
+    out, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(set(c) <= set("- ") for c in cells):
+                rows.append(cells)
+        elif rows:
+            out.append(rows)
+            rows = []
+    return out
 
 
-def store_results() -> set[str]:
-    """The strings Ops.store puts in a STORE reply's ``results``."""
-    fn = next(
-        n for n in ast.walk(_ops_tree()) if isinstance(n, ast.FunctionDef) and n.name == "store"
-    )
-    out: set[str] = set()
-    for node in ast.walk(fn):
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "status" for t in node.targets)
-            and isinstance(node.value, ast.Constant)
-        ):
-            out.add(node.value.value)
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "append"
-            and isinstance(node.func.value, ast.Attribute)
-            and node.func.value.attr == "results"
-        ):
-            out.update(a.value for a in node.args if isinstance(a, ast.Constant))
-        elif isinstance(node, ast.BinOp) and isinstance(node.left, ast.List):
-            out.update(e.value for e in node.left.elts if isinstance(e, ast.Constant))
-    return {s for s in out if isinstance(s, str)}
+def doc_fields(text: str, reply: bool) -> dict[str, str]:
+    """``{field: doc type}`` of an op section's request table or its reply table."""
+    want = "Reply:" if reply else None
+    if want:
+        if want not in text:
+            return {}
+        text = text.split(want, 1)[1]
+    for t in tables(text):
+        if t[0][:2] == ["field", "type"] and (reply or t[0][2].startswith("range")):
+            return {row[0].strip("`"): row[1] for row in t[1:]}
+    return {}
+
+
+# a msgspec type, as the doc's type column names it
+def doc_type(t) -> str:
+    import msgspec.inspect as mi
+
+    info = mi.type_info(t)
+    if isinstance(info, mi.UnionType):
+        kinds = {doc_type_info(x) for x in info.types if not isinstance(x, mi.NoneType)}
+        return kinds.pop() if len(kinds) == 1 else "|".join(sorted(kinds))
+    return doc_type_info(info)
+
+
+def doc_type_info(info) -> str:
+    import msgspec.inspect as mi
+
+    simple = {mi.IntType: "int", mi.FloatType: "float", mi.StrType: "str", mi.BoolType: "bool", mi.BytesType: "bin"}
+    for k, v in simple.items():
+        if isinstance(info, k):
+            return v
+    if isinstance(info, (mi.StructType, mi.DictType)):
+        return "map"
+    if isinstance(info, (mi.ListType, mi.TupleType, mi.VarTupleType)):
+        return "array"
+    return type(info).__name__
 
 
 def serve_flags() -> list[str]:
@@ -87,10 +105,27 @@ def serve_flags() -> list[str]:
 
 # ---- static: the code's own lists ------------------------------------------------------------
 def test_every_op_has_a_section(doc):
-    ops = op_names()
-    assert len(ops) >= 10
+    ops = list(messages.REQUESTS)
+    assert len(ops) >= 11
     absent = [op for op in ops if not re.search(rf"^### {op}$", doc, re.M)]
     assert not absent, f"docs/protocol.md has no '### OP' section for {absent}"
+
+
+@pytest.mark.parametrize("op", list(messages.REQUESTS))
+def test_each_ops_request_and_reply_tables_match_its_message_definitions(doc, op):
+    """The doc's field tables name exactly the fields tierd.protocol.messages defines, with their types."""
+    text = section(doc, op)
+    for reply, typ in ((False, messages.REQUESTS[op]), (True, messages.REPLIES[op])):
+        if typ is None:
+            continue
+        want = {f.encode_name: doc_type(f.type) for f in msgspec.structs.fields(typ)}
+        got = doc_fields(text, reply)
+        if not want and not got:
+            continue
+        names = {k: v.split()[0] for k, v in got.items()}
+        assert set(names) == set(want), f"{op} {'reply' if reply else 'request'}: doc {sorted(names)} != {sorted(want)}"
+        wrong = {k: (names[k], t) for k, t in want.items() if names[k] not in (t, "map") or (t == "map") != (names[k] == "map")}
+        assert not wrong, f"{op} {'reply' if reply else 'request'}: doc type != message type: {wrong}"
 
 
 def test_every_error_code_is_listed_with_its_description(doc):
@@ -107,7 +142,7 @@ def test_every_counter_is_listed_for_status_and_metrics(doc):
 
 
 def test_every_store_result_is_listed(doc):
-    results = store_results()
+    results = set(messages.STORE_RESULTS)
     assert {"stored", "exists", "rejected", "empty"} <= results
     assert not missing(doc, results)
 

@@ -89,3 +89,60 @@ def test_sigterm_with_copies_in_flight_answers_every_request_and_exits_0(daemon_
     assert set(replies) == set(sent), f"{len(sent) - len(replies)} requests never answered"
     assert set(replies.values()) <= {True, "SHUTTING_DOWN"}
     assert "Traceback" not in d.log.read_text()
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_copy_in_flight_at_sigterm_finishes_before_its_memory_goes(daemon_factory, raw, ranks, workers):
+    """Regression: close() unregistered instances (detaching their lanes) before closing the
+    transfer engine, so with --workers 0 the close joined no lane and the pool was unmapped while
+    a copy still ran (SIGSEGV/SIGBUS, exit status < 0). Copies first, then memory, then the pool."""
+    d = daemon_factory("--workers", workers, pool_mb=1100)
+    rank = ranks(GroupGeom("full", layers=2, block_bytes=1 << 20, block_tokens=4), num_blocks=256)
+    r = raw(d)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    ks = keys(64)  # 64 chunks x 4 blocks x 2 layers x 1 MiB = 512 MiB: a copy that takes a while
+    store = r.send_request("STORE", {"instance": "r", "chunks": [chunk(k, range(4 * i, 4 * i + 4))
+                                                                 for i, k in enumerate(ks)]})
+    time.sleep(0.02)  # the copy has started
+    d.proc.send_signal(signal.SIGTERM)
+    req_id, ok, reply = r.recv(30)
+    assert req_id == store and ok and reply["results"] == ["stored"] * 64
+    assert d.proc.wait(15) == 0, d.log.read_text()[-2000:]
+    assert "Traceback" not in d.log.read_text()
+
+
+def test_status_while_stopping_is_always_answered(daemon_factory, raw, ranks):
+    """Regression: /status was computed on the HTTP thread once stopping began, racing with the
+    teardown (dict changed size during iteration, KeyError: HTTP 500)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    d = daemon_factory()
+    rank = ranks(GroupGeom("full"))
+    r = raw(d)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    codes, stop = [], threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(d.http + "/status", timeout=5) as resp:
+                    codes.append(resp.status)
+            except urllib.error.HTTPError as exc:
+                codes.append(exc.code)
+            except OSError:
+                return  # the daemon is gone
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(15) == 0
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert codes and set(codes) == {200}, sorted(set(codes))

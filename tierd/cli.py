@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import MISSING, fields
 
 import click
 
 from tierd import __version__
-from tierd.config import Settings
+from tierd.config import Settings, default_socket
+
+SOCKET_HELP = "ZeroMQ endpoint of the daemon (its --socket)."
 
 
 def _settings_options(fn):
@@ -18,7 +21,7 @@ def _settings_options(fn):
     for f in reversed(fields(Settings)):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
-        shown = "see help" if default is None else default
+        shown = default_socket() if f.name == "socket" else default
         help_text = f"{f.metadata['help']} [default: {shown}]"
         if f.type in (bool, "bool"):
             fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=default, help=help_text)(fn)
@@ -31,7 +34,7 @@ def _settings_options(fn):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.version_option(__version__, prog_name="tierd")
+@click.version_option(__version__, "-V", "--version", prog_name="tierd")
 def main():
     """tierd: a node-local KV-cache tier for LLM serving."""
 
@@ -47,6 +50,7 @@ def serve(**kwargs):
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    _check_ceiling(settings)
     from tierd.server import Daemon
 
     try:
@@ -54,31 +58,35 @@ def serve(**kwargs):
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot start: {exc}") from None
     daemon.install_signals()
-    daemon.start_http()
+    try:
+        daemon.start_http()
+    except OSError as exc:
+        daemon.close()  # nothing served yet: the socket file goes too
+        raise click.UsageError(f"--http-port {settings.http_port} on {settings.http_host}: {exc.strerror or exc} "
+                               "(another process listens there? pick another port, 0 for any, or -1 for none)") from None
     if daemon.http_port is not None:
         click.echo(f"tierd: serving {settings.socket}, HTTP on http://{settings.http_host}:{daemon.http_port}", err=True)
     daemon.run()
 
 
-def _http_url(url: str | None, port: int) -> str:
-    return (url or f"http://127.0.0.1:{port}").rstrip("/")
+def _check_ceiling(settings: Settings) -> None:
+    """A ceiling beyond the host's memory is a typo or a plan to swap: say both figures."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if settings.ceiling_bytes > host:
+        raise click.UsageError(f"--l1-size-gb {settings.l1_size_gb:g} GiB is more than this host's memory "
+                               f"({host / 2**30:.1f} GiB)")
 
 
 @main.command()
-@click.option("--url", default=None, help="Base URL of the daemon's HTTP endpoints. [default: http://127.0.0.1:PORT]")
-@click.option("--http-port", default=9800, type=int, help="HTTP port when --url is not given. [default: 9800]")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw /status object.")
-def status(url, http_port, as_json):
-    """Show a running daemon's /status as a table."""
-    import urllib.error
-    import urllib.request
-
-    base = _http_url(url, http_port)
-    try:
-        with urllib.request.urlopen(f"{base}/status", timeout=5) as resp:
-            data = json.load(resp)
-    except (urllib.error.URLError, OSError) as exc:
-        raise click.ClickException(f"no tierd answers at {base}/status: {exc}") from None
+@click.option("--socket", default=None, help=f"{SOCKET_HELP} [default: {default_socket()}]")
+@click.option("--url", default=None, help="Read /status over HTTP from this base URL instead (e.g. http://127.0.0.1:9800).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status object.")
+def status(socket, url, as_json):
+    """Show a running daemon's status as a table."""
+    data = _status_http(url) if url else _status_socket(socket or default_socket())
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -87,8 +95,32 @@ def status(url, http_port, as_json):
     click.echo(status_table(data))
 
 
+def _status_http(url: str) -> dict:
+    import urllib.error
+    import urllib.request
+
+    base = url.rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{base}/status", timeout=5) as resp:
+            return json.load(resp)
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"no tierd answers at {base}/status: {exc}") from None
+
+
+def _status_socket(socket: str) -> dict:
+    from tierd_client import TierdClient, TierdError
+
+    client = TierdClient(socket, timeout_s=5, name="tierd-status")
+    try:
+        return client.status()
+    except TierdError as exc:
+        raise click.ClickException(f"no tierd answers at {socket}: {exc}") from None
+    finally:
+        client.close()
+
+
 @main.command()
-@click.option("--url", default=None, help="Endpoint of a running daemon; without it a private daemon is started.")
+@click.option("--socket", default=None, help=f"{SOCKET_HELP} Without it a private daemon is started.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--layers", default=32, show_default=True, help="Layers of the synthetic layout.")
 @click.option("--kv-heads", default=8, show_default=True, help="KV heads per layer.")

@@ -38,6 +38,15 @@ class Settings:
     lease_ttl_s: float = _opt(60.0, "Seconds a LOOKUP lease keeps its objects from eviction unless released or consumed.", min=0.1)
     max_frame_mb: int = _opt(64, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    cuda: str = _opt("auto", "GPU data path: auto (when torch sees a GPU) or off (CPU layouts only).",
+                     choices=("auto", "off"))
+    cuda_impl: str = _opt("auto", "Device copies: kernel (native gather/scatter), torch (index_select fallback) "
+                                  "or auto (kernel once built, torch meanwhile).", choices=("auto", "kernel", "torch"))
+    cuda_staging_mb: int = _opt(64, "Device staging slot per copy lane, in MiB.", min=1, max=4096)
+    cuda_staging_slots: int = _opt(3, "Staging slots per copy lane (at least 2: one fills while one drains).",
+                                   min=2, max=64)
+    native_cache: str = _opt("~/.cache/tierd/native", "Folder where the native kernels are built and cached.")
+    native_build: bool = _opt(True, "Build the native gather/scatter kernels on first use (off: torch fallback only).")
 
     def __post_init__(self):
         if self.socket is None:
@@ -49,6 +58,9 @@ class Settings:
                 raise ValueError(f"--{_flag(f.name)} must be >= {lo}, got {value}")
             if hi is not None and value > hi:
                 raise ValueError(f"--{_flag(f.name)} must be <= {hi}, got {value}")
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ValueError(f"--{_flag(f.name)} must be one of {', '.join(choices)}, got {value!r}")
         if self.l1_align_bytes & (self.l1_align_bytes - 1):
             raise ValueError(f"--l1-align-bytes must be a power of two, got {self.l1_align_bytes}")
         if self.l1_init_size_gb > self.l1_size_gb:

@@ -1,5 +1,6 @@
-"""The daemon: one ROUTER socket, a single-threaded main loop that owns all metadata, transfer
-threads for the copies, and an HTTP thread for operators.
+"""The daemon: one ROUTER socket and a single-threaded main loop that receives, decodes, dispatches,
+submits copies and replies. State lives in the registry and the pool; handlers (tierd.handlers)
+decide; copies run on transfer lanes; an HTTP thread serves operators from a status snapshot.
 
 Every request gets exactly one reply: a success body or a typed error. A handler that raises is
 answered INTERNAL with the exception text; a copy that raises is answered DEVICE_ERROR.
@@ -10,26 +11,24 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import queue
 import signal
 import stat
-import threading
 import time
-from concurrent.futures import Future
-from types import SimpleNamespace
+import uuid
 
 import zmq
 
-from tierd import __version__
+from tierd import __version__, handlers
 from tierd.config import Settings
-from tierd.ops import PENDING, Job, Ops
+from tierd.handlers import Call, Job, Tier
 from tierd.pool.pool import Pool
-from tierd.protocol import codec
+from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
-from tierd.sessions import Instance, LeaseTable, Session
-from tierd.stats import COUNTERS, Stats
-from tierd.transfer.engine import READ_LANE, TransferEngine
+from tierd.registry import Registry
+from tierd.stats import Stats
+from tierd.status import StatusBoard, build_status
+from tierd.transfer.engine import TransferEngine
 
 log = logging.getLogger("tierd")
 
@@ -40,13 +39,16 @@ HOUSEKEEPING_S = 0.2
 # no reference cycles).
 GC_FREEZE_S = 5.0
 SHUTDOWN_GRACE_S = 8.0
+RECV_BURST = 256  # requests taken per wake-up before copies are finished and housekeeping runs
+NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
+SESSIONLESS_OPS = ("HELLO",)
 
 
 class Daemon:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.stats = Stats()
-        self.cuda = _cuda_support()
+        self.cuda = _cuda_support(settings)
         self.pool = Pool(
             settings.ceiling_bytes,
             settings.initial_bytes,
@@ -54,26 +56,26 @@ class Daemon:
             settings.l1_segment_mb << 20,
             pinner=self.cuda.pinner() if self.cuda else None,
         )
-        self.sessions: dict[bytes, Session] = {}
-        self.instances: dict[str, Instance] = {}
-        self.namespaces: dict[bytes, object] = {}  # namespace id -> Namespace, as named by REGISTER/LOOKUP
-        self.leases = LeaseTable(self.pool, settings.lease_ttl_s)
         self.xfer = TransferEngine(settings.workers)
-        self.ops = Ops(self)
+        self.registry = Registry(self.pool, self.xfer, settings.lease_ttl_s, settings.heartbeat_timeout_s)
+        self.boot_id = uuid.uuid4().hex
+        self.tier = Tier(self.registry, self.pool, self.stats, settings, self.boot_id, self._open_memory,
+                         self.status)
         self.stopping = False
         self._next_freeze = 0.0
+        self.board = StatusBoard()  # the last /status, for the HTTP thread
         self.http = None
         self.http_port: int | None = None
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._call_r, self._call_w = os.pipe()
-        os.set_blocking(self._call_r, False)
+        self._stop_r, self._stop_w = os.pipe()
+        os.set_blocking(self._stop_r, False)
         self.ctx = zmq.Context.instance()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 1000)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.router.setsockopt(zmq.MAXMSGSIZE, max(4 * settings.max_frame_bytes, 256 << 20))
+        # per part: a frame up to twice the limit is read and answered TOO_LARGE; beyond, the peer is dropped
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.max_frame_bytes)
         self._bind()
-        self.stats.install(self.status)
+        self.stats.install(self.board.ask)  # /metrics is scraped on the HTTP thread: ask the main loop
 
     # ---- setup ----------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -94,10 +96,12 @@ class Daemon:
             return
         from tierd.http.server import start_http_server
 
-        self.http = start_http_server(self, self.settings.http_host, self.settings.http_port)
+        self.board.publish(self.status())
+        self.http = start_http_server(self.board, self.stats.registry, self.settings.http_host,
+                                      self.settings.http_port)
         self.http_port = self.http.server_address[1]
 
-    def open_memory(self, layout: PageLayout):
+    def _open_memory(self, layout: PageLayout):
         if layout.device == "cpu":
             from tierd.transfer.cpu import CpuRankMemory
 
@@ -106,54 +110,23 @@ class Daemon:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, "a cuda layout was registered but this daemon has no CUDA")
         return self.cuda.rank_memory(layout)
 
-    # ---- state changes used by handlers -------------------------------------------------------
-    def unregister(self, inst_id: str) -> None:
-        inst = self.instances.pop(inst_id, None)
-        if inst is None:
-            return
-        inst.closed = True
-        session = self.sessions.get(inst.session)
-        if session is not None:
-            session.instances.discard(inst_id)
-        self.xfer.detach(inst_id, last=inst.memory.close)  # unmapped after its queued copies
-        log.info("unregistered %s", inst_id)
-
-    def drop_session(self, identity: bytes, reason: str) -> None:
-        session = self.sessions.pop(identity, None)
-        if session is None:
-            return
-        for lease_id in list(session.leases):
-            self.leases.release(lease_id, self.sessions)
-        for inst_id in list(session.instances):
-            self.unregister(inst_id)
-        log.info("session %s (%s pid %d) dropped: %s", identity.hex()[:12], session.name, session.pid, reason)
-
-    def submit(self, job: Job, fn) -> None:
-        job.instance.inflight += 1
-        lane = job.instance.id
-        if job.op == "RETRIEVE" and getattr(job.instance.memory, "duplex", False):
-            lane += READ_LANE
-        self.xfer.submit(lane, fn, job)
-
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.xfer.wake_r, zmq.POLLIN)
-        poller.register(self._call_r, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        poller.register(self.board.wake_r, zmq.POLLIN)
         next_house = time.monotonic()
         stop_deadline = None
-        log.info(
-            "tierd %s serving %s (pool ceiling %.2f GiB, backed %.2f GiB%s)",
-            __version__, self.settings.socket, self.pool.configured_bytes / 2**30, self.pool.backed_bytes / 2**30,
-            ", pinned" if self.cuda else "",
-        )
+        log.info("tierd %s serving %s (pool ceiling %.2f GiB, backed %.2f GiB%s)", __version__, self.settings.socket,
+                 self.pool.configured_bytes / 2**30, self.pool.backed_bytes / 2**30, ", pinned" if self.cuda else "")
         while True:
             for sock, _ in poller.poll(int(HOUSEKEEPING_S * 1000)):
                 if sock is self.router:
                     self._recv_burst()
-                elif sock == self._call_r:
-                    self._run_calls()
+                elif sock == self.board.wake_r:
+                    self.board.answer(self.status)
             self._finish_jobs()
             now = time.monotonic()
             if now >= next_house:
@@ -163,7 +136,6 @@ class Daemon:
                 stop_deadline = stop_deadline or now + SHUTDOWN_GRACE_S
                 if self.xfer.inflight == 0 or now > stop_deadline:
                     break
-        self._finish_jobs()
         self.close()
 
     def stop(self, *_args) -> None:
@@ -171,8 +143,9 @@ class Daemon:
         if not self.stopping:
             log.info("stopping: finishing %d in-flight copies", self.xfer.inflight)
         self.stopping = True
+        self.board.stopping = True
         try:
-            os.write(self._call_w, b"s")
+            os.write(self._stop_w, b"s")
         except OSError:
             pass
 
@@ -181,34 +154,29 @@ class Daemon:
         signal.signal(signal.SIGINT, self.stop)
 
     def _recv_burst(self) -> None:
-        for _ in range(256):
+        for _ in range(RECV_BURST):
             try:
                 parts = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(parts) < 2:
+            if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours to echo
+                self._error([parts[0]], 0, ErrorCode.BAD_REQUEST, f"a request is one frame, got {len(parts) - 1}", "?")
                 continue
-            self._on_request(parts[:-1], parts[-1])
+            self._on_request(parts[:1], parts[1])
 
     def _on_request(self, envelope: list[bytes], frame: bytes) -> None:
         t0 = time.perf_counter()
         req_id, op = 0, "?"
         try:
-            op, req_id, body = codec.decode_request(frame, self.settings.max_frame_bytes)
-            handler = self.ops.table.get(op)
-            if handler is None:
-                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
-            if self.stopping and op not in ("PING", "STATUS"):
+            op, req_id, body = codec.split_request(frame, self.settings.max_frame_bytes)
+            msg = messages.decode(op, body)
+            if self.stopping and op not in NO_STATE_OPS:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             identity = envelope[0]
-            session = self.sessions.get(identity)
-            if op != "HELLO":
-                if session is None:
-                    raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "send HELLO first (the daemon may have restarted)")
-                session.last_seen = time.monotonic()
-            ctx = SimpleNamespace(envelope=envelope, req_id=req_id, t0=t0)
-            result = handler(identity, session, body, ctx)
-            if result is PENDING:
+            session = None if op in SESSIONLESS_OPS else self.registry.session(identity)
+            result = handlers.HANDLERS[op](self.tier, Call(identity, session, envelope, req_id, t0), msg)
+            if isinstance(result, Job):
+                self.xfer.submit(result.lane, result.run, result)
                 return
             self._send(envelope, codec.encode_reply(req_id, result))
             self.stats.observe(op, time.perf_counter() - t0)
@@ -231,120 +199,44 @@ class Daemon:
 
     def _finish_jobs(self) -> None:
         for job, _result, exc in self.xfer.drain():
-            job.instance.inflight -= 1
+            call = job.call
+            if exc is not None and not isinstance(exc, handlers.Expired):
+                log.error("%s copy for %s failed: %r", job.op, job.instance.id, exc)
             try:
-                if job.op == "STORE":
-                    body, err = self.ops.finish_store(job, exc)
-                else:
-                    body, err = self.ops.finish_retrieve(job, exc)
+                body = job.finish(self.tier, exc)
+            except ProtocolError as err:
+                self._error(call.envelope, call.req_id, err.code, err.message, job.op)
+                continue
             except Exception as e:  # noqa: BLE001 - still answer
                 log.exception("finishing %s raised", job.op)
-                body, err = None, ProtocolError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-            if exc is not None:
-                log.error("%s copy for %s failed: %r", job.op, job.instance.id, exc)
-            if err is not None:
-                self._error(job.envelope, job.req_id, err.code, err.message, job.op)
-            else:
-                self._send(job.envelope, codec.encode_reply(job.req_id, body))
-                self.stats.observe(job.op, time.perf_counter() - job.t0, job.nbytes)
+                self._error(call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", job.op)
+                continue
+            self._send(call.envelope, codec.encode_reply(call.req_id, body))
+            self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
 
     def _housekeeping(self, now: float) -> None:
         if now >= self._next_freeze:
             gc.freeze()
             self._next_freeze = now + GC_FREEZE_S
-        live = {inst.ns for inst in self.instances.values()}
-        for ns_id in [n for n in self.namespaces if n not in live and not self.pool.per_ns.get(n)]:
-            del self.namespaces[ns_id]
-        expired = self.leases.expire(now, self.sessions)
+        reaped, expired = self.registry.reap(now)
         if expired:
             self.stats.add("leases_expired", expired)
-        limit = self.settings.heartbeat_timeout_s
-        for identity, session in list(self.sessions.items()):
-            if now - session.last_seen > limit:
-                self.stats.add("leases_expired", len(session.leases))
-                self.stats.add("sessions_reaped")
-                self.drop_session(identity, reason=f"no message for {limit:g} s")
-
-    # ---- calls from other threads (HTTP) ----------------------------------------------------------
-    def call(self, fn, timeout: float = 5.0):
-        """Run ``fn`` on the main loop (which owns all state) and return its result."""
-        if threading.current_thread() is threading.main_thread() or self.stopping:
-            return fn()
-        fut: Future = Future()
-        self._calls.put((fn, fut))
-        os.write(self._call_w, b"c")
-        return fut.result(timeout)
-
-    def _run_calls(self) -> None:
-        try:
-            while os.read(self._call_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # noqa: BLE001
-                fut.set_exception(exc)
+        if reaped:
+            self.stats.add("sessions_reaped", reaped)
 
     # ---- status ------------------------------------------------------------------------------------
     def status(self) -> dict:
-        pool, counts = self.pool, self.stats.counts
-        with pool.lock:
-            out = {
-                "version": __version__,
-                "boot_id": self.ops.boot_id,
-                "pid": os.getpid(),
-                "uptime_s": round(time.time() - self.stats.started, 3),
-                "socket": self.settings.socket,
-                "cuda": bool(self.cuda),
-                "memory_configured_bytes": pool.configured_bytes,
-                "memory_total_bytes": pool.backed_bytes,
-                "memory_used_bytes": pool.used_bytes,
-                "memory_pinned_bytes": self.cuda.pinned_bytes if self.cuda else 0,
-                "objects": pool.objects,
-                "group_objects": dict(pool.per_group),
-                "evictions": pool.evictions,
-                "namespaces": [
-                    {**ns.to_wire(), "objects": pool.per_ns[ns_id]}
-                    for ns_id, ns in self.namespaces.items()
-                    if pool.per_ns.get(ns_id)
-                ],
-            }
-        out.update({name: counts.get(name, 0) for name, _ in COUNTERS if name != "evictions"})
-        now = time.monotonic()
-        if self.cuda:
-            out["cuda_detail"] = self.cuda.status()
-        out["errors_by_code"] = dict(self.stats.errors_by_code)
-        out["leases_active"] = len(self.leases.leases)
-        out["gc_frozen_objects"] = gc.get_freeze_count()
-        out["sessions"] = len(self.sessions)
-        out["instances"] = [
-            {
-                "instance": inst.id,
-                "model": inst.layout.namespace.model,
-                "namespace": inst.layout.namespace.to_wire(),
-                "rank": inst.layout.rank,
-                "device": inst.layout.device,
-                "groups": [g.spec.kind.value for g in inst.layout.groups],
-                "last_heartbeat_s_ago": round(now - self.sessions[inst.session].last_seen, 3)
-                if inst.session in self.sessions
-                else None,
-            }
-            for inst in list(self.instances.values())
-        ]
-        return out
+        return build_status(self)
 
     # ---- shutdown ----------------------------------------------------------------------------------
     def close(self) -> None:
-        for inst_id in list(self.instances):
-            self.unregister(inst_id)
-        self.xfer.close()  # waits for every queued copy, then each gets its reply
+        """Copies first (each answered), then the ranks' memory, then the pool they copied into."""
+        self.xfer.close()  # waits for every queued copy
         self._finish_jobs()
+        self.board.publish(self.status())
+        self.board.close()  # HTTP asks from here on get the last status
+        for inst_id in list(self.registry.instances):
+            self.registry.unregister(inst_id)  # lanes are gone: the memory is closed at once
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
@@ -353,8 +245,8 @@ class Daemon:
         if path and os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
             os.unlink(path)
         self.pool.close()
-        os.close(self._call_r)
-        os.close(self._call_w)
+        os.close(self._stop_r)
+        os.close(self._stop_w)
         log.info("stopped")
 
 
@@ -370,12 +262,12 @@ def _endpoint_alive(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> b
         sock.close()
 
 
-def _cuda_support():
-    """The CUDA data path when torch sees a GPU, else None (CPU-only daemon)."""
-    if os.environ.get("TIERD_DISABLE_CUDA") == "1":
+def _cuda_support(settings: Settings):
+    """The CUDA data path when torch sees a GPU (and --cuda is not off), else None."""
+    if settings.cuda == "off":
         return None
     try:
         from tierd.transfer import cuda
     except ImportError:
         return None
-    return cuda.detect()
+    return cuda.detect(settings)

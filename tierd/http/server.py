@@ -6,17 +6,14 @@ import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-if TYPE_CHECKING:
-    from tierd.server import Daemon
 
 log = logging.getLogger("tierd.http")
 
 
-def start_http_server(daemon: "Daemon", host: str, port: int) -> ThreadingHTTPServer:
+def start_http_server(board, metrics, host: str, port: int) -> ThreadingHTTPServer:
+    """Serve ``board`` (a tierd.status.StatusBoard) and the Prometheus registry ``metrics``."""
     class Handler(BaseHTTPRequestHandler):
         server_version = "tierd"
 
@@ -24,11 +21,11 @@ def start_http_server(daemon: "Daemon", host: str, port: int) -> ThreadingHTTPSe
             path = self.path.split("?", 1)[0]
             try:
                 if path == "/status":
-                    self._send(200, "application/json", json.dumps(daemon.call(daemon.status), indent=1).encode())
+                    self._send(200, "application/json", json.dumps(board.ask(), indent=1).encode())
                 elif path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, daemon.call(lambda: generate_latest(daemon.stats.registry)))
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(metrics))
                 elif path == "/healthz":
-                    if daemon.stopping:
+                    if board.stopping:
                         self._send(503, "text/plain", b"stopping\n")
                     else:
                         self._send(200, "text/plain", b"ok\n")

@@ -3,6 +3,11 @@
 Request frame: ``[op: str, req_id: int, body: map]``.
 Reply frame:   ``[req_id: int, ok: bool, body: map]``; when ``ok`` is false the body is
 ``{"code": <ErrorCode name>, "message": str}``.
+
+The daemon splits a request frame into its op, its req_id and the body's raw bytes (no Python
+object is built for the body here); ``messages.decode`` then turns the body into its typed
+request in one pass. A frame that does not split still gets its req_id back when its head is
+readable, so the error reaches the caller waiting on it.
 """
 
 from __future__ import annotations
@@ -10,12 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import msgspec
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
 
-# Limits handed to msgpack so a hostile frame cannot make the decoder allocate without bound.
-_MAX_CONTAINER = 1 << 20
 _PEEK_BYTES = 4096  # how much of an undecodable frame is read to find its req_id
+_MAX_CONTAINER = 1 << 20  # plain (untyped) decoding: the client side and tools
+_MAX_REQ_ID = (1 << 63) - 1
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -23,23 +32,17 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return _encoder.encode(obj)
 
 
 def unpack(frame: bytes, max_bytes: int) -> Any:
+    """Plain decoding with bounded containers (replies on the client side, tools)."""
     if len(frame) > max_bytes:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
         return msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_reject_ext,
-            max_bin_len=max_bytes,
-            max_str_len=max_bytes,
-            max_array_len=_MAX_CONTAINER,
-            max_map_len=_MAX_CONTAINER,
-            max_ext_len=0,
+            frame, raw=False, strict_map_key=True, ext_hook=_reject_ext, max_bin_len=max_bytes, max_str_len=max_bytes,
+            max_array_len=_MAX_CONTAINER, max_map_len=_MAX_CONTAINER, max_ext_len=0,
         )
     except ProtocolError:
         raise
@@ -47,13 +50,12 @@ def unpack(frame: bytes, max_bytes: int) -> Any:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {type(exc).__name__}: {exc}") from None
 
 
-def encode_request(op: str, req_id: int, body: dict) -> bytes:
-    return pack([op, req_id, body])
+def encode_request(op: str, req_id: int, body: Any) -> bytes:
+    return _encoder.encode((op, req_id, body))
 
 
 def _peek_req_id(frame: bytes) -> int | None:
-    """The req_id of a frame that does not decode whole (too large, a bad body), read from its
-    head alone, so that the error still reaches the caller waiting on it."""
+    """The req_id of a frame that does not split, read from its head alone."""
     unpacker = msgpack.Unpacker(raw=False, ext_hook=_reject_ext, max_buffer_size=_PEEK_BYTES)
     unpacker.feed(frame[:_PEEK_BYTES])
     try:
@@ -63,36 +65,44 @@ def _peek_req_id(frame: bytes) -> int | None:
         req_id = unpacker.unpack()
     except Exception:  # noqa: BLE001 - any failure just means "not recoverable"
         return None
-    if isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 2**63:
+    if isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id <= _MAX_REQ_ID:
         return req_id
     return None
 
 
-def decode_request(frame: bytes, max_bytes: int) -> tuple[str, int, dict]:
-    """Decode a request frame. Raises ProtocolError; ``req_id`` is recovered when possible."""
+def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
+    """``(op, req_id, raw body)`` of a request frame; raises ProtocolError (req_id set when known)."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}",
+                            req_id=_peek_req_id(frame))
     try:
-        msg = unpack(frame, max_bytes)
-    except ProtocolError as exc:
-        exc.req_id = _peek_req_id(frame)
-        raise
-    if not isinstance(msg, list) or len(msg) != 3:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "a request is a 3-element array [op, req_id, body]")
-    op, req_id, body = msg
-    if not isinstance(req_id, int) or isinstance(req_id, bool) or not 0 <= req_id < 2**63:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be a non-negative integer")
-    if not isinstance(op, str):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "op must be a string", req_id=req_id)
-    if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "body must be a map", req_id=req_id)
+        op, req_id, body = _envelope.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a request is a 3-element array [op: str, req_id: int, body: map]:"
+                            f" {exc}", req_id=_peek_req_id(frame)) from None
+    if not 0 <= req_id <= _MAX_REQ_ID:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be a non-negative 63-bit integer")
     return op, req_id, body
 
 
-def encode_reply(req_id: int, body: dict) -> bytes:
-    return pack([req_id, True, body])
+def decode_request(frame: bytes, max_bytes: int):
+    """``(op, req_id, typed request)``: the edge's one step (see tierd.protocol.messages)."""
+    from tierd.protocol import messages
+
+    op, req_id, body = split_request(frame, max_bytes)
+    try:
+        return op, req_id, messages.decode(op, body)
+    except ProtocolError as exc:
+        exc.req_id = req_id
+        raise
+
+
+def encode_reply(req_id: int, body: Any) -> bytes:
+    return _encoder.encode((req_id, True, body))
 
 
 def encode_error(req_id: int, code: ErrorCode, message: str) -> bytes:
-    return pack([req_id, False, {"code": code.name, "message": message}])
+    return _encoder.encode((req_id, False, {"code": code.name, "message": message}))
 
 
 def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, bool, dict]:

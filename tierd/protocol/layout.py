@@ -11,20 +11,54 @@ A layer of a group is described by where block ``b`` lives in a registered tenso
 
 which covers block-contiguous layouts (runs == 1), head-outer layouts (one run per head) and
 kernel blocks smaller than manager blocks (block_stride spans several kernel blocks).
+
+These are msgspec Structs: a REGISTER or LOOKUP body is decoded straight into them, every type
+and range checked on the way in (``BAD_REQUEST``, with the field's path), and the geometry that
+spans several fields (bytes inside their tensor, runs that do not overlap, chunks that end on a
+block boundary) checked once the layout is whole (``LAYOUT_INVALID``).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from tierd.protocol import fields as f
+import msgspec
+from msgspec import Meta
+
 from tierd.protocol.errors import ErrorCode, ProtocolError
 
 MAX_TENSORS = 4096
 MAX_GROUPS = 64
 MAX_LAYERS = 1024
 MAX_BLOCKS_PER_CHUNK = 4096
+MAX_NAME = 256
+MAX_WORLD = 4096
+MAX_CHUNK_TOKENS = 1 << 24
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_WINDOW_TOKENS = 1 << 30
+MAX_BYTES = 1 << 50
+
+Name = Annotated[str, Meta(max_length=MAX_NAME, pattern="^[^\x00]*$")]
+NonEmptyName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME, pattern="^[^\x00]*$")]
+ByteOffset = Annotated[int, Meta(ge=0, le=MAX_BYTES)]
+ByteCount = Annotated[int, Meta(ge=1, le=MAX_BYTES)]
+ChunkTokens = Annotated[int, Meta(ge=1, le=MAX_CHUNK_TOKENS)]
+
+
+def invalid(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.LAYOUT_INVALID, msg)
+
+
+class Wire(msgspec.Struct, frozen=True):
+    """Base of the layout's parts: ``from_wire`` decodes plain data (tests, tools) with the edge's
+    checks and error codes."""
+
+    @classmethod
+    def from_wire(cls, m: object, path: str = ""):
+        from tierd.protocol.messages import convert
+
+        return convert(m, cls, path)
 
 
 class GroupKind(str, enum.Enum):
@@ -33,47 +67,26 @@ class GroupKind(str, enum.Enum):
     STATE = "state"  # recurrent state (mamba, linear attention): only the state at the hit boundary
 
 
-@dataclass(frozen=True, slots=True)
-class Namespace:
-    model: str
-    fingerprint: str
-    world_size: int
-    salt: str = ""
-
-    @classmethod
-    def from_wire(cls, m: object, path: str = "namespace") -> "Namespace":
-        m = f.as_map(m, path)
-        return cls(
-            model=f.as_str(f.get(m, "model", path), f"{path}.model", allow_empty=False),
-            fingerprint=f.as_str(f.get(m, "fingerprint", path), f"{path}.fingerprint"),
-            world_size=f.as_int(f.get(m, "world_size", path), f"{path}.world_size", 1, 4096),
-            salt=f.as_str(f.get(m, "salt", path, ""), f"{path}.salt"),
-        )
+class Namespace(Wire, frozen=True):
+    model: NonEmptyName
+    fingerprint: Name
+    world_size: Annotated[int, Meta(ge=1, le=MAX_WORLD)]
+    salt: Name = ""
 
     def to_wire(self) -> dict:
-        return {"model": self.model, "fingerprint": self.fingerprint, "world_size": self.world_size, "salt": self.salt}
+        return msgspec.structs.asdict(self)
 
 
-@dataclass(frozen=True, slots=True)
-class GroupSpec:
+class GroupSpec(Wire, frozen=True):
     """What LOOKUP needs to know of a group to decide servability."""
 
     kind: GroupKind
-    block_tokens: int
-    window_tokens: int = 0  # SLIDING only
+    block_tokens: Annotated[int, Meta(ge=1, le=MAX_BLOCK_TOKENS)]
+    window_tokens: Annotated[int, Meta(ge=0, le=MAX_WINDOW_TOKENS)] = 0  # SLIDING only
 
-    @classmethod
-    def from_wire(cls, m: object, path: str) -> "GroupSpec":
-        m = f.as_map(m, path)
-        kind = GroupKind(f.as_choice(f.get(m, "kind", path), f"{path}.kind", tuple(k.value for k in GroupKind)))
-        spec = cls(
-            kind=kind,
-            block_tokens=f.as_int(f.get(m, "block_tokens", path), f"{path}.block_tokens", 1, 1 << 20),
-            window_tokens=f.as_int(f.get(m, "window_tokens", path, 0), f"{path}.window_tokens", 0, 1 << 30),
-        )
-        if kind is GroupKind.SLIDING and spec.window_tokens < 1:
-            raise f.bad(f"{path}.window_tokens", "a sliding group needs window_tokens >= 1")
-        return spec
+    def __post_init__(self):
+        if self.kind is GroupKind.SLIDING and self.window_tokens < 1:
+            raise ValueError("a sliding group needs window_tokens >= 1")
 
     def to_wire(self) -> dict:
         return {"kind": self.kind.value, "block_tokens": self.block_tokens, "window_tokens": self.window_tokens}
@@ -88,12 +101,9 @@ class GroupSpec:
         # Every kind: a chunk boundary must be a block boundary. For a state group this is what
         # makes "the state at the end of the chunk" exist: an engine keeps states at block ends.
         if chunk_tokens % self.block_tokens:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_INVALID,
-                f"{path}: chunk_tokens {chunk_tokens} is not a multiple of block_tokens {self.block_tokens}",
-            )
+            raise invalid(f"{path}: chunk_tokens {chunk_tokens} is not a multiple of block_tokens {self.block_tokens}")
         if self.blocks_per_chunk(chunk_tokens) > MAX_BLOCKS_PER_CHUNK:
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{path}: more than {MAX_BLOCKS_PER_CHUNK} blocks per chunk")
+            raise invalid(f"{path}: more than {MAX_BLOCKS_PER_CHUNK} blocks per chunk")
 
     def needed_mask(self, chunk_index: int, boundary: int, chunk_tokens: int) -> int:
         """Bitmask of this chunk's blocks a hit of ``boundary`` chunks needs (0 = not needed)."""
@@ -108,12 +118,9 @@ class GroupSpec:
         end = boundary * chunk_tokens
         start = max(0, end - self.window_tokens + 1)
         chunk_start = chunk_index * chunk_tokens
-        mask = 0
-        for b in range(bpc):
-            b_start = chunk_start + b * self.block_tokens
-            if b_start + self.block_tokens > start and b_start < end:
-                mask |= 1 << b
-        return mask
+        first = max(0, (start - chunk_start) // self.block_tokens)
+        last = min(bpc, -(-(end - chunk_start) // self.block_tokens))
+        return ((1 << last) - 1) & ~((1 << first) - 1) if last > first else 0
 
     def lookback_chunks(self, chunk_tokens: int) -> int:
         """How many chunks before a boundary this group can need (FULL: all)."""
@@ -124,15 +131,18 @@ class GroupSpec:
         return 1 << 62
 
 
-@dataclass(frozen=True, slots=True)
-class LayerSpan:
-    tensor: int
-    offset: int
-    block_stride: int
-    num_blocks: int
-    runs: int
-    run_stride: int
-    run_bytes: int
+class LayerSpan(Wire, frozen=True):
+    tensor: Annotated[int, Meta(ge=0, lt=MAX_TENSORS)]
+    offset: ByteOffset
+    block_stride: ByteCount
+    num_blocks: Annotated[int, Meta(ge=1, le=1 << 32)]
+    run_bytes: ByteCount
+    runs: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
+    run_stride: ByteOffset = 0
+
+    def __post_init__(self):
+        if self.runs > 1 and self.run_stride < self.run_bytes:
+            raise invalid("runs overlap (run_stride < run_bytes)")
 
     @property
     def block_bytes(self) -> int:
@@ -143,40 +153,26 @@ class LayerSpan:
         """One past the last byte any block of this layer touches."""
         return self.offset + (self.num_blocks - 1) * self.block_stride + (self.runs - 1) * self.run_stride + self.run_bytes
 
-    @classmethod
-    def from_wire(cls, m: object, path: str) -> "LayerSpan":
-        m = f.as_map(m, path)
-        big = 1 << 50
-        span = cls(
-            tensor=f.as_int(f.get(m, "tensor", path), f"{path}.tensor", 0, MAX_TENSORS - 1),
-            offset=f.as_int(f.get(m, "offset", path), f"{path}.offset", 0, big),
-            block_stride=f.as_int(f.get(m, "block_stride", path), f"{path}.block_stride", 1, big),
-            num_blocks=f.as_int(f.get(m, "num_blocks", path), f"{path}.num_blocks", 1, 1 << 32),
-            runs=f.as_int(f.get(m, "runs", path, 1), f"{path}.runs", 1, 1 << 16),
-            run_stride=f.as_int(f.get(m, "run_stride", path, 0), f"{path}.run_stride", 0, big),
-            run_bytes=f.as_int(f.get(m, "run_bytes", path), f"{path}.run_bytes", 1, big),
-        )
-        if span.runs > 1 and span.run_stride < span.run_bytes:
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{path}: runs overlap (run_stride < run_bytes)")
-        return span
-
     def to_wire(self) -> dict:
-        return {
-            "tensor": self.tensor,
-            "offset": self.offset,
-            "block_stride": self.block_stride,
-            "num_blocks": self.num_blocks,
-            "runs": self.runs,
-            "run_stride": self.run_stride,
-            "run_bytes": self.run_bytes,
-        }
+        return msgspec.structs.asdict(self)
 
 
-@dataclass(frozen=True, slots=True)
-class GroupLayout:
-    spec: GroupSpec
-    dtype: str
-    layers: tuple[LayerSpan, ...]
+class GroupLayout(Wire, frozen=True):
+    kind: GroupKind
+    block_tokens: Annotated[int, Meta(ge=1, le=MAX_BLOCK_TOKENS)]
+    layers: Annotated[tuple[LayerSpan, ...], Meta(min_length=1, max_length=MAX_LAYERS)]
+    window_tokens: Annotated[int, Meta(ge=0, le=MAX_WINDOW_TOKENS)] = 0
+    dtype: Annotated[str, Meta(max_length=64)] = ""
+
+    def __post_init__(self):
+        if len({layer.block_bytes for layer in self.layers}) != 1:
+            raise invalid("layers of one group must have equal block bytes")
+        if self.kind is GroupKind.SLIDING and self.window_tokens < 1:
+            raise ValueError("a sliding group needs window_tokens >= 1")
+
+    @property
+    def spec(self) -> GroupSpec:
+        return GroupSpec(self.kind, self.block_tokens, self.window_tokens)
 
     @property
     def block_bytes(self) -> int:
@@ -189,72 +185,51 @@ class GroupLayout:
     def num_blocks(self) -> int:
         return min(layer.num_blocks for layer in self.layers)
 
-    @classmethod
-    def from_wire(cls, m: object, path: str) -> "GroupLayout":
-        m = f.as_map(m, path)
-        layers = tuple(
-            LayerSpan.from_wire(x, f"{path}.layers[{i}]")
-            for i, x in enumerate(f.as_list(f.get(m, "layers", path), f"{path}.layers", MAX_LAYERS, 1))
-        )
-        if len({layer.block_bytes for layer in layers}) != 1:
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{path}: layers of one group must have equal block bytes")
-        return cls(
-            spec=GroupSpec.from_wire(m, path),
-            dtype=f.as_str(f.get(m, "dtype", path, ""), f"{path}.dtype", 64),
-            layers=layers,
-        )
-
     def to_wire(self) -> dict:
         return {**self.spec.to_wire(), "dtype": self.dtype, "layers": [x.to_wire() for x in self.layers]}
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    handle: dict  # transport-specific: {"kind": "shm", "path": ...} or {"kind": "cuda_ipc", ...}
-    nbytes: int
+class ShmHandle(msgspec.Struct, frozen=True, tag="shm", tag_field="kind"):
+    """A file under /dev/shm the engine's tensor lives in, at ``offset``."""
 
-    @classmethod
-    def from_wire(cls, m: object, path: str) -> "TensorRef":
-        m = f.as_map(m, path)
-        handle = f.as_map(f.get(m, "handle", path), f"{path}.handle")
-        f.as_choice(f.get(handle, "kind", f"{path}.handle"), f"{path}.handle.kind", ("shm", "cuda_ipc"))
-        return cls(handle=handle, nbytes=f.as_int(f.get(m, "nbytes", path), f"{path}.nbytes", 1, 1 << 50))
+    path: Annotated[str, Meta(min_length=1, max_length=4096, pattern="^[^\x00]*$")]
+    offset: ByteOffset = 0
+
+
+# torch's untyped_storage()._share_cuda_(): device, handle, size, offset, ref counter handle,
+# ref counter offset, event handle, event sync
+IpcFields = tuple[int, Annotated[bytes, Meta(max_length=4096)], int, int, Annotated[bytes, Meta(max_length=4096)],
+                  int, Annotated[bytes, Meta(max_length=4096)], bool]
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind"):
+    """A CUDA IPC handle of the engine's storage on the GPU with ``device_uuid``."""
+
+    device_uuid: NonEmptyName
+    ipc: IpcFields
+
+
+class TensorRef(Wire, frozen=True):
+    handle: ShmHandle | CudaIpcHandle
+    nbytes: ByteCount
 
     def to_wire(self) -> dict:
-        return {"handle": self.handle, "nbytes": self.nbytes}
+        return {"handle": msgspec.to_builtins(self.handle), "nbytes": self.nbytes}
 
 
-@dataclass(frozen=True, slots=True)
-class PageLayout:
+class PageLayout(Wire, frozen=True):
     namespace: Namespace
-    rank: int
-    replicated: bool  # one copy serves every rank (MLA); only rank 0's bytes are stored
-    chunk_tokens: int
-    device: str  # "cpu" or "cuda"
-    tensors: tuple[TensorRef, ...]
-    groups: tuple[GroupLayout, ...]
+    rank: Annotated[int, Meta(ge=0)]
+    chunk_tokens: ChunkTokens
+    tensors: Annotated[tuple[TensorRef, ...], Meta(min_length=1, max_length=MAX_TENSORS)]
+    groups: Annotated[tuple[GroupLayout, ...], Meta(min_length=1, max_length=MAX_GROUPS)]
+    replicated: bool = False  # one copy serves every rank (MLA); only rank 0's bytes are stored
+    device: Literal["cpu", "cuda"] = "cpu"
 
-    @classmethod
-    def from_wire(cls, m: object, path: str = "layout") -> "PageLayout":
-        m = f.as_map(m, path)
-        ns = Namespace.from_wire(f.get(m, "namespace", path), f"{path}.namespace")
-        layout = cls(
-            namespace=ns,
-            rank=f.as_int(f.get(m, "rank", path), f"{path}.rank", 0, ns.world_size - 1),
-            replicated=f.as_bool(f.get(m, "replicated", path, False), f"{path}.replicated"),
-            chunk_tokens=f.as_int(f.get(m, "chunk_tokens", path), f"{path}.chunk_tokens", 1, 1 << 24),
-            device=f.as_choice(f.get(m, "device", path, "cpu"), f"{path}.device", ("cpu", "cuda")),
-            tensors=tuple(
-                TensorRef.from_wire(x, f"{path}.tensors[{i}]")
-                for i, x in enumerate(f.as_list(f.get(m, "tensors", path), f"{path}.tensors", MAX_TENSORS, 1))
-            ),
-            groups=tuple(
-                GroupLayout.from_wire(x, f"{path}.groups[{i}]")
-                for i, x in enumerate(f.as_list(f.get(m, "groups", path), f"{path}.groups", MAX_GROUPS, 1))
-            ),
-        )
-        layout.check(path)
-        return layout
+    def __post_init__(self):
+        if self.rank >= self.namespace.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.namespace.world_size}")
+        self.check()
 
     def check(self, path: str = "layout") -> None:
         """Every byte any block id can address must lie inside its tensor."""
@@ -263,13 +238,10 @@ class PageLayout:
             for li, layer in enumerate(group.layers):
                 where = f"{path}.groups[{gi}].layers[{li}]"
                 if layer.tensor >= len(self.tensors):
-                    raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: tensor index {layer.tensor} out of range")
+                    raise invalid(f"{where}: tensor index {layer.tensor} out of range")
                 nbytes = self.tensors[layer.tensor].nbytes
                 if layer.end > nbytes:
-                    raise ProtocolError(
-                        ErrorCode.LAYOUT_INVALID,
-                        f"{where}: blocks reach byte {layer.end} but the tensor has {nbytes}",
-                    )
+                    raise invalid(f"{where}: blocks reach byte {layer.end} but the tensor has {nbytes}")
 
     @property
     def specs(self) -> tuple[GroupSpec, ...]:

@@ -10,20 +10,19 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.layout import PageLayout, TensorRef
-from tierd.transfer.plan import CopyItem
+from tierd.protocol.layout import PageLayout, ShmHandle, TensorRef
+from tierd.transfer.items import CopyItem
 
 
 class HostTensor:
     """A shared-memory file mapped read-write: ``{"kind": "shm", "path": ..., "offset": ...}``."""
 
     def __init__(self, ref: TensorRef, where: str):
-        path = ref.handle.get("path")
-        offset = ref.handle.get("offset", 0)
-        if not isinstance(path, str) or not path.startswith("/dev/shm/") or ".." in path or "\x00" in path:
+        if not isinstance(ref.handle, ShmHandle):
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm tensor handles")
+        path, offset = ref.handle.path, ref.handle.offset
+        if not path.startswith("/dev/shm/") or ".." in path:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: shm path must be a file under /dev/shm/, got {path!r}")
-        if not isinstance(offset, int) or offset < 0:
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: shm offset must be a non-negative integer")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:

@@ -37,16 +37,14 @@ from collections import OrderedDict
 import numpy as np
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.layout import GroupLayout, PageLayout, TensorRef
+from tierd.protocol.layout import CudaIpcHandle, GroupLayout, PageLayout, TensorRef
 from tierd.transfer import gather, native
 from tierd.transfer.engine import Pending
-from tierd.transfer.plan import CopyItem
+from tierd.transfer.items import CopyItem
 
 log = logging.getLogger("tierd.cuda")
 
 IPC_EVENT_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
-SLOT_BYTES = int(os.environ.get("TIERD_CUDA_STAGING_MB", "64")) << 20
-SLOTS = max(2, int(os.environ.get("TIERD_CUDA_STAGING_SLOTS", "3")))
 MAX_EVENTS = 256
 
 
@@ -54,9 +52,9 @@ def _driver_present() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
-def detect():
+def detect(settings):
     """A CudaSupport when a GPU is usable from this process, else None. Creates no context."""
-    if os.environ.get("TIERD_DISABLE_CUDA") == "1" or not _driver_present():
+    if not _driver_present():
         return None
     try:
         import torch
@@ -64,7 +62,8 @@ def detect():
         return None
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
-    return CudaSupport()
+    native.configure(settings.native_cache, settings.native_build)
+    return CudaSupport(settings.cuda_impl, settings.cuda_staging_mb << 20, settings.cuda_staging_slots)
 
 
 def _invalid(msg: str) -> ProtocolError:
@@ -163,10 +162,13 @@ def _primary_contexts(count: int) -> list[int]:
 
 # ---- the support object the daemon holds -------------------------------------------------------------
 class CudaSupport:
-    def __init__(self):
+    def __init__(self, impl: str = "auto", slot_bytes: int = 64 << 20, slots: int = 3):
         import torch
 
         self.torch = torch
+        self.impl = impl  # auto | kernel | torch
+        self.slot_bytes = slot_bytes
+        self.slots = slots
         self.host = HostPinner()
         self.count = torch.cuda.device_count()
         self._uuids: dict[str, int] | None = None
@@ -219,32 +221,22 @@ class CudaSupport:
             "pinned_bytes": self.host.pinned_bytes,
             "pin_pending_bytes": sum(self.host.pending.values()),
             "pin_failed_bytes": self.host.failed_bytes,
-            "staging_slot_bytes": SLOT_BYTES,
-            "staging_slots": SLOTS,
+            "staging_slot_bytes": self.slot_bytes,
+            "staging_slots": self.slots,
             "lanes": self.lane_stats(),
         }
 
 
 # ---- opening the engine's tensors -----------------------------------------------------------------------
-_IPC_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)
-_IPC_NAMES = ("device", "handle", "storage_bytes", "storage_offset", "ref_counter", "ref_counter_offset", "event", "event_sync")
-
 
 def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
     """Reopen one ``{"kind": "cuda_ipc"}`` handle on the GPU with the same UUID: (storage, device)."""
     torch = support.torch
     h = ref.handle
-    if h.get("kind") != "cuda_ipc":
-        raise _invalid(f"{where}: a cuda layout needs cuda_ipc tensor handles, got {h.get('kind')!r}")
-    uuid, ipc = h.get("device_uuid"), h.get("ipc")
-    if not isinstance(uuid, str) or not uuid:
-        raise _invalid(f"{where}: device_uuid must be the GPU's UUID string")
-    if not isinstance(ipc, list) or len(ipc) != len(_IPC_TYPES):
-        raise _invalid(f"{where}: ipc must be the {len(_IPC_TYPES)} fields of torch's _share_cuda_()")
-    for value, kind, name in zip(ipc, _IPC_TYPES, _IPC_NAMES):
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise _invalid(f"{where}: ipc.{name} must be {kind.__name__}, got {type(value).__name__}")
-    _, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = ipc
+    if not isinstance(h, CudaIpcHandle):
+        raise _invalid(f"{where}: a cuda layout needs cuda_ipc tensor handles, got a {type(h).__name__}")
+    uuid = h.device_uuid
+    _, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = h.ipc
     if size < ref.nbytes or size <= 0 or offset < 0 or rc_offset < 0 or len(handle) > 4096:
         raise _invalid(f"{where}: the shared storage has {size} bytes, the layout declares {ref.nbytes}")
     device = support.device_of(uuid)
@@ -284,17 +276,18 @@ class GroupCopy:
 class Lane:
     """One direction of one rank: kernel stream, copy stream, staging ring, descriptor buffers."""
 
-    def __init__(self, torch, device: int, pinner: HostPinner):
+    def __init__(self, torch, device: int, pinner: HostPinner, slot_bytes: int, slots: int):
         self.torch = torch
         self.device = device
         self.pinner = pinner
         self.kernel = torch.cuda.Stream(device=device)
         self.copy = torch.cuda.Stream(device=device)
-        self.slot_bytes = SLOT_BYTES
+        self.slot_bytes = slot_bytes
+        self.slots = slots
         self.staging = None
-        self.ready = [torch.cuda.Event() for _ in range(SLOTS)]
-        self.free = [torch.cuda.Event() for _ in range(SLOTS)]
-        self.used = [False] * SLOTS
+        self.ready = [torch.cuda.Event() for _ in range(slots)]
+        self.free = [torch.cuda.Event() for _ in range(slots)]
+        self.used = [False] * slots
         self.cursor = 0  # the ring turns across calls, so back-to-back calls overlap too
         self.sm = torch.cuda.get_device_properties(device).multi_processor_count
         self.impl = "none"
@@ -314,8 +307,8 @@ class Lane:
             self.kernel.synchronize()  # earlier calls may still use the old ring
             self.copy.synchronize()
             self.staging = None
-            self.staging = self.torch.empty(SLOTS * self.slot_bytes, dtype=self.torch.uint8, device=self.device)
-            self.used = [False] * SLOTS
+            self.staging = self.torch.empty(self.slots * self.slot_bytes, dtype=self.torch.uint8, device=self.device)
+            self.used = [False] * self.slots
         return self.staging
 
     def _upload(self, desc: np.ndarray):
@@ -393,7 +386,7 @@ class Lane:
         desc = self._upload(plan.desc)
         self.impl = "kernel" if mod is not None and g.kernel_ok else "torch"
         for n, b in enumerate(plan.batches, self.cursor):
-            s = n % SLOTS
+            s = n % self.slots
             slot_ptr = staging.data_ptr() + s * self.slot_bytes
             if self.used[s]:
                 self.kernel.wait_event(self.free[s])
@@ -413,7 +406,7 @@ class Lane:
         desc = self._upload(plan.desc)
         self.impl = "kernel" if mod is not None and g.kernel_ok else "torch"
         for n, b in enumerate(plan.batches, self.cursor):
-            s = n % SLOTS
+            s = n % self.slots
             slot_ptr = staging.data_ptr() + s * self.slot_bytes
             if self.used[s]:
                 self.copy.wait_event(self.free[s])
@@ -442,7 +435,7 @@ class CudaRankMemory:
         self.layout = layout
         self.torch = torch
         self.support = support
-        self.impl = impl or os.environ.get("TIERD_CUDA_IMPL", "auto")  # auto | kernel | torch
+        self.impl = impl or support.impl
         self.storages = []
         device = None
         for i, ref in enumerate(layout.tensors):
@@ -455,8 +448,8 @@ class CudaRankMemory:
         with torch.cuda.device(device):
             flats = [torch.empty(0, dtype=torch.uint8, device=device).set_(s, 0, (s.nbytes(),), (1,)) for s in self.storages]
             self.groups = [GroupCopy(g, flats, torch, device) for g in layout.groups]
-            self.store_lane = Lane(torch, device, support.host)
-            self.load_lane = Lane(torch, device, support.host)
+            self.store_lane = Lane(torch, device, support.host, support.slot_bytes, support.slots)
+            self.load_lane = Lane(torch, device, support.host, support.slot_bytes, support.slots)
         self._events: OrderedDict[bytes, object] = OrderedDict()
 
     def _module(self):

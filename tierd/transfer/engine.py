@@ -43,6 +43,8 @@ class TransferEngine:
         self.workers = workers
         self._shared = [ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{i}") for i in range(workers)]
         self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._every: set[ThreadPoolExecutor] = set()  # lanes not yet retired, joined by close()
+        self._retiring: dict[ThreadPoolExecutor, ThreadPoolExecutor] = {}  # waiter -> its detached lane
         self._waiters: dict[ThreadPoolExecutor, ThreadPoolExecutor] = {}
         self._next = 0
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -61,13 +63,16 @@ class TransferEngine:
             self._lanes[lane] = self._shared[self._next % len(self._shared)]
             self._next += 1
         else:
-            self._lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{lane[:24]}")
+            pool = self._lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{lane[:24]}")
+            self._every.add(pool)
 
     def detach(self, lane: str, last: Callable[[], None] | None = None) -> None:
         """Forget a lane (and its read lane); ``last`` runs after every job already queued on both."""
         read = self._lanes.pop(lane + READ_LANE, None)
         pool = self._lanes.pop(lane, None)
-        if pool is None:
+        if pool is None:  # no lane (closed already): nothing is queued, finish now
+            if last is not None:
+                last()
             return
         if last is not None:
             if read is not None:
@@ -117,10 +122,21 @@ class TransferEngine:
             return waiter
 
     def _drop_waiter(self, pool: ThreadPoolExecutor) -> None:
+        """Runs as a detached lane's last job: retire the lane and, after its queued waits, its waiter."""
         with self._lock:
             waiter = self._waiters.pop(pool, None)
+            if waiter is None:
+                self._every.discard(pool)
+            else:
+                self._retiring[waiter] = pool
         if waiter is not None:
+            waiter.submit(self._retire, waiter)
             waiter.shutdown(wait=False)  # queued waits still run
+
+    def _retire(self, waiter: ThreadPoolExecutor) -> None:
+        with self._lock:
+            pool = self._retiring.pop(waiter, None)
+            self._every.discard(pool)
 
     def _finish(self, job: Any, result: Any, exc: BaseException | None) -> None:
         self._done.put((job, result, exc))
@@ -154,9 +170,16 @@ class TransferEngine:
             return self._idle.wait_for(lambda: self._inflight == 0, timeout)
 
     def close(self) -> None:
-        for pool in set(self._lanes.values()) | set(self._shared):
+        """Wait for every queued copy, on live and detached lanes alike. Idempotent."""
+        if self.wake_r < 0:
+            return
+        with self._lock:
+            lanes = self._every | set(self._lanes.values()) | set(self._shared)
+        for pool in lanes:
             pool.shutdown(wait=True)
-        for waiter in list(self._waiters.values()):
+        with self._lock:
+            waiters = list(self._waiters.values()) + list(self._retiring)
+        for waiter in waiters:
             waiter.shutdown(wait=True)
         self._waiters.clear()
         self._lanes.clear()

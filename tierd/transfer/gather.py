@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.protocol.layout import GroupLayout
-from tierd.transfer.plan import CopyItem
+from tierd.transfer.items import CopyItem
 
 
 @dataclass(slots=True)

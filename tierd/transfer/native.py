@@ -1,10 +1,11 @@
 """The native gather/scatter extension (native/tierd_copy.cu), built with torch's cpp_extension on
-first use and cached under ``~/.cache/tierd/native`` (``TIERD_NATIVE_CACHE``).
+first use and cached (``configure(cache)``, default ``~/.cache/tierd/native``; ``tierd serve
+--native-cache``).
 
 The daemon starts the build in a background thread when it finds a GPU and copies with the
 pure-torch fallback (same bytes) until the module is ready, so a cold cache never blocks the
-main loop. ``TIERD_NATIVE=0`` disables the extension (the fallback only). A CPU-only install
-never needs nvcc: nothing here runs without a usable GPU.
+main loop. ``configure(build=False)`` (``--no-native-build``) disables the extension (the
+fallback only). A CPU-only install never needs nvcc: nothing here runs without a usable GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ _module = None
 _error = ""
 _done = threading.Event()
 _build_s = 0.0
+_config = {"cache": "~/.cache/tierd/native", "build": True, "verbose": False}
+
+
+def configure(cache: str | None = None, build: bool = True, verbose: bool = False) -> None:
+    """Where the build is cached, whether to build at all, and whether to show the compiler."""
+    _config.update(cache=cache or _config["cache"], build=build, verbose=verbose)
 
 
 def source_path() -> Path:
@@ -46,7 +53,7 @@ def cache_dir() -> Path:
 
     src = source_path().read_bytes()
     tag = hashlib.sha256(src + torch.__version__.encode() + str(torch.version.cuda or torch.version.hip).encode())
-    base = Path(os.environ.get("TIERD_NATIVE_CACHE") or Path.home() / ".cache" / "tierd" / "native")
+    base = Path(_config["cache"]).expanduser()
     return base / tag.hexdigest()[:16]
 
 
@@ -74,7 +81,7 @@ def _build():
         build_directory=str(folder),
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "-lineinfo"],
-        verbose=os.environ.get("TIERD_NATIVE_VERBOSE") == "1",
+        verbose=_config["verbose"],
     )
 
 
@@ -101,7 +108,7 @@ def start() -> None:
     with _lock:
         if _state != "idle":
             return
-        if os.environ.get("TIERD_NATIVE", "1") == "0":
+        if not _config["build"]:
             _state = "disabled"
             _done.set()
             return

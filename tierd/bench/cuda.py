@@ -9,7 +9,6 @@ both directions on two streams) and one cudaMemcpyAsync per block.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 import uuid
@@ -90,11 +89,11 @@ def _baselines(torch, buf, total: int, block_bytes: int, blocks: list[int], dev)
     return out
 
 
-def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks, batch,
-                   rounds, pool_gb, progress) -> dict:
+def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
+                   batch, rounds, pool_gb, progress) -> dict:
     import torch
 
-    from tierd.bench import BenchError, _progress, private_daemon
+    from tierd.bench.common import BenchError, private_daemon
     from tierd.transfer import native
     from tierd_client import TierdClient
     from tierd_client.cuda_ipc import StoreFence, share_cuda_tensors
@@ -102,7 +101,7 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
 
     if not torch.cuda.is_available():
         raise BenchError("--device cuda needs a CUDA GPU visible to this process")
-    dev = torch.device("cuda", int(os.environ.get("TIERD_BENCH_DEVICE", "0")))
+    dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(dev)
     t_build = time.monotonic()
     native.load(timeout=900)  # warm the shared build cache, so the daemon only loads it
@@ -129,7 +128,7 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
     specs = group_specs(lay)
     pool_bytes = int(pool_gb * 2**30) if pool_gb else int(2 * total * 1.05) + 24 * object_bytes + (512 << 20)
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}")
-    ctx = private_daemon(pool_bytes, extra) if url is None else contextlib.nullcontext(url)
+    ctx = private_daemon(pool_bytes, extra) if socket is None else contextlib.nullcontext(socket)
     fence = StoreFence(dev)
     reg = lambda r: list(range(r * region, (r + 1) * region))  # noqa: E731
     src, dst, src2 = reg(0), reg(1), reg(2)
@@ -179,9 +178,9 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
         times: dict[str, list[float]] = {"store": [], "retrieve": [], "both": []}
         verified = True
         steps = rounds * 5 * -(-chunks // batch)
-        bar = _progress(steps, progress)
+        bar = progress.bar(steps, "store/retrieve/both")
         for _ in range(rounds):
-            client.clear()
+            client.call("CLEAR", {"namespace": ns})
             keys_a = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
             keys_c = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
             kv[:, dst[0] : dst[-1] + 1].zero_()
@@ -239,6 +238,7 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
             n += 1
         lookups_pipe = n / (time.perf_counter() - t)
         status = client.status()
+        client.call("CLEAR", {"namespace": ns})  # leave nothing behind in the operator's daemon
         client.unregister("bench-0")
 
     base = _baselines(torch, buf, total, block_bytes,
@@ -281,7 +281,6 @@ def run_cuda_bench(*, url, layers, kv_heads, head_dim, block_tokens, chunk_token
         "bench_build_s": round(build_s, 3),
         "pinned_bytes": status.get("memory_pinned_bytes"),
         "lanes": status.get("cuda_detail", {}).get("lanes"),
-        "pool_hugepages": os.environ.get("TIERD_POOL_HUGEPAGES", "0") == "1",
         "times_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
         "verified": bool(verified),
     })

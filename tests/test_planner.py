@@ -1,0 +1,166 @@
+"""STORE and RETRIEVE planning as functions of (chunks, geometry, pool), without a daemon: every
+result, presence mask, copy item and failed block id pinned exactly, for full, sliding, state
+and combined-object layouts, nulls, partial objects, rejects and evictions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tierd.planner import Geometry, plan_retrieve, plan_store
+from tierd.pool.pool import Pool
+from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.layout import PageLayout
+from tierd.protocol.messages import Chunk
+
+NULL = -1
+NS = b"ns-planner-0"
+BLOCK_BYTES = 256  # one layer's block
+CHUNK = 16  # tokens per chunk: 4 blocks of 4 tokens
+
+
+def layout(*groups: tuple[str, int, int], num_blocks: int = 64) -> PageLayout:
+    """Groups as (kind, block_tokens, window); two layers each, one tensor per group."""
+    tensors, gs = [], []
+    for i, (kind, bt, window) in enumerate(groups):
+        tensors.append({"handle": {"kind": "shm", "path": f"/dev/shm/x{i}"}, "nbytes": 2 * num_blocks * BLOCK_BYTES})
+        layers = [{"tensor": i, "offset": li * num_blocks * BLOCK_BYTES, "block_stride": BLOCK_BYTES,
+                   "num_blocks": num_blocks, "run_bytes": BLOCK_BYTES} for li in range(2)]
+        gs.append({"kind": kind, "block_tokens": bt, "window_tokens": window, "layers": layers})
+    return PageLayout.from_wire({"namespace": {"model": "m", "fingerprint": "f", "world_size": 1}, "rank": 0,
+                                 "chunk_tokens": CHUNK, "tensors": tensors, "groups": gs})
+
+
+FULL = ("full", 4, 0)
+SLIDE = ("sliding", 4, 6)
+STATE = ("state", 16, 0)
+
+
+@pytest.fixture
+def pool():
+    p = Pool(ceiling=8 << 20, initial=0, align=256, segment_bytes=8 << 20)
+    yield p
+    p.close()
+
+
+def geo(*groups, separate=True) -> Geometry:
+    return Geometry(layout(*groups), separate, NULL)
+
+
+def chunk(i: int, *per_group) -> Chunk:
+    return Chunk(b"key-%08d" % i, [list(ids) for ids in per_group])
+
+
+def items(plan, group):
+    return [(it.ids.tolist(), it.pos.tolist()) for it in plan.copies.get(group, [])]
+
+
+def test_full_chunks_are_stored_with_full_masks_and_one_copy_item_each(pool):
+    g = geo(FULL)
+    plan = plan_store(g, [chunk(0, [4, 5, 6, 7]), chunk(1, [0, 1, 2, 3])], pool, NS, 0)
+    assert plan.results == ["stored", "stored"]
+    assert [o.mask for o in plan.objs] == [0b1111, 0b1111]
+    assert items(plan, 0) == [([4, 5, 6, 7], [0, 1, 2, 3]), ([0, 1, 2, 3], [0, 1, 2, 3])]
+    assert plan.nbytes == 2 * 2 * 4 * BLOCK_BYTES  # 2 chunks x 2 layers x 4 blocks
+    assert all(not o.ready for o in plan.objs)  # visible only once committed
+
+
+def test_nulls_make_partial_masks_and_an_all_null_chunk_is_empty(pool):
+    g = geo(FULL, SLIDE)
+    plan = plan_store(g, [chunk(0, [8, 9, 10, 11], [NULL, NULL, 20, 21]), chunk(1, [NULL] * 4, [NULL] * 4)], pool, NS, 0)
+    assert plan.results == ["stored", "empty"]
+    full, slide = plan.objs
+    assert (full.mask, slide.mask) == (0b1111, 0b1100)
+    assert items(plan, 1) == [([20, 21], [2, 3])]
+    assert plan.nbytes == 2 * 4 * BLOCK_BYTES + 2 * 2 * BLOCK_BYTES
+
+
+def test_combined_objects_hold_every_group_at_its_shift(pool):
+    g = geo(FULL, SLIDE, STATE, separate=False)
+    plan = plan_store(g, [chunk(0, [0, 1, 2, 3], [NULL, NULL, 6, 7], [9])], pool, NS, 0)
+    (obj,) = plan.objs
+    assert obj.span == {0: (0, 0), 1: (4, 2 * 4 * BLOCK_BYTES), 2: (8, 2 * 8 * BLOCK_BYTES)}
+    assert obj.mask == 0b1_1100_1111
+    assert items(plan, 2) == [([9], [0])]
+
+
+def test_a_stored_chunk_exists_and_only_a_fuller_copy_replaces_it(pool):
+    g = geo(SLIDE)
+    first = plan_store(g, [chunk(0, [NULL, NULL, 2, 3])], pool, NS, 0)
+    pool.commit(first.objs)
+    again = plan_store(g, [chunk(0, [NULL, NULL, 12, 13]), chunk(0, [NULL, 11, NULL, NULL])], pool, NS, 0)
+    assert again.results == ["exists", "exists"] and not again.objs  # same mask; a mask missing bits
+    fuller = plan_store(g, [chunk(0, [10, 11, 12, 13])], pool, NS, 0)
+    assert fuller.results == ["stored"] and fuller.objs[0].mask == 0b1111
+    pool.commit(fuller.objs)
+    assert pool.find_ready(NS, b"key-%08d" % 0, 0, 0) is fuller.objs[0]
+
+
+def test_no_room_rejects_the_chunk_and_every_later_one_when_a_full_group_is_there(pool):
+    small = Pool(ceiling=8 * 1024, initial=0, align=256, segment_bytes=8 * 1024)  # room for 4 objects of 2 KiB
+    try:
+        g = geo(FULL, SLIDE, separate=False)  # one 4 KiB object per chunk: 2 fit
+        chunks = [chunk(i, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], [NULL, NULL, 60, 61]) for i in range(5)]
+        plan = plan_store(g, chunks, small, NS, 0)
+        assert plan.results == ["stored", "stored", "rejected", "rejected", "rejected"]
+        assert len(plan.objs) == 2  # a rejected chunk keeps none of its objects
+        small.abort(plan.objs)
+        assert small.objects == 0
+        # state-only layouts go on past a rejected chunk (nothing needs the chunks before it)
+        g = geo(STATE)
+        plan = plan_store(g, [chunk(100 + i, [i]) for i in range(40)], small, NS, 0)
+        assert "stored" in plan.results
+    finally:
+        small.close()
+
+
+def test_retrieve_restores_what_is_held_and_fails_exactly_the_rest(pool):
+    g = geo(FULL, SLIDE)
+    stored = plan_store(g, [chunk(0, [0, 1, 2, 3], [NULL, NULL, 6, 7])], pool, NS, 0)
+    pool.commit(stored.objs)
+    plan = plan_retrieve(g, [chunk(0, [30, 31, 32, 33], [40, 41, 42, 43]), chunk(1, [50, 51, 52, 53], [NULL] * 4)],
+                         pool, NS, 0)
+    assert plan.results == [False, False]
+    assert plan.failed == [(1, 40), (1, 41), (0, 50), (0, 51), (0, 52), (0, 53)]
+    assert items(plan, 0) == [([30, 31, 32, 33], [0, 1, 2, 3])]
+    assert items(plan, 1) == [([42, 43], [2, 3])]  # the held blocks are still restored
+    assert set(plan.objs) == set(stored.objs)
+
+
+def test_retrieve_of_null_blocks_reads_nothing(pool):
+    g = geo(FULL)
+    plan = plan_retrieve(g, [chunk(0, [NULL] * 4)], pool, NS, 0)
+    assert plan.results == [True] and not plan.objs and not plan.copies and not plan.failed
+
+
+def test_evicted_objects_are_failed_not_restored(pool):
+    g = geo(FULL)
+    stored = plan_store(g, [chunk(0, [0, 1, 2, 3])], pool, NS, 0)
+    pool.commit(stored.objs)
+    assert pool.clear() == 1
+    plan = plan_retrieve(g, [chunk(0, [4, 5, 6, 7])], pool, NS, 0)
+    assert plan.results == [False] and plan.failed == [(0, 4), (0, 5), (0, 6), (0, 7)] and not plan.objs
+
+
+@pytest.mark.parametrize("bad, where", [
+    ([chunk(0, [0, 1, 2, 3], [0])], "chunks[0].blocks: 2 groups, the layout has 1"),
+    ([chunk(0, [0, 1, 2])], "chunks[0].blocks[0]: 3 block ids, the group has 4 per chunk"),
+    ([chunk(0, [0, 1, 2, 3]), chunk(1, [0, 64, 2, 3])], "chunks[1].blocks[0][1]: block id 64"),
+    ([chunk(0, [0, -2, 2, 3])], "chunks[0].blocks[0][1]: block id -2"),
+])
+def test_block_ids_are_checked_against_the_layout_before_anything_is_planned(pool, bad, where):
+    g = geo(FULL)
+    with pytest.raises(ProtocolError) as err:
+        g.check(bad)
+    assert err.value.code is ErrorCode.BAD_REQUEST and err.value.message.startswith(where)
+    assert pool.objects == 0
+
+
+def test_copy_items_view_the_objects_own_bytes(pool):
+    g = geo(FULL, SLIDE, separate=False)
+    plan = plan_store(g, [chunk(0, [0, 1, 2, 3], [4, 5, 6, 7])], pool, NS, 0)
+    (obj,) = plan.objs
+    full_item, slide_item = plan.copies[0][0], plan.copies[1][0]
+    base = obj.view()
+    assert np.shares_memory(full_item.view, base) and np.shares_memory(slide_item.view, base)
+    assert full_item.view.nbytes == slide_item.view.nbytes == 2 * 4 * BLOCK_BYTES

@@ -1,0 +1,119 @@
+"""The registry without a daemon: sessions, instances, namespaces and leases, each decision pinned
+with exact ids (a real pool and a real transfer engine; the rank memory is a stand-in that
+records when it is closed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tierd.pool.pool import Pool
+from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.keys import namespace_id
+from tierd.protocol.layout import PageLayout
+from tierd.registry import Registry
+from tierd.transfer.engine import TransferEngine
+
+
+class Memory:
+    closed = 0
+
+    def close(self):
+        Memory.closed += 1
+
+
+def layout(rank=0, world=1, fingerprint="f") -> PageLayout:
+    return PageLayout.from_wire({
+        "namespace": {"model": "m", "fingerprint": fingerprint, "world_size": world}, "rank": rank, "chunk_tokens": 16,
+        "tensors": [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": 4096}],
+        "groups": [{"kind": "full", "block_tokens": 4, "layers": [
+            {"tensor": 0, "offset": 0, "block_stride": 256, "num_blocks": 16, "run_bytes": 256}]}]})
+
+
+@pytest.fixture
+def reg():
+    pool = Pool(ceiling=1 << 20, initial=0, align=256, segment_bytes=1 << 20)
+    lanes = TransferEngine(0)
+    r = Registry(pool, lanes, lease_ttl_s=60.0, heartbeat_timeout_s=30.0)
+    yield r
+    lanes.close()
+    pool.close()
+
+
+def objects(reg, n):
+    out = []
+    for i in range(n):
+        obj = reg.pool.begin_write(b"ns", b"key-%04d" % i, {0: (0, 0)}, 0, 256, 1, "g0")
+        reg.pool.commit([obj])
+        out.append(obj)
+    return out
+
+
+def test_a_lease_pins_its_objects_until_every_rank_has_retrieved(reg):
+    s = reg.open_session(b"a", "sched", 1)
+    objs = objects(reg, 3)
+    lease = reg.grant(s, objs, world_size=2)
+    assert lease == 1 and s.leases == {1} and [o.pins for o in objs] == [1, 1, 1]
+    reg.consume(lease, 0)
+    assert lease in reg.leases and [o.pins for o in objs] == [1, 1, 1]
+    reg.consume(lease, 1)
+    assert lease not in reg.leases and s.leases == set() and [o.pins for o in objs] == [0, 0, 0]
+    assert not reg.release(lease)  # gone: a second release finds nothing
+
+
+def test_leases_expire_by_ttl_and_die_with_their_session(reg):
+    s = reg.open_session(b"a", "sched", 1)
+    objs = objects(reg, 2)
+    first = reg.grant(s, objs[:1], 1)
+    second = reg.grant(s, objs[1:], 1)
+    reg.leases[first].expires = time.monotonic() - 1
+    assert reg.reap(time.monotonic()) == (0, 1)
+    assert list(reg.leases) == [second] and objs[0].pins == 0 and objs[1].pins == 1
+    s.last_seen -= 31
+    assert reg.reap(time.monotonic()) == (1, 1)  # the silent session and its lease
+    assert not reg.sessions and not reg.leases and objs[1].pins == 0
+
+
+def test_unknown_session_and_instance_are_typed_errors(reg):
+    with pytest.raises(ProtocolError) as err:
+        reg.session(b"nobody")
+    assert err.value.code is ErrorCode.UNKNOWN_SESSION
+    with pytest.raises(ProtocolError) as err:
+        reg.instance("nothing")
+    assert err.value.code is ErrorCode.UNKNOWN_INSTANCE
+
+
+def test_register_is_idempotent_moves_on_reconnect_and_refuses_another_live_clients_layout(reg):
+    a = reg.open_session(b"a", "w0", 1)
+    inst = reg.register(a, "r0", layout(), lambda lay: Memory())
+    assert inst.ns == namespace_id(layout().namespace) and a.instances == {"r0"}
+    b = reg.open_session(b"b", "w0-again", 1)
+    assert reg.register(b, "r0", layout(), lambda lay: Memory()) is inst  # same layout: moves, not re-mapped
+    assert a.instances == set() and b.instances == {"r0"} and inst.session == b"b"
+    c = reg.open_session(b"c", "other", 2)
+    with pytest.raises(ProtocolError) as err:
+        reg.register(c, "r0", layout(fingerprint="other"), lambda lay: Memory())
+    assert err.value.code is ErrorCode.LAYOUT_MISMATCH and reg.instances["r0"] is inst
+
+
+def test_closing_a_session_unregisters_its_instances_and_closes_their_memory(reg):
+    Memory.closed = 0
+    s = reg.open_session(b"a", "w", 1)
+    reg.register(s, "r0", layout(0, 2), lambda lay: Memory())
+    reg.register(s, "r1", layout(1, 2), lambda lay: Memory())
+    assert sorted(reg.instances) == ["r0", "r1"]
+    reg.close_session(b"a", reason="BYE")
+    assert not reg.instances and not reg.sessions
+    reg.lanes.close()  # the memory goes once the lanes' queued copies ran
+    assert Memory.closed == 2
+
+
+def test_namespaces_are_forgotten_once_nothing_names_them(reg):
+    s = reg.open_session(b"a", "w", 1)
+    reg.register(s, "r0", layout(), lambda lay: Memory())
+    ns = namespace_id(layout().namespace)
+    assert ns in reg.namespaces
+    reg.unregister("r0")
+    reg.reap(time.monotonic())
+    assert ns not in reg.namespaces  # no instance, no object

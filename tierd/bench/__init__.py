@@ -1,0 +1,33 @@
+"""``tierd bench``: a synthetic multi-layer KV layout stored and retrieved through the real
+protocol and a real daemon, every byte verified, next to same-run baselines (CPU: memcpy;
+CUDA: raw pinned cudaMemcpyAsync). The bench's own objects are removed from the daemon after."""
+
+from __future__ import annotations
+
+from tierd.bench.common import BenchError, Progress
+
+__all__ = ["BenchError", "run_bench"]
+
+
+def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
+              batch, rounds, pool_gb, progress: bool) -> dict:
+    if chunk_tokens % block_tokens:
+        raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
+    kw = dict(socket=socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_tokens=block_tokens,
+              chunk_tokens=chunk_tokens, dtype_bytes=dtype_bytes, mla=mla, chunks=chunks, batch=batch, rounds=rounds,
+              pool_gb=pool_gb, progress=Progress(progress))
+    if device == "cuda":
+        try:
+            import torch
+        except ImportError:
+            raise BenchError("--device cuda needs PyTorch with CUDA (pip install 'tierd[gpu]' with the torch build "
+                             "that matches your driver)") from None
+        if not torch.cuda.is_available():
+            raise BenchError(f"--device cuda needs a CUDA GPU visible to this process (torch {torch.__version__} "
+                             "sees none)")
+        from tierd.bench.cuda import run_cuda_bench
+
+        return run_cuda_bench(**kw)
+    from tierd.bench.cpu import run_cpu_bench
+
+    return run_cpu_bench(**kw)

@@ -1,0 +1,281 @@
+"""One handler per op: ``handler(tier, call, request) -> reply | Job``, run on the daemon's main
+loop only. A handler raises ProtocolError for a typed error. STORE and RETRIEVE return a Job:
+its copy runs on the instance's transfer lane (``Job.run``) and its completion (commit or abort,
+unpin, counters, the reply) runs back on the main loop (``Job.finish``).
+
+Deadlines: STORE and RETRIEVE carry the client's wall-clock deadline. A store never commits after
+it (the client may already reuse the blocks it read), and a retrieve never starts after it (the
+engine may have given its blocks to another request): both answer EXPIRED instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierd import __version__
+from tierd.config import Settings
+from tierd.planner import CopyPlan, Geometry, plan_retrieve, plan_store
+from tierd.pool.pool import Pool
+from tierd.protocol import PROTOCOL_VERSION
+from tierd.protocol import messages as m
+from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.keys import namespace_id
+from tierd.registry import Instance, Registry, Session
+from tierd.stats import Stats
+from tierd.transfer.engine import READ_LANE, Pending, pending
+
+log = logging.getLogger("tierd")
+
+
+@dataclass
+class Tier:
+    """What handlers act on."""
+
+    registry: Registry
+    pool: Pool
+    stats: Stats
+    settings: Settings
+    boot_id: str
+    open_memory: Callable  # PageLayout -> rank memory (CPU shm or CUDA IPC mappings)
+    status: Callable[[], dict]
+
+
+@dataclass
+class Call:
+    """One request as it arrived: who sent it, where the reply goes, when it came."""
+
+    identity: bytes
+    session: Session | None
+    envelope: list[bytes]
+    req_id: int
+    t0: float
+
+
+class Expired(Exception):
+    """The client's deadline passed before the copy could start."""
+
+
+class Job:
+    """A STORE or RETRIEVE whose copy runs on a transfer lane."""
+
+    op = ""
+
+    def __init__(self, tier: Tier, call: Call, inst: Instance, plan: CopyPlan, deadline: float):
+        self.call, self.instance, self.plan, self.deadline = call, inst, plan, deadline
+        self.lane = inst.id
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    def run(self) -> Pending | None:  # on the transfer thread
+        raise NotImplementedError
+
+    def finish(self, tier: Tier, exc: BaseException | None):  # on the main loop
+        raise NotImplementedError
+
+
+class StoreJob(Job):
+    op = "STORE"
+
+    def __init__(self, tier, call, inst, plan, deadline, touch: list[bytes], event: bytes | None):
+        super().__init__(tier, call, inst, plan, deadline)
+        self.touch = touch
+        self.event = event
+
+    def run(self) -> Pending | None:
+        memory = self.instance.memory
+        if self.event is not None and hasattr(memory, "wait_event"):
+            memory.wait_event(self.event)  # the gathers start only once the engine's writes are done
+        return pending([memory.store(g, items) for g, items in self.plan.copies.items()])
+
+    def finish(self, tier: Tier, exc: BaseException | None) -> m.StoreReply:
+        pool = tier.pool
+        if exc is not None:
+            pool.abort(self.plan.objs)
+            raise ProtocolError(ErrorCode.DEVICE_ERROR, f"store copy failed: {type(exc).__name__}: {exc}")
+        if self.deadline and time.time() > self.deadline:
+            pool.abort(self.plan.objs)  # the client gave up and may already reuse the blocks we read
+            raise ProtocolError(ErrorCode.EXPIRED, "the store finished after its deadline; nothing was stored")
+        pool.commit(self.plan.objs)
+        if self.touch:  # again after the commit, or the new tail ends up more recent than the head it extends
+            pool.touch(self.instance.ns, self.touch)
+        _count_store(tier.stats, self.plan)
+        return m.StoreReply(self.plan.results)
+
+
+class RetrieveJob(Job):
+    op = "RETRIEVE"
+
+    def __init__(self, tier, call, inst, plan, deadline, lease: int):
+        super().__init__(tier, call, inst, plan, deadline)
+        self.lease = lease
+        if getattr(inst.memory, "duplex", False):
+            self.lane += READ_LANE
+
+    def run(self) -> Pending | None:
+        if self.deadline and time.time() > self.deadline:
+            raise Expired()
+        memory = self.instance.memory
+        return pending([memory.retrieve(g, items) for g, items in self.plan.copies.items()])
+
+    def finish(self, tier: Tier, exc: BaseException | None) -> m.RetrieveReply:
+        tier.pool.unpin(self.plan.objs)
+        return _retrieved(tier, self.instance, self.plan, self.lease, exc)
+
+
+def _retrieved(tier: Tier, inst: Instance, plan: CopyPlan, lease: int, exc: BaseException | None) -> m.RetrieveReply:
+    if lease:
+        tier.registry.consume(lease, inst.layout.rank)
+    if isinstance(exc, Expired):
+        raise ProtocolError(ErrorCode.EXPIRED, "the retrieve's deadline passed before its copy started")
+    if exc is not None:
+        raise ProtocolError(ErrorCode.DEVICE_ERROR, f"retrieve copy failed: {type(exc).__name__}: {exc}")
+    stats = tier.stats
+    stats.add("retrieves")
+    stats.add("retrieved_chunks", sum(plan.results))
+    stats.add("retrieved_bytes", plan.nbytes)
+    stats.add("retrieve_failed_blocks", len(plan.failed))
+    return m.RetrieveReply(plan.results, plan.failed)
+
+
+def _count_store(stats: Stats, plan: CopyPlan) -> None:
+    stats.add("stores")
+    stats.add("stored_chunks", plan.results.count("stored"))
+    stats.add("store_rejects", plan.results.count("rejected"))
+    stats.add("stored_bytes", plan.nbytes)
+
+
+# ---- sessions ------------------------------------------------------------------------------------
+def hello(tier: Tier, call: Call, msg: m.Hello) -> m.HelloReply:
+    if msg.protocol != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
+                            f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {msg.protocol}")
+    tier.registry.open_session(call.identity, msg.client, msg.pid)
+    s = tier.settings
+    return m.HelloReply(PROTOCOL_VERSION, __version__, tier.boot_id, os.getpid(), s.null_block_id,
+                        s.heartbeat_timeout_s, s.lease_ttl_s, s.max_frame_bytes)
+
+
+def bye(tier: Tier, call: Call, msg: m.Bye) -> m.Empty:
+    tier.registry.close_session(call.identity, reason="BYE")
+    return m.Empty()
+
+
+def ping(tier: Tier, call: Call, msg: m.Ping) -> m.PingReply:
+    return m.PingReply(time.time(), tier.boot_id)
+
+
+def status(tier: Tier, call: Call, msg: m.Status) -> dict:
+    return tier.status()
+
+
+def clear(tier: Tier, call: Call, msg: m.Clear) -> m.ClearReply:
+    return m.ClearReply(tier.pool.clear(None if msg.namespace is None else namespace_id(msg.namespace)))
+
+
+# ---- registration --------------------------------------------------------------------------------
+def register(tier: Tier, call: Call, msg: m.Register) -> m.RegisterReply:
+    inst = tier.registry.register(call.session, msg.instance, msg.layout, tier.open_memory)
+    layout = inst.layout
+    return m.RegisterReply(inst.id, inst.ns, [g.object_bytes(layout.chunk_tokens) for g in layout.groups])
+
+
+def unregister(tier: Tier, call: Call, msg: m.Unregister) -> m.Empty:
+    if not tier.registry.unregister(msg.instance):
+        raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, f"instance {msg.instance!r} is not registered")
+    return m.Empty()
+
+
+# ---- lookup --------------------------------------------------------------------------------------
+def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
+    for i, spec in enumerate(msg.groups):
+        spec.check_chunk(msg.chunk_tokens, f"groups[{i}]")
+    ns = msg.namespace
+    ns_id = namespace_id(ns)
+    registered = tier.registry.registered_layout(ns_id)
+    if registered is not None:
+        inst_id, lay = registered
+        if (lay.specs[: len(msg.groups)] != msg.groups or len(msg.groups) > len(lay.specs)
+                or lay.chunk_tokens != msg.chunk_tokens or lay.replicated != msg.replicated):
+            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"LOOKUP groups/chunk_tokens/replicated differ from the "
+                                f"layout {inst_id!r} registered in this namespace")
+    tier.registry.name_namespace(ns_id, ns)
+    ranks = [0] if msg.replicated else list(range(ns.world_size))
+    hit, objs = tier.pool.lookup(ns_id, msg.keys, msg.groups, msg.chunk_tokens, ranks)
+    stats = tier.stats
+    stats.add("lookups")
+    stats.add("lookup_chunks", len(msg.keys))
+    stats.add("hit_chunks", hit)
+    lease = 0
+    if hit and msg.lease:
+        lease = tier.registry.grant(call.session, objs, ns.world_size)
+        stats.add("leases_granted")
+    return m.LookupReply(hit, lease, tier.settings.lease_ttl_s)
+
+
+def release(tier: Tier, call: Call, msg: m.Release) -> m.Empty:
+    if not tier.registry.release(msg.lease):
+        raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"lease {msg.lease} is not held")
+    return m.Empty()
+
+
+# ---- store / retrieve ----------------------------------------------------------------------------
+def _geometry(tier: Tier, inst: Instance) -> Geometry:
+    if inst.geometry is None:
+        inst.geometry = Geometry(inst.layout, tier.settings.separate_object_groups, tier.settings.null_block_id)
+    return inst.geometry
+
+
+def _check_deadline(deadline: float) -> None:
+    if deadline and time.time() > deadline:
+        raise ProtocolError(ErrorCode.EXPIRED, "the request arrived after its deadline")
+
+
+def store(tier: Tier, call: Call, msg: m.Store):
+    inst = tier.registry.instance(msg.instance)
+    geo = _geometry(tier, inst)
+    geo.check(msg.chunks)
+    _check_deadline(msg.deadline)
+    if msg.touch:
+        tier.pool.touch(inst.ns, msg.touch)  # keep the head from being evicted by this store's allocations
+    if inst.layout.replicated and inst.layout.rank != 0:
+        tier.stats.add("stores")
+        return m.StoreReply(["exists"] * len(msg.chunks))  # rank 0's copy serves every rank
+    plan = plan_store(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key)
+    if not plan.objs:
+        _count_store(tier.stats, plan)
+        return m.StoreReply(plan.results)
+    return StoreJob(tier, call, inst, plan, msg.deadline, msg.touch, msg.event)
+
+
+def retrieve(tier: Tier, call: Call, msg: m.Retrieve):
+    inst = tier.registry.instance(msg.instance)
+    geo = _geometry(tier, inst)
+    geo.check(msg.chunks)
+    _check_deadline(msg.deadline)
+    plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key)
+    if not plan.objs:
+        return _retrieved(tier, inst, plan, msg.lease, None)
+    tier.pool.pin(plan.objs)  # no eviction while the bytes are read
+    return RetrieveJob(tier, call, inst, plan, msg.deadline, msg.lease)
+
+
+HANDLERS: dict[str, Callable] = {
+    "HELLO": hello,
+    "BYE": bye,
+    "REGISTER": register,
+    "UNREGISTER": unregister,
+    "LOOKUP": lookup,
+    "RELEASE": release,
+    "STORE": store,
+    "RETRIEVE": retrieve,
+    "PING": ping,
+    "STATUS": status,
+    "CLEAR": clear,
+}
+assert HANDLERS.keys() == m.REQUESTS.keys()

@@ -1,0 +1,224 @@
+"""Every request and reply, as typed messages. The edge of the daemon decodes a request frame
+straight into one of these (msgspec), so a handler never sees a raw map: every type, length and
+range below is checked on the way in, and a failure names the field by its path (``BAD_REQUEST``,
+or ``LAYOUT_INVALID`` for a layout whose fields are fine but do not fit together). Limits that
+depend on a registered layout (block ids below its ``num_blocks``, the right number of groups and
+blocks per chunk) are checked by the planner against that layout before anything is planned.
+
+docs/protocol.md's request tables are checked against these definitions (tests/test_protocol_doc.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES
+from tierd.protocol.layout import (
+    MAX_GROUPS,
+    ChunkTokens,
+    GroupSpec,
+    Name,
+    Namespace,
+    NonEmptyName,
+    PageLayout,
+)
+
+MAX_CHUNKS = 1 << 16  # chunks per STORE/RETRIEVE, keys per LOOKUP
+IPC_EVENT_BYTES = 64  # cudaIpcEventHandle_t
+
+Key = Annotated[bytes, Meta(min_length=MIN_KEY_BYTES, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], Meta(max_length=MAX_CHUNKS)]
+Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Deadline = Annotated[float, Meta(ge=0.0)]
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Base of every request body. Unknown fields are ignored (newer clients, older daemons)."""
+
+
+# ---- requests ------------------------------------------------------------------------------------
+class Hello(Message):
+    protocol: int
+    client: Name = ""
+    pid: Count = 0
+
+
+class Bye(Message):
+    pass
+
+
+class Register(Message):
+    instance: NonEmptyName
+    layout: PageLayout
+
+
+class Unregister(Message):
+    instance: Name
+
+
+class Lookup(Message):
+    namespace: Namespace
+    keys: Keys
+    chunk_tokens: ChunkTokens
+    groups: Annotated[tuple[GroupSpec, ...], Meta(min_length=1, max_length=MAX_GROUPS)]
+    replicated: bool = False
+    lease: bool = True
+
+
+class Release(Message):
+    lease: Count
+
+
+class Chunk(msgspec.Struct, frozen=True):
+    """One chunk of a STORE or RETRIEVE: its key and, per engine group, its block ids."""
+
+    key: Key
+    blocks: Annotated[list[list[int]], Meta(max_length=MAX_GROUPS)]
+
+
+Chunks = Annotated[list[Chunk], Meta(max_length=MAX_CHUNKS)]
+
+
+class Store(Message):
+    instance: Name
+    chunks: Chunks
+    touch: Keys = msgspec.field(default_factory=list)
+    event: Annotated[bytes, Meta(min_length=IPC_EVENT_BYTES, max_length=IPC_EVENT_BYTES)] | None = None
+    deadline: Deadline = 0.0
+
+
+class Retrieve(Message):
+    instance: Name
+    chunks: Chunks
+    lease: Count = 0
+    deadline: Deadline = 0.0
+
+
+class Ping(Message):
+    pass
+
+
+class Status(Message):
+    pass
+
+
+class Clear(Message):
+    namespace: Namespace | None = None  # only this namespace's objects; all when absent
+
+
+REQUESTS: dict[str, type[Message]] = {
+    "HELLO": Hello,
+    "BYE": Bye,
+    "REGISTER": Register,
+    "UNREGISTER": Unregister,
+    "LOOKUP": Lookup,
+    "RELEASE": Release,
+    "STORE": Store,
+    "RETRIEVE": Retrieve,
+    "PING": Ping,
+    "STATUS": Status,
+    "CLEAR": Clear,
+}
+
+
+# ---- replies -------------------------------------------------------------------------------------
+class HelloReply(msgspec.Struct):
+    protocol: int
+    version: str
+    boot_id: str
+    pid: int
+    null_block_id: int
+    heartbeat_timeout_s: float
+    lease_ttl_s: float
+    max_frame_bytes: int
+
+
+class RegisterReply(msgspec.Struct):
+    instance: str
+    namespace_id: bytes
+    object_bytes: list[int]
+
+
+class LookupReply(msgspec.Struct):
+    chunks: int
+    lease: int
+    lease_ttl_s: float
+
+
+class StoreReply(msgspec.Struct):
+    results: list[str]  # per chunk: "stored" | "exists" | "empty" | "rejected"
+
+
+class RetrieveReply(msgspec.Struct):
+    ok: list[bool]
+    failed: list[tuple[int, int]]  # [group, block id] not restored
+
+
+class PingReply(msgspec.Struct):
+    time: float
+    boot_id: str
+
+
+class ClearReply(msgspec.Struct):
+    evicted: int
+
+
+class Empty(msgspec.Struct):
+    pass
+
+
+STORE_RESULTS = ("stored", "exists", "empty", "rejected")
+
+REPLIES: dict[str, type | None] = {
+    "HELLO": HelloReply,
+    "BYE": Empty,
+    "REGISTER": RegisterReply,
+    "UNREGISTER": Empty,
+    "LOOKUP": LookupReply,
+    "RELEASE": Empty,
+    "STORE": StoreReply,
+    "RETRIEVE": RetrieveReply,
+    "PING": PingReply,
+    "STATUS": None,  # the /status object (docs/protocol.md section 16)
+    "CLEAR": ClearReply,
+}
+
+_DECODERS = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
+
+
+def _bad_request(exc: msgspec.ValidationError) -> ProtocolError:
+    """msgspec says "<what> - at `$.chunks[3].blocks[1][0]`"; we say "chunks[3].blocks[1][0]: <what>".
+    A tensor handle that does not decode is a memory the daemon cannot map: LAYOUT_INVALID."""
+    text = str(exc)
+    what, sep, where = text.rpartition(" - at `")
+    if sep:
+        path = where.rstrip("`").removeprefix("$").lstrip(".")
+        code = ErrorCode.LAYOUT_INVALID if ".handle" in path else ErrorCode.BAD_REQUEST
+        return ProtocolError(code, f"{path or 'body'}: {what}")
+    return ProtocolError(ErrorCode.BAD_REQUEST, text)
+
+
+def decode(op: str, body: bytes | memoryview) -> Message:
+    """The typed request of ``op`` from its msgpack body; raises ProtocolError."""
+    dec = _DECODERS.get(op)
+    if dec is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+    try:
+        return dec.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _bad_request(exc) from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable body: {exc}") from None
+
+
+def convert(obj: Any, typ: type, path: str = "") -> Any:
+    """``obj`` (plain data, as a test or tool builds it) as ``typ``, with the edge's error codes."""
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as exc:
+        err = _bad_request(exc)
+        raise ProtocolError(err.code, f"{path}.{err.message}" if path else err.message) from None

@@ -1,0 +1,132 @@
+"""The /status object, and how the HTTP thread gets it without touching the daemon's state.
+
+Only the main loop reads the registry and the pool. The HTTP thread asks the board
+(``StatusBoard.ask``); the main loop answers pending asks between requests (``answer``). Once
+the daemon is stopping or the loop is gone, asks are answered from the last status built, marked
+``"stopping": true``, so an operator never gets a half-torn-down state or an error.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+from tierd import __version__
+from tierd.stats import COUNTERS
+
+ASK_TIMEOUT_S = 5.0
+
+
+class StatusBoard:
+    def __init__(self):
+        self.stopping = False
+        self._last: dict = {}
+        self._lock = threading.Lock()
+        self._asks: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self.open = True
+
+    def publish(self, status: dict) -> None:
+        with self._lock:
+            self._last = status
+
+    def last(self) -> dict:
+        with self._lock:
+            return {**self._last, "stopping": True} if self.stopping else dict(self._last)
+
+    def ask(self, timeout: float = ASK_TIMEOUT_S) -> dict:
+        """A fresh status from the main loop (any thread but the main loop's)."""
+        if self.stopping or not self.open:
+            return self.last()
+        fut: Future = Future()
+        self._asks.put(fut)
+        try:
+            os.write(self._wake_w, b"a")
+        except OSError:
+            return self.last()
+        try:
+            return fut.result(timeout)
+        except Exception:  # noqa: BLE001 - the loop went away meanwhile
+            return self.last()
+
+    def answer(self, build) -> None:
+        """On the main loop: build one status for every ask waiting."""
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        futs = []
+        while True:
+            try:
+                futs.append(self._asks.get_nowait())
+            except queue.Empty:
+                break
+        if not futs:
+            return
+        status = build()
+        self.publish(status)
+        for f in futs:
+            f.set_result(status)
+
+    def close(self) -> None:
+        self.open = False
+        self.stopping = True
+        while True:
+            try:
+                self._asks.get_nowait().set_result(self.last())
+            except queue.Empty:
+                break
+        for fd in (self.wake_r, self._wake_w):
+            os.close(fd)
+
+
+def build_status(daemon) -> dict:
+    """The /status object (docs/protocol.md section 16), on the main loop."""
+    pool, counts, reg = daemon.pool, daemon.stats.counts, daemon.registry
+    with pool.lock:
+        out = {
+            "version": __version__,
+            "boot_id": daemon.boot_id,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - daemon.stats.started, 3),
+            "socket": daemon.settings.socket,
+            "stopping": daemon.stopping,
+            "cuda": bool(daemon.cuda),
+            "memory_configured_bytes": pool.configured_bytes,
+            "memory_total_bytes": pool.backed_bytes,
+            "memory_used_bytes": pool.used_bytes,
+            "memory_pinned_bytes": daemon.cuda.pinned_bytes if daemon.cuda else 0,
+            "objects": pool.objects,
+            "group_objects": dict(pool.per_group),
+            "evictions": pool.evictions,
+            "namespaces": [{**ns.to_wire(), "objects": pool.per_ns[ns_id]}
+                           for ns_id, ns in reg.namespaces.items() if pool.per_ns.get(ns_id)],
+        }
+    out.update({name: counts.get(name, 0) for name, _ in COUNTERS if name != "evictions"})
+    if daemon.cuda:
+        out["cuda_detail"] = daemon.cuda.status()
+    out["errors_by_code"] = dict(daemon.stats.errors_by_code)
+    out["leases_active"] = len(reg.leases)
+    out["gc_frozen_objects"] = gc.get_freeze_count()
+    out["sessions"] = len(reg.sessions)
+    now = time.monotonic()
+    out["instances"] = [
+        {
+            "instance": inst.id,
+            "model": inst.layout.namespace.model,
+            "namespace": inst.layout.namespace.to_wire(),
+            "rank": inst.layout.rank,
+            "device": inst.layout.device,
+            "groups": [g.kind.value for g in inst.layout.groups],
+            "last_heartbeat_s_ago": round(now - reg.sessions[inst.session].last_seen, 3)
+            if inst.session in reg.sessions else None,
+        }
+        for inst in reg.instances.values()
+    ]
+    return out
