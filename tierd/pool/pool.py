@@ -4,6 +4,10 @@ Only the daemon's main loop calls into the pool (transfer threads touch object b
 metadata), and the HTTP thread reads counters under ``lock``. Eviction order is per size class
 LRU; callers touch a prefix tail-first so its head is the most recent and survives longest.
 Objects with pins (being written, leased, being read) are never evicted.
+
+With ``pool_dir`` the segments are files that outlive the process (tierd.pool.persist): every
+change that a restart could serve is journaled before it can matter, and ``save`` writes the
+index at a planned stop. ``warm_restart`` says what the start recovered, or why it was cold.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 from tierd.pool.index import Index, Obj
+from tierd.pool.persist import KEEP, Persist
 from tierd.pool.segments import Pinner, SegmentSet
-from tierd.pool.slabs import SlabAllocator, SizeClass
+from tierd.pool.slabs import SizeClass, SlabAllocator
 from tierd.protocol.layout import GroupSpec
 
 
@@ -26,9 +31,24 @@ EXISTS = Exists()
 
 
 class Pool:
-    def __init__(self, ceiling: int, initial: int, align: int, segment_bytes: int = 1 << 30, pinner: Pinner | None = None):
+    def __init__(self, ceiling: int, initial: int, align: int, segment_bytes: int = 1 << 30,
+                 pinner: Pinner | None = None, pool_dir: str | None = None, meta: dict | None = None,
+                 index_dir: str | None = None):
+        """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
+        recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
+        restart must find equal; ``index_dir``: a tmpfs folder for the index and journal
+        (default ``pool_dir``; required when that is hugetlbfs)."""
         self.lock = threading.Lock()
-        self.segments = SegmentSet(ceiling, initial, min(segment_bytes, ceiling), align, pinner)
+        segment_bytes = min(segment_bytes, ceiling)
+        self.persist = None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta)
+        if self.persist is None:
+            self._build(SegmentSet(ceiling, initial, segment_bytes, align, pinner), None)
+        else:
+            self.persist.open(self, ceiling, initial, pinner)
+        self.warm_restart: dict | None = None if self.persist is None else self.persist.report
+
+    def _build(self, segments: SegmentSet, model) -> None:
+        self.segments = segments
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}
@@ -40,42 +60,57 @@ class Pool:
         self._spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # objects per namespace id
         self.evictions = 0
         self.evicted_bytes = 0
+        if model is not None:
+            self._restore(model)
+
+    def _restore(self, model) -> None:
+        """Place recovered objects in their exact slots, least recent first; free the rest."""
+        segs = self.segments.segments
+        slabs = {k: self.slabs.restore_slab(segs[k[0]], k[1], v[0], v[1]) for k, v in model.slabs.items()}
+        for (seg, off, slot), (ns, key, items, rank, nbytes, mask, label) in model.objects.items():
+            obj = Obj(ns, key, self._spans.setdefault(items, dict(items)), rank, nbytes, mask, label)
+            obj.slab, obj.slot, obj.ready, obj.pins = slabs[seg, off], slot, True, 0
+            self._place(obj)
+            self._touch(obj)
+        for slab in slabs.values():
+            slab.settle()
 
     # ---- writing -------------------------------------------------------------------------
     def begin_write(self, ns: bytes, key: bytes, span: dict[int, tuple[int, int]], rank: int, nbytes: int, mask: int, label: str):
         """Reserve room for an object. Returns the (pinned, unready) Obj, EXISTS, or None when
         nothing evictable frees enough room."""
         with self.lock:
-            replace = None
-            entry = self.index.get(ns, key)
-            if entry is not None:
-                old = {entry[(g, rank)] for g in span if (g, rank) in entry}
-                if old:
-                    prev = next(iter(old)) if len(old) == 1 else None
-                    if (prev is None or not prev.ready or prev.pins or prev.span != span
-                            or mask & prev.mask != prev.mask or mask == prev.mask):
-                        return EXISTS  # stored or being stored; or the new copy would lose blocks
-                    replace = prev  # the new copy holds every block the old one had, and more
-            cls = self.slabs.size_class(nbytes)
-            if replace is not None:
-                replace.pins += 1  # not its own eviction victim
-            got = self._alloc(cls)
-            if replace is not None:
-                replace.pins -= 1
-                if got is not None:
-                    self._drop(replace)
-            if got is None:
-                return None
-            span = self._spans.setdefault(tuple(span.items()), span)  # one dict per layout, shared
-            obj = Obj(ns, key, span, rank, nbytes, mask, label)
-            obj.slab, obj.slot = got
-            obj.slab.owners[obj.slot] = obj
-            self.index.insert(obj)
-            self.objects += 1
-            self.used_bytes += cls.slot_bytes
-            self.per_group[label] += 1
-            self.per_ns[ns] += 1
-            return obj
+            try:
+                return self._begin_write(ns, key, span, rank, nbytes, mask, label)
+            finally:
+                self._flush()  # drops, slabs, segments: on file before the slot is handed out
+
+    def _begin_write(self, ns, key, span, rank, nbytes, mask, label):
+        replace = None
+        entry = self.index.get(ns, key)
+        if entry is not None:
+            old = {entry[(g, rank)] for g in span if (g, rank) in entry}
+            if old:
+                prev = next(iter(old)) if len(old) == 1 else None
+                if (prev is None or not prev.ready or prev.pins or prev.span != span
+                        or mask & prev.mask != prev.mask or mask == prev.mask):
+                    return EXISTS  # stored or being stored; or the new copy would lose blocks
+                replace = prev  # the new copy holds every block the old one had, and more
+        cls = self.slabs.size_class(nbytes)
+        if replace is not None:
+            replace.pins += 1  # not its own eviction victim
+        got = self._alloc(cls)
+        if replace is not None:
+            replace.pins -= 1
+            if got is not None:
+                self._drop(replace)
+        if got is None:
+            return None
+        span = self._spans.setdefault(tuple(span.items()), span)  # one dict per layout, shared
+        obj = Obj(ns, key, span, rank, nbytes, mask, label)
+        obj.slab, obj.slot = got
+        self._place(obj)
+        return obj
 
     def commit(self, objs: Sequence[Obj]) -> None:
         """Make written objects visible; the last one given ends up least recent."""
@@ -85,12 +120,16 @@ class Pool:
                 obj.ready = True
                 obj.pins -= 1
                 self._touch(obj)
+                if self.persist is not None:
+                    self.persist.committed(obj)
+            self._flush()  # durable before a reader can see them
 
     def abort(self, objs: Iterable[Obj]) -> None:
         with self.lock:
             for obj in objs:
                 assert not obj.ready
                 self._drop(obj)
+            self._flush()
 
     # ---- reading -------------------------------------------------------------------------
     def lookup(self, ns: bytes, keys: Sequence[bytes], specs: Sequence[GroupSpec], chunk_tokens: int, ranks: Sequence[int]):
@@ -132,11 +171,34 @@ class Pool:
             victims = [o for lru in self.lru.values() for o in lru if o.pins == 0]
             for obj in victims:
                 self._drop(obj)
+            self._flush()
             return len(victims)
+
+    def save(self, extra=KEEP) -> None:
+        """Index every committed object, in LRU order, and a msgpack-able ``extra`` (omitted: the
+        last given). Raises OSError when it cannot write (the next start is then cold)."""
+        with self.lock:
+            if self.persist is None:
+                raise ValueError("save() needs a pool_dir")
+            self.persist.checkpoint(self, extra)
+
+    def note_extra(self, extra) -> None:
+        """Journal a new ``extra`` (e.g. a namespace registered) so a crash restart has it too."""
+        with self.lock:
+            if self.persist is not None:
+                self.persist.noted(extra)
+                self._flush()
+
+    @property
+    def extra(self):
+        """The extra blob recovered at start (or last given), None without one."""
+        return None if self.persist is None else self.persist.extra
 
     def close(self) -> None:
         with self.lock:
             self.segments.close()
+            if self.persist is not None:
+                self.persist.close()
 
     @property
     def backed_bytes(self) -> int:
@@ -147,6 +209,18 @@ class Pool:
         return self.segments.ceiling
 
     # ---- internals (lock held) -------------------------------------------------------------
+    def _place(self, obj: Obj) -> None:
+        obj.slab.owners[obj.slot] = obj
+        self.index.insert(obj)
+        self.objects += 1
+        self.used_bytes += obj.slab.cls.slot_bytes
+        self.per_group[obj.label] += 1
+        self.per_ns[obj.ns] += 1
+
+    def _flush(self) -> None:
+        if self.persist is not None:
+            self.persist.flush(self)
+
     def _touch(self, obj: Obj) -> None:
         self._tick += 1
         obj.tick = self._tick
@@ -185,17 +259,7 @@ class Pool:
         """Free a whole slab of another class (empty ones first, then the least recently used
         slab whose objects are all unpinned) until a slab of ``cls`` fits."""
         while True:
-            best, best_age = None, None
-            for other in self.slabs.classes.values():
-                if other is cls:
-                    continue
-                for slab in other.slabs:
-                    live = [o for o in slab.owners if o is not None]
-                    if any(o.pins for o in live):
-                        continue
-                    age = max((o.tick for o in live), default=-1)
-                    if best is None or age < best_age:
-                        best, best_age = slab, age
+            best = self.slabs.coldest_slab(cls)
             if best is None:
                 return False
             for obj in [o for o in best.owners if o is not None]:
@@ -210,6 +274,8 @@ class Pool:
         self._drop(obj)
 
     def _drop(self, obj: Obj) -> None:
+        if obj.ready and self.persist is not None:
+            self.persist.dropped(obj)  # flushed before the verb returns, so before the slot's reuse
         self.index.remove(obj)
         lru = self.lru.get(obj.slab.cls)
         if lru is not None:

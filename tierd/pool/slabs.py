@@ -34,6 +34,14 @@ class Slab:
         self.fresh += 1
         return self.fresh - 1
 
+    def settle(self) -> None:
+        """After recovered objects were placed in ``owners``: every other slot is free."""
+        self.free = [s for s in range(self.nslots - 1, -1, -1) if self.owners[s] is None]  # lowest pops first
+        self.fresh = self.nslots
+        self.used = self.nslots - len(self.free)
+        if self.free:
+            self.cls.open_slabs.append(self)
+
     @property
     def nbytes(self) -> int:
         return self.nslots * self.cls.slot_bytes
@@ -76,6 +84,7 @@ class SlabAllocator:
     def __init__(self, segments: SegmentSet):
         self.segments = segments
         self.classes: dict[int, SizeClass] = {}
+        self.watch = None  # told of every slab carved and released (the pool's journal)
 
     def size_class(self, nbytes: int) -> SizeClass:
         slot = -(-nbytes // self.segments.align) * self.segments.align
@@ -101,9 +110,36 @@ class SlabAllocator:
                 slab = Slab(cls, room[0], room[1], nslots)
                 cls.slabs.append(slab)
                 cls.open_slabs.append(slab)
+                if self.watch is not None:
+                    self.watch.carved(slab)
                 return slab
             nslots //= 2  # near the ceiling, settle for a smaller slab
         return None
+
+    def restore_slab(self, segment: Segment, offset: int, slot_bytes: int, nslots: int) -> Slab:
+        """A recovered slab at exactly its old place; ``Slab.settle`` once its objects are in."""
+        cls = self.size_class(slot_bytes)
+        assert cls.slot_bytes == slot_bytes
+        segment.reserve(offset, nslots * slot_bytes)
+        slab = Slab(cls, segment, offset, nslots)
+        cls.slabs.append(slab)
+        return slab
+
+    def coldest_slab(self, cls: SizeClass) -> Slab | None:
+        """The slab of another class to give up first: an empty one, else the one whose most
+        recent object is least recent; never one holding a pinned object."""
+        best, best_age = None, None
+        for other in self.classes.values():
+            if other is cls:
+                continue
+            for slab in other.slabs:
+                live = [o for o in slab.owners if o is not None]
+                if any(o.pins for o in live):
+                    continue
+                age = max((o.tick for o in live), default=-1)
+                if best is None or age < best_age:
+                    best, best_age = slab, age
+        return best
 
     def release_slab(self, slab: Slab) -> None:
         """Return an empty slab's memory to its segment."""
@@ -113,6 +149,8 @@ class SlabAllocator:
         if slab in cls.open_slabs:
             cls.open_slabs.remove(slab)
         self.segments.free(slab.segment, slab.offset, slab.nbytes)
+        if self.watch is not None:
+            self.watch.released(slab)
 
     @property
     def used_bytes(self) -> int:
