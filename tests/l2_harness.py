@@ -38,7 +38,9 @@ def unshare_prefix() -> list[str] | None:
     """``unshare -n`` (root), else ``unshare -rn`` (an unprivileged user namespace), else None."""
     for flags in ("-n", "-rn"):
         try:
-            r = subprocess.run(["unshare", flags, "sh", "-c", "ip link set lo up"], capture_output=True, timeout=10)
+            r = subprocess.run(
+                ["unshare", flags, "sh", "-c", "ip link set lo up"], capture_output=True, timeout=10
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         if r.returncode == 0:
@@ -50,10 +52,14 @@ def namespaced(args: list[str], timeout: float, prefix: list[str] | None = None)
     """Run ``python tests/l2_harness.py *args`` in a fresh network namespace; its JSON result."""
     prefix = prefix or unshare_prefix()
     script = f"ip link set lo up && exec {sys.executable} {TESTS / 'l2_harness.py'} " + " ".join(args)
-    r = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    r = subprocess.run(
+        [*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
-        raise AssertionError(f"harness {args} exited {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}")
+        raise AssertionError(
+            f"harness {args} exited {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -69,7 +75,7 @@ def wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
             return
         except OSError:
             if time.monotonic() > end:
-                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s") from None
             time.sleep(0.05)
 
 
@@ -84,8 +90,14 @@ class Master:
 
     def start(self, timeout: float = 20.0) -> Master:
         self.starts += 1
-        cmd = [master_binary(), "--rpc_address=127.0.0.1", "--enable_http_metadata_server",
-               "--http_metadata_server_host=127.0.0.1", "--metrics_host=127.0.0.1", *self.flags]
+        cmd = [
+            master_binary(),
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server",
+            "--http_metadata_server_host=127.0.0.1",
+            "--metrics_host=127.0.0.1",
+            *self.flags,
+        ]
         log = open(self.workdir / f"master-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         for port in MASTER_PORTS:
@@ -115,12 +127,20 @@ class Master:
 class Node:
     """A ``tests/l2_node.py`` process: its own memory and its own Mooncake client."""
 
-    def __init__(self, workdir: Path, name: str, url: str, mb: int = 128, mode: str = "tier", timeout: float = 60.0):
+    def __init__(
+        self, workdir: Path, name: str, url: str, mb: int = 128, mode: str = "tier", timeout: float = 60.0
+    ):
         self.name = name
         self.log = workdir / f"node-{name}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "l2_node.py"), mode, url, str(mb)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(self.log, "wb"), text=True, preexec_fn=_die_with_parent, cwd=ROOT)
+            [sys.executable, str(TESTS / "l2_node.py"), mode, url, str(mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.log, "wb"),
+            text=True,
+            preexec_fn=_die_with_parent,
+            cwd=ROOT,
+        )
         self.ready = self._read(timeout)
 
     def __call__(self, op: str, wait_s: float = 60.0, **kw) -> dict:

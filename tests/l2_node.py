@@ -104,8 +104,15 @@ def main() -> None:
             args = (keys, addrs, sizes) if op in ("put", "get") else (keys,)
             last = getattr(tier, op)(*args, timeout_s=cmd.get("timeout_s"))
             ok = last.done.result()
-            reply({"ok": ok, "elapsed": time.monotonic() - t0, "finished": last.finished.done(),
-                   "timed_out": last.timed_out, "state": tier.state})
+            reply(
+                {
+                    "ok": ok,
+                    "elapsed": time.monotonic() - t0,
+                    "finished": last.finished.done(),
+                    "timed_out": last.timed_out,
+                    "state": tier.state,
+                }
+            )
         elif op == "loop":
             reply({"calls": loop(tier, cmd, keys, addrs, sizes)})
         elif op == "wait_finished":
@@ -134,8 +141,15 @@ def loop(tier: MooncakeTier, cmd: dict, keys, addrs, sizes) -> list[dict]:
         t0 = time.monotonic()
         op = getattr(tier, cmd["call"])(keys, addrs, sizes, timeout_s=cmd.get("timeout_s"))
         ok = op.done.result()
-        calls.append({"t": t0, "elapsed": time.monotonic() - t0, "ok": sum(ok), "timed_out": op.timed_out,
-                      "state": tier.state})
+        calls.append(
+            {
+                "t": t0,
+                "elapsed": time.monotonic() - t0,
+                "ok": sum(ok),
+                "timed_out": op.timed_out,
+                "state": tier.state,
+            }
+        )
         if not op.finished.done():
             op.finished.result()  # the memory is still Mooncake's: wait before reusing it
         if calls[-1]["elapsed"] < 1e-3 and not ok[0]:

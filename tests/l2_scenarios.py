@@ -21,7 +21,10 @@ NS = hashlib.blake2b(b"tierd-l2-test-namespace", digest_size=16).digest()
 
 def keys(tag: str, n: int) -> list[str]:
     """Chunk keys as the daemon would derive them (namespace, PAGE hash, group, rank), in hex."""
-    return [chunk_key(NS, hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest(), 0, 0).hex() for i in range(n)]
+    return [
+        chunk_key(NS, hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest(), 0, 0).hex()
+        for i in range(n)
+    ]
 
 
 def layout(sizes: list[int], base: int = 0) -> list[int]:
@@ -33,7 +36,10 @@ def layout(sizes: list[int], base: int = 0) -> list[int]:
 
 
 def fill(node: Node, offsets: list[int], sizes: list[int], seed: int) -> list[str]:
-    return [node("fill", offset=o, size=s, seed=seed + i)["digest"] for i, (o, s) in enumerate(zip(offsets, sizes))]
+    return [
+        node("fill", offset=o, size=s, seed=seed + i)["digest"]
+        for i, (o, s) in enumerate(zip(offsets, sizes))
+    ]
 
 
 def digests(node: Node, offsets: list[int], sizes: list[int]) -> list[str]:
@@ -57,7 +63,12 @@ def until_stored(node: Node, ks: list[str], offsets: list[int], sizes: list[int]
         tries += 1
         r = node("put", keys=ks, offsets=offsets, sizes=sizes)
         if all(r["ok"]) or time.monotonic() - t0 > seconds:
-            return {**r, "tries": tries, "after": time.monotonic() - t0, "codes": node("status")["status"]["put_full"]}
+            return {
+                **r,
+                "tries": tries,
+                "after": time.monotonic() - t0,
+                "codes": node("status")["status"]["put_full"],
+            }
         time.sleep(0.1)
 
 
@@ -86,7 +97,9 @@ def share(workdir: Path, started: list) -> dict:
 
 def master_dies(workdir: Path, started: list) -> dict:
     """B reads in a loop; the master is SIGKILLed mid-loop, then restarted."""
-    master, a, b = two_nodes(workdir, started, "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=1500&retry_s=0.5&fail_after=2")
+    master, a, b = two_nodes(
+        workdir, started, "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=1500&retry_s=0.5&fail_after=2"
+    )
     sizes = [2 * MIB] * 16
     ks = keys("dies", len(sizes))
     src, dst = layout(sizes), layout(sizes, base=64 * MIB)
@@ -112,7 +125,9 @@ def master_dies(workdir: Path, started: list) -> dict:
 
 def master_hangs(workdir: Path, started: list) -> dict:
     """The master stops answering (SIGSTOP): a get fails by its deadline, not Mooncake's 30 s."""
-    master, a, b = two_nodes(workdir, started, "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=1000&retry_s=0.5")
+    master, a, b = two_nodes(
+        workdir, started, "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=1000&retry_s=0.5"
+    )
     sizes = [2 * MIB] * 4
     ks = keys("hangs", len(sizes))
     src, dst = layout(sizes), layout(sizes, base=64 * MIB)

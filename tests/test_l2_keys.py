@@ -21,21 +21,32 @@ print(object_name(chunk_key(bytes(range(16)), bytes(range(100, 116)), 3, 1), "ti
 def test_golden_name():
     # A change here breaks every store shared with nodes of the previous version: bump keys.VERSION.
     assert object_name(chunk_key(NS, PAGE, 3, 1), "tierd") == (
-        "tierd/v1/000102030405060708090a0b0c0d0e0f" "6465666768696a6b6c6d6e6f70717273" "0003" "0001")
+        "tierd/v1/000102030405060708090a0b0c0d0e0f6465666768696a6b6c6d6e6f7071727300030001"
+    )
 
 
 def test_same_name_in_other_processes_whatever_their_hash_seed():
     names = set()
     for seed in ("0", "1", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        names.add(subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, check=True).stdout)
+        names.add(
+            subprocess.run(
+                [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, check=True
+            ).stdout
+        )
     assert names == {object_name(chunk_key(NS, PAGE, 3, 1), "tierd") + "\n"}
 
 
 def test_each_part_separates_names():
     base = chunk_key(NS, PAGE, 0, 0)
-    others = [chunk_key(bytes(16), PAGE, 0, 0), chunk_key(NS, PAGE[:-1] + b"\0", 0, 0), chunk_key(NS, PAGE, 1, 0),
-              chunk_key(NS, PAGE, 0, 1), chunk_key(NS, PAGE, -1, 0), chunk_key(NS, PAGE + b"x", 0, 0)]
+    others = [
+        chunk_key(bytes(16), PAGE, 0, 0),
+        chunk_key(NS, PAGE[:-1] + b"\0", 0, 0),
+        chunk_key(NS, PAGE, 1, 0),
+        chunk_key(NS, PAGE, 0, 1),
+        chunk_key(NS, PAGE, -1, 0),
+        chunk_key(NS, PAGE + b"x", 0, 0),
+    ]
     assert len({base, *others}) == 1 + len(others)
     assert object_name(base, "a") != object_name(base, "b")
 
@@ -50,15 +61,18 @@ def test_names_round_trip_and_are_ascii():
     assert name.isascii() and name.isprintable() and key_of(name, "tierd") == key
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: chunk_key(NS[:8], PAGE, 0, 0), "16 bytes"),
-    (lambda: chunk_key(NS, b"", 0, 0), "empty"),
-    (lambda: chunk_key(NS, PAGE, -2, 0), "out of range"),
-    (lambda: chunk_key(NS, PAGE, 0, -1), "out of range"),
-    (lambda: object_name(b"", "tierd"), "1-96 bytes"),
-    (lambda: object_name(b"x" * 97, "tierd"), "1-96 bytes"),
-    (lambda: key_of("other/v1/00", "tierd"), "not a tierd v1"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: chunk_key(NS[:8], PAGE, 0, 0), "16 bytes"),
+        (lambda: chunk_key(NS, b"", 0, 0), "empty"),
+        (lambda: chunk_key(NS, PAGE, -2, 0), "out of range"),
+        (lambda: chunk_key(NS, PAGE, 0, -1), "out of range"),
+        (lambda: object_name(b"", "tierd"), "1-96 bytes"),
+        (lambda: object_name(b"x" * 97, "tierd"), "1-96 bytes"),
+        (lambda: key_of("other/v1/00", "tierd"), "not a tierd v1"),
+    ],
+)
 def test_bad_parts_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -14,7 +14,6 @@ import sys
 from functools import lru_cache
 
 import pytest
-
 from l2_harness import master_binary, namespaced, unshare_prefix
 
 from tierd.l2 import L2Unavailable, MooncakeTier
@@ -24,9 +23,12 @@ MIB = 1 << 20
 
 @lru_cache(maxsize=1)
 def missing() -> str | None:
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60
+    )
     if probe.returncode != 0:
-        return f"Mooncake's client does not import ({probe.stderr.strip().splitlines()[-1:]}): pip install 'tierd[mooncake]'"
+        last = probe.stderr.strip().splitlines()[-1:]
+        return f"Mooncake's client does not import ({last}): pip install 'tierd[mooncake]'"
     binary = master_binary()
     if binary is None:
         return "mooncake_master is not installed"
@@ -34,7 +36,9 @@ def missing() -> str | None:
     if version.returncode != 0:
         return f"mooncake_master does not run: {version.stdout[-300:]}{version.stderr[-300:]}"
     if unshare_prefix() is None:
-        return "unshare -n (or -rn) is not permitted here: Mooncake's servers must not bind 0.0.0.0 on the host"
+        return (
+            "unshare -n (or -rn) is not permitted here: Mooncake's servers must not bind 0.0.0.0 on the host"
+        )
     return None
 
 
@@ -43,7 +47,9 @@ def run(scenario: str, timeout: float = 240) -> dict:
     if reason:
         pytest.skip(reason)
     result = namespaced([scenario], timeout)
-    assert "error" not in result, result["error"] + "\n" + "\n".join(f"== {k}\n{v}" for k, v in result.get("logs", {}).items())
+    assert "error" not in result, (
+        result["error"] + "\n" + "\n".join(f"== {k}\n{v}" for k, v in result.get("logs", {}).items())
+    )
     return result
 
 
@@ -71,8 +77,11 @@ def test_a_cuda_build_on_a_host_without_cuda_says_what_to_swap(monkeypatch):
         if name == "mooncake.store":
             raise ImportError("libcuda.so.1: cannot open shared object file: No such file or directory")
         return real(name, *a, **kw)
+
     monkeypatch.setattr(importlib, "import_module", fake)
-    with pytest.raises(L2Unavailable, match=r"pip uninstall -y mooncake-transfer-engine && pip install 'tierd\[mooncake\]'"):
+    with pytest.raises(
+        L2Unavailable, match=r"pip uninstall -y mooncake-transfer-engine && pip install 'tierd\[mooncake\]'"
+    ):
         MooncakeTier("mooncake://127.0.0.1")
 
 
@@ -94,14 +103,20 @@ def test_bytes_put_by_one_node_are_read_byte_exact_by_another():
     assert r["get"]["ok"] == [True] * n + [False, False]
     assert r["dst"] == r["src"]
     assert r["get_larger"]["ok"] == [False] and r["get_smaller"]["ok"] == [False]
-    assert r["put_extra"]["ok"] == [True] and r["remove"]["ok"] == [True, True] and r["exists_removed"]["ok"] == [False]
+    assert (
+        r["put_extra"]["ok"] == [True]
+        and r["remove"]["ok"] == [True, True]
+        and r["exists_removed"]["ok"] == [False]
+    )
     a, b = r["status_a"], r["status_b"]
     assert a["local"] != b["local"] and a["connected"] and b["connected"]
     assert (a["puts"], a["put_stored"], a["put_bytes"]) == (2, n + 1, sum(r["sizes"]) + 4096)
     assert (b["hits"], b["misses"], b["get_bytes"], b["exists_hits"]) == (n, 2, sum(r["sizes"]), n)
     assert b["errors_by_code"] == {"SIZE_MISMATCH": 2} and b["errors"] == 0
     assert (a["registered_buffers"], a["registered_bytes"], a["segment_bytes"]) == (1, 128 * MIB, 256 * MIB)
-    assert b["latency_s"]["get"]["count"] == 3 and b["latency_s"]["get"]["counts"][-1] == 3  # le=+Inf holds all
+    assert (
+        b["latency_s"]["get"]["count"] == 3 and b["latency_s"]["get"]["counts"][-1] == 3
+    )  # le=+Inf holds all
 
 
 def test_master_killed_mid_read_fails_within_the_deadline_then_recovers_after_restart():
@@ -116,7 +131,9 @@ def test_master_killed_mid_read_fails_within_the_deadline_then_recovers_after_re
     assert any(c["state"] == "degraded" for c in after)
     assert sum(c["state"] == "degraded" and c["elapsed"] < 0.01 for c in after) >= 10  # degraded: fail fast
     assert r["wait_b"]["state"] == "connected" and r["wait_a"]["state"] == "connected"
-    assert r["put_new"]["ok"] == [True] * 4 and r["get_new"]["ok"] == [True] * 4 and r["dst_new"] == r["src_new"]
+    assert (
+        r["put_new"]["ok"] == [True] * 4 and r["get_new"]["ok"] == [True] * 4 and r["dst_new"] == r["src_new"]
+    )
     assert r["exists_old"] == r["get_old"]  # whatever the new master knows, exists and get agree
     s = r["status_b"]
     assert s["degraded"] >= 1 and s["reconnects"] >= 1 and s["errors"] >= 1 and s["rejected"] >= 10

@@ -10,20 +10,40 @@ from tierd.l2.url import MooncakeUrl, parse_url, route_host
 def test_defaults_follow_the_master_host():
     u = parse_url("mooncake://10.1.2.3")
     assert u == MooncakeUrl(master_host="10.1.2.3")
-    assert (u.master_port, u.metadata, u.protocol, u.device) == (50051, "http://10.1.2.3:8080/metadata", "tcp", "")
+    assert (u.master_port, u.metadata, u.protocol, u.device) == (
+        50051,
+        "http://10.1.2.3:8080/metadata",
+        "tcp",
+        "",
+    )
     assert (u.local_host, u.local_port, u.segment_gb, u.segment_bytes) == (None, None, 4.0, 4 << 30)
-    assert (u.timeout_ms, u.setup_timeout_s, u.retry_s, u.fail_after, u.tenant, u.prefix) == (2000, 30.0, 5.0, 3, "default", "tierd")
+    assert (u.timeout_ms, u.setup_timeout_s, u.retry_s, u.fail_after, u.tenant, u.prefix) == (
+        2000,
+        30.0,
+        5.0,
+        3,
+        "default",
+        "tierd",
+    )
     assert u.master_addr == "10.1.2.3:50051"
     assert u.local_hostname("10.9.9.9") == "10.9.9.9"
 
 
 def test_every_parameter():
-    u = parse_url("mooncake://master.example:6000?metadata=etcd://e1:2379&protocol=rdma&device=mlx5_0,mlx5_1"
-                  "&local=10.0.0.7:13000&segment_gb=0.5&timeout_ms=250&setup_timeout_s=3&retry_s=0.5&fail_after=5"
-                  "&tenant=team-a&prefix=prod")
+    u = parse_url(
+        "mooncake://master.example:6000?metadata=etcd://e1:2379&protocol=rdma&device=mlx5_0,mlx5_1"
+        "&local=10.0.0.7:13000&segment_gb=0.5&timeout_ms=250&setup_timeout_s=3&retry_s=0.5&fail_after=5"
+        "&tenant=team-a&prefix=prod"
+    )
     assert (u.master_host, u.master_port, u.metadata) == ("master.example", 6000, "etcd://e1:2379")
     assert (u.protocol, u.device, u.local_host, u.local_port) == ("rdma", "mlx5_0,mlx5_1", "10.0.0.7", 13000)
-    assert (u.segment_bytes, u.timeout_ms, u.setup_timeout_s, u.retry_s, u.fail_after) == (1 << 29, 250, 3.0, 0.5, 5)
+    assert (u.segment_bytes, u.timeout_ms, u.setup_timeout_s, u.retry_s, u.fail_after) == (
+        1 << 29,
+        250,
+        3.0,
+        0.5,
+        5,
+    )
     assert (u.tenant, u.prefix, u.local_hostname("10.0.0.7")) == ("team-a", "prod", "10.0.0.7:13000")
 
 
@@ -45,33 +65,36 @@ def test_canonical_string_spells_every_parameter():
     assert "timeout_ms=9" in text and "segment_gb=4.0" in text and "prefix=tierd" in text
 
 
-@pytest.mark.parametrize("url, part", [
-    ("redis://m", "scheme 'redis'"),
-    ("m:50051", "expected mooncake://"),
-    ("mooncake://", "master ''"),
-    ("mooncake://m:0", "master port '0'"),
-    ("mooncake://m:99999", "master port '99999'"),
-    ("mooncake://m:port", "master port 'port'"),
-    ("mooncake://user@m", "master 'user@m'"),
-    ("mooncake://m/path", "nothing may follow"),
-    ("mooncake://[fd00::1", "unbalanced"),
-    ("mooncake://m?protocol=udp", "protocol='udp'"),
-    ("mooncake://m?metadata=m:2379", "metadata='m:2379'"),
-    ("mooncake://m?segment_gb=-1", "segment_gb='-1'"),
-    ("mooncake://m?segment_gb=lots", "segment_gb='lots': not a number"),
-    ("mooncake://m?segment_gb=nan", "segment_gb='nan'"),
-    ("mooncake://m?timeout_ms=0", "timeout_ms='0'"),
-    ("mooncake://m?timeout_ms=1.5", "timeout_ms='1.5': not an integer"),
-    ("mooncake://m?fail_after=0", "fail_after='0'"),
-    ("mooncake://m?retry_s=0", "retry_s='0'"),
-    ("mooncake://m?local=h:0", "local port '0'"),
-    ("mooncake://m?local=", "local ''"),
-    ("mooncake://m?tenant=", "tenant= is empty"),
-    ("mooncake://m?prefix=a%20b", "prefix='a b'"),
-    ("mooncake://m?segment=4", "parameter 'segment' unknown"),
-    ("mooncake://m?timeout_ms=1&timeout_ms=2", "'timeout_ms' given twice"),
-    ("mooncake://m?novalue", "bad query field"),
-])
+@pytest.mark.parametrize(
+    "url, part",
+    [
+        ("redis://m", "scheme 'redis'"),
+        ("m:50051", "expected mooncake://"),
+        ("mooncake://", "master ''"),
+        ("mooncake://m:0", "master port '0'"),
+        ("mooncake://m:99999", "master port '99999'"),
+        ("mooncake://m:port", "master port 'port'"),
+        ("mooncake://user@m", "master 'user@m'"),
+        ("mooncake://m/path", "nothing may follow"),
+        ("mooncake://[fd00::1", "unbalanced"),
+        ("mooncake://m?protocol=udp", "protocol='udp'"),
+        ("mooncake://m?metadata=m:2379", "metadata='m:2379'"),
+        ("mooncake://m?segment_gb=-1", "segment_gb='-1'"),
+        ("mooncake://m?segment_gb=lots", "segment_gb='lots': not a number"),
+        ("mooncake://m?segment_gb=nan", "segment_gb='nan'"),
+        ("mooncake://m?timeout_ms=0", "timeout_ms='0'"),
+        ("mooncake://m?timeout_ms=1.5", "timeout_ms='1.5': not an integer"),
+        ("mooncake://m?fail_after=0", "fail_after='0'"),
+        ("mooncake://m?retry_s=0", "retry_s='0'"),
+        ("mooncake://m?local=h:0", "local port '0'"),
+        ("mooncake://m?local=", "local ''"),
+        ("mooncake://m?tenant=", "tenant= is empty"),
+        ("mooncake://m?prefix=a%20b", "prefix='a b'"),
+        ("mooncake://m?segment=4", "parameter 'segment' unknown"),
+        ("mooncake://m?timeout_ms=1&timeout_ms=2", "'timeout_ms' given twice"),
+        ("mooncake://m?novalue", "bad query field"),
+    ],
+)
 def test_bad_urls_name_the_bad_part(url, part):
     with pytest.raises(ValueError, match=None) as e:
         parse_url(url)

@@ -103,7 +103,10 @@ def test_buffers_place_ranges_and_refuse_what_is_outside():
         b = Buffers()
         a = b.add(0x10000, 4096, fd)
         c = b.add(0x20000, 8192, fd, offset=4096)
-        assert b.place([0x10000, 0x10800, 0x21000], [4096, 2048, 4096]) == ([a.ident, a.ident, c.ident], [0, 0x800, 0x1000])
+        assert b.place([0x10000, 0x10800, 0x21000], [4096, 2048, 4096]) == (
+            [a.ident, a.ident, c.ident],
+            [0, 0x800, 0x1000],
+        )
         for addr, size in ((0x10000, 4097), (0x0F000, 16), (0x30000, 1), (0x10000, 0), (0x20000 + 8192, 1)):
             with pytest.raises(ValueError, match="not inside a registered buffer"):
                 b.place([addr], [size])

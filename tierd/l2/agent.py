@@ -1,4 +1,4 @@
-"""The Mooncake client's own process: ``python -m tierd.l2.agent FD``, started by :class:`~tierd.l2.link.AgentLink`.
+"""The Mooncake client's own process: ``python -m tierd.l2.agent FD``, started by ``link.AgentLink``.
 
 Why a process and not a thread: Mooncake's ``setup`` and ``close`` hold the GIL while they block
 (measured: setup 30 s against a stopped master, close 45 s, interpreter exit 75 s; 4.3 s per
@@ -82,7 +82,9 @@ class Agent:
 
     def register(self, buf: int, nbytes: int, offset: int, fd: int):
         try:
-            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+            m = mmap.mmap(
+                fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
+            )
         finally:
             os.close(fd)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(m))

@@ -36,7 +36,8 @@ class Buffers:
             i = bisect.bisect_right(self._starts, addr)
             below = self._starts[i - 1] if i else None
             if (below is not None and below + self._by_addr[below].nbytes > addr) or (
-                    i < len(self._starts) and addr + nbytes > self._starts[i]):
+                i < len(self._starts) and addr + nbytes > self._starts[i]
+            ):
                 raise ValueError(f"buffer at {addr:#x} overlaps one already registered")
             buf = Buf(self._next, nbytes, os.dup(fd), offset)
             self._next += 1

@@ -35,6 +35,7 @@ import os
 from tierd.l2.url import MooncakeUrl
 
 INSTALL_HINT = "pip install 'tierd[mooncake]'"
+DEBIAN_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200"
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that tierd meets.
 OK = 0
@@ -44,11 +45,25 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706  # read within the lease TTL (default 10 s): remove refused
 CODE_NAMES = {
-    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
-    -200: "NO_AVAILABLE_HANDLE", -400: "INVALID_KEY", -500: "WRITE_FAIL", -600: "INVALID_PARAMS",
-    -601: "ILLEGAL_CLIENT", -700: "INVALID_WRITE", -701: "INVALID_READ", -703: "REPLICA_IS_NOT_READY",
-    -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED", -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -101: "SEGMENT_NOT_FOUND",
+    -103: "CLIENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS",
+    -601: "ILLEGAL_CLIENT",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
     -1700: "TENANT_QUOTA_EXCEEDED",
 }
 # Codes that are an answer about the key, not a sign that Mooncake is unwell.
@@ -76,10 +91,12 @@ def load_store_class():
     except ImportError as e:
         text = str(e)
         if "libcuda" in text:
-            fix = ("the installed Mooncake is a CUDA build and this host has no CUDA driver: "
-                   f"pip uninstall -y mooncake-transfer-engine && {INSTALL_HINT}")
+            fix = (
+                "the installed Mooncake is a CUDA build and this host has no CUDA driver: "
+                f"pip uninstall -y mooncake-transfer-engine && {INSTALL_HINT}"
+            )
         elif "libibverbs" in text or "libnl" in text:
-            fix = "Mooncake's libraries are missing: apt-get install -y libibverbs1 libnl-3-200 libnl-route-3-200"
+            fix = "Mooncake's libraries are missing: apt-get install -y " + DEBIAN_LIBS
         else:
             fix = f"Mooncake's Python client is not installed: {INSTALL_HINT}"
         raise L2Unavailable(f"--l2-url mooncake://... needs Mooncake Store; {fix} ({text})") from e
@@ -98,12 +115,20 @@ def open_store(store_class, url: MooncakeUrl, host: str):
     """
     store = store_class()
     rc = store.setup(
-        url.local_hostname(host), url.metadata, url.segment_bytes, 0, url.protocol, url.device,
-        url.master_addr, tenant_id=url.tenant,
+        url.local_hostname(host),
+        url.metadata,
+        url.segment_bytes,
+        0,
+        url.protocol,
+        url.device,
+        url.master_addr,
+        tenant_id=url.tenant,
     )
     if rc != 0:
         drop(store)
-        raise SetupFailed(rc, f"master {url.master_addr}, metadata {url.metadata}, local {url.local_hostname(host)}")
+        raise SetupFailed(
+            rc, f"master {url.master_addr}, metadata {url.metadata}, local {url.local_hostname(host)}"
+        )
     return store
 
 

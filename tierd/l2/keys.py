@@ -47,4 +47,4 @@ def key_of(name: str, prefix: str) -> bytes:
     head = f"{prefix}/{VERSION}/"
     if not name.startswith(head):
         raise ValueError(f"{name!r} is not a tierd {VERSION} object name under {prefix!r}")
-    return bytes.fromhex(name[len(head):])
+    return bytes.fromhex(name[len(head) :])

@@ -45,8 +45,11 @@ class AgentLink:
         self.seq = 0
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierd.l2.agent", str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL, close_fds=True)
+                [sys.executable, "-m", "tierd.l2.agent", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
         finally:
             theirs.close()
         hello = self._recv(HELLO_S, "hello")

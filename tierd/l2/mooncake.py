@@ -61,8 +61,14 @@ class MooncakeTier:
         self._probing = False
         self._probe_name = f"{self.url.prefix}/probe"
         self._buffers = Buffers()
-        self._relay = Relay(self.url, self.stats, self._buffers, max(HANG_S, 2 * self.url.setup_timeout_s),
-                            trouble=self._degrade, joined=lambda why: self._set_state(CONNECTED, why))
+        self._relay = Relay(
+            self.url,
+            self.stats,
+            self._buffers,
+            max(HANG_S, 2 * self.url.setup_timeout_s),
+            trouble=self._degrade,
+            joined=lambda why: self._set_state(CONNECTED, why),
+        )
         self._worker = DeadlineWorker("l2-mooncake")
         self._worker.every(self.url.retry_s, self._retry)
         self.connecting = self._submit("setup", self._relay.setup, False, self.url.setup_timeout_s)
@@ -73,22 +79,42 @@ class MooncakeTier:
         """``nbytes`` at ``addr``, mapped from ``fd`` at ``offset`` (a pool segment's memfd): memory
         puts read and gets write. Kept across reconnects; ``fd`` is duplicated. True once held."""
         buf = self._buffers.add(addr, nbytes, fd, offset)
-        return self._submit("register", lambda: self._relay.register(buf), False, self.url.timeout_ms / 1000, cut=False)
+        return self._submit(
+            "register", lambda: self._relay.register(buf), False, self.url.timeout_ms / 1000, cut=False
+        )
 
     def unregister(self, addr: int) -> Op:
         """Forget a buffer. Only once no put or get naming it is unfinished."""
         buf = self._buffers.remove(addr)
-        return self._submit("unregister", lambda: self._relay.unregister(buf), False, self.url.timeout_ms / 1000, cut=False)
+        return self._submit(
+            "unregister", lambda: self._relay.unregister(buf), False, self.url.timeout_ms / 1000, cut=False
+        )
 
-    def put(self, keys: Sequence[bytes], addrs: Sequence[int], sizes: Sequence[int], timeout_s: float | None = None) -> Op:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> Op:
         """Store ``sizes[i]`` bytes at ``addrs[i]`` under ``keys[i]``; True: stored or already there."""
         names, ids, offs, sizes = self._places(keys, addrs, sizes)
-        return self._data("put", names, lambda: self._relay.put(names, ids, offs, sizes), sum(sizes), timeout_s)
+        return self._data(
+            "put", names, lambda: self._relay.put(names, ids, offs, sizes), sum(sizes), timeout_s
+        )
 
-    def get(self, keys: Sequence[bytes], addrs: Sequence[int], sizes: Sequence[int], timeout_s: float | None = None) -> Op:
+    def get(
+        self,
+        keys: Sequence[bytes],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> Op:
         """Fetch each object into ``addrs[i]``; True only if exactly ``sizes[i]`` bytes landed."""
         names, ids, offs, sizes = self._places(keys, addrs, sizes)
-        return self._data("get", names, lambda: self._relay.get(names, ids, offs, sizes), sum(sizes), timeout_s)
+        return self._data(
+            "get", names, lambda: self._relay.get(names, ids, offs, sizes), sum(sizes), timeout_s
+        )
 
     def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> Op:
         """True: the store holds the key now (it may still be evicted before a get)."""
@@ -110,10 +136,18 @@ class MooncakeTier:
         buffers, registered = self._buffers.totals()
         out = self.stats.snapshot()
         out.update(
-            url=str(self.url), state=self._state, connected=self._state == CONNECTED, local=self._relay.local,
-            segment_bytes=self.url.segment_bytes, registered_buffers=buffers, registered_bytes=registered,
-            queued=queued, queued_bytes=queued_bytes, running_s=round(running_s, 6),
-            consecutive_failures=self._relay.failures, last_error=self._relay.last_error,
+            url=str(self.url),
+            state=self._state,
+            connected=self._state == CONNECTED,
+            local=self._relay.local,
+            segment_bytes=self.url.segment_bytes,
+            registered_buffers=buffers,
+            registered_bytes=registered,
+            queued=queued,
+            queued_bytes=queued_bytes,
+            running_s=round(running_s, 6),
+            consecutive_failures=self._relay.failures,
+            last_error=self._relay.last_error,
         )
         return out
 
@@ -159,6 +193,7 @@ class MooncakeTier:
                 return fn()
             self.stats.add(rejected=1, rejected_keys=n)  # queued before the tier degraded
             return [False] * n
+
         t = self.url.timeout_ms / 1000 if timeout_s is None else timeout_s
         return self._submit(kind, run, [False] * n, t, nbytes=nbytes)
 

@@ -24,7 +24,13 @@ from collections.abc import Callable
 from tierd.l2 import client
 from tierd.l2.buffers import Buf, Buffers
 from tierd.l2.client import (
-    ANSWERS, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK,
+    ANSWERS,
+    INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    OK,
 )
 from tierd.l2.link import AgentLink, AgentLost
 from tierd.l2.stats import L2Stats
@@ -32,8 +38,15 @@ from tierd.l2.url import MooncakeUrl, route_host
 
 
 class Relay:
-    def __init__(self, url: MooncakeUrl, stats: L2Stats, buffers: Buffers, hang_s: float,
-                 trouble: Callable[[str], None], joined: Callable[[str], None]):
+    def __init__(
+        self,
+        url: MooncakeUrl,
+        stats: L2Stats,
+        buffers: Buffers,
+        hang_s: float,
+        trouble: Callable[[str], None],
+        joined: Callable[[str], None],
+    ):
         self.url, self.stats, self.buffers, self.hang_s = url, stats, buffers, hang_s
         self._trouble, self._joined = trouble, joined
         self.link: AgentLink | None = None
@@ -128,8 +141,13 @@ class Relay:
     def put(self, names, ids, offs, sizes) -> list[bool]:
         codes = self._ask("put", names, ids, offs, sizes)
         ok = [c in (OK, OBJECT_ALREADY_EXISTS) for c in codes]
-        self.stats.add(puts=1, put_keys=len(names), put_stored=sum(ok), put_bytes=sum(s for s, o in zip(sizes, ok) if o),
-                       put_full=sum(c == NO_AVAILABLE_HANDLE for c in codes))
+        self.stats.add(
+            puts=1,
+            put_keys=len(names),
+            put_stored=sum(ok),
+            put_bytes=sum(s for s, o in zip(sizes, ok) if o),
+            put_full=sum(c == NO_AVAILABLE_HANDLE for c in codes),
+        )
         self._judge(codes, ANSWERS)
         return ok
 
@@ -137,8 +155,13 @@ class Relay:
         codes = self._ask("get", names, ids, offs, sizes)
         ok = [c == s for c, s in zip(codes, sizes)]
         mismatched = sum(1 for c, s in zip(codes, sizes) if 0 <= c != s or c == INVALID_PARAMS)
-        self.stats.add(gets=1, get_keys=len(names), hits=sum(ok), misses=sum(c == OBJECT_NOT_FOUND for c in codes),
-                       get_bytes=sum(s for s, o in zip(sizes, ok) if o))
+        self.stats.add(
+            gets=1,
+            get_keys=len(names),
+            hits=sum(ok),
+            misses=sum(c == OBJECT_NOT_FOUND for c in codes),
+            get_bytes=sum(s for s, o in zip(sizes, ok) if o),
+        )
         if mismatched:
             self.stats.code("SIZE_MISMATCH", mismatched)
         self._judge([OK if c >= 0 else c for c in codes], ANSWERS | {INVALID_PARAMS})

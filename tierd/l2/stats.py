@@ -74,7 +74,12 @@ class L2Stats:
             out: dict = dict(self.counts)
             out["errors_by_code"] = dict(sorted(self.codes.items()))
             out["latency_s"] = {
-                op: {"le": [str(b) for b in BUCKETS], "counts": list(self._hist[op]), "sum": self._sum[op], "count": self._n[op]}
+                op: {
+                    "le": [str(b) for b in BUCKETS],
+                    "counts": list(self._hist[op]),
+                    "sum": self._sum[op],
+                    "count": self._n[op],
+                }
                 for op in OPS
             }
         return out

@@ -31,8 +31,19 @@ MASTER_PORT = 50051  # mooncake_master -port default
 METADATA_PORT = 8080  # mooncake_master -http_metadata_server_port default
 PROTOCOLS = ("tcp", "rdma")
 METADATA_SCHEMES = ("http", "https", "etcd", "redis")
-PARAMETERS = ("metadata", "protocol", "device", "local", "segment_gb", "timeout_ms", "setup_timeout_s",
-              "retry_s", "fail_after", "tenant", "prefix")
+PARAMETERS = (
+    "metadata",
+    "protocol",
+    "device",
+    "local",
+    "segment_gb",
+    "timeout_ms",
+    "setup_timeout_s",
+    "retry_s",
+    "fail_after",
+    "tenant",
+    "prefix",
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,9 @@ class MooncakeUrl:
 
     def __post_init__(self):
         if not self.metadata:
-            object.__setattr__(self, "metadata", f"http://{_bracket(self.master_host)}:{METADATA_PORT}/metadata")
+            object.__setattr__(
+                self, "metadata", f"http://{_bracket(self.master_host)}:{METADATA_PORT}/metadata"
+            )
 
     @property
     def master_addr(self) -> str:
@@ -130,7 +143,9 @@ def _parameter(name: str, value: str) -> dict[str, object]:
     if name == "metadata":
         scheme = value.split("://", 1)[0] if "://" in value else ""
         if value != "P2PHANDSHAKE" and scheme not in METADATA_SCHEMES:
-            raise ValueError(f"l2 url metadata={value!r}: expected {'/'.join(METADATA_SCHEMES)}:// or P2PHANDSHAKE")
+            raise ValueError(
+                f"l2 url metadata={value!r}: expected {'/'.join(METADATA_SCHEMES)}:// or P2PHANDSHAKE"
+            )
         return {"metadata": value}
     if name == "protocol":
         if value not in PROTOCOLS:
@@ -157,7 +172,9 @@ def _number(name: str, text: str, kind: type, low: float):
     try:
         value = kind(text)
     except ValueError:
-        raise ValueError(f"l2 url {name}={text!r}: not a{'n integer' if kind is int else ' number'}") from None
+        raise ValueError(
+            f"l2 url {name}={text!r}: not a{'n integer' if kind is int else ' number'}"
+        ) from None
     if not math.isfinite(value) or value < low:
         raise ValueError(f"l2 url {name}={text!r}: must be at least {low:g}")
     return value

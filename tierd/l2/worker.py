@@ -77,7 +77,9 @@ class DeadlineWorker:
         self._worker.start()
         self._clock.start()
 
-    def submit(self, op: Op, fn: Callable[[], object], fallback, on_timeout: Callable[[Op], None] | None = None) -> Op:
+    def submit(
+        self, op: Op, fn: Callable[[], object], fallback, on_timeout: Callable[[Op], None] | None = None
+    ) -> Op:
         """Queue ``fn``; ``op.done`` gets its value, or ``fallback`` at ``op.deadline``."""
         seq = next(self._seq)
         with self._lock:
