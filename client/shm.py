@@ -1,18 +1,39 @@
-"""Publishing host tensors to the daemon as shared memory.
+"""Publishing host tensors to the daemon as shared memory, without leaving files behind.
 
-``share_torch_tensors`` moves each tensor's storage into shared memory *in place* (torch's own
-``share_memory_`` machinery swaps the storage's data pointer, so every view the engine holds
-keeps working) and returns the handles the daemon maps. ``SharedBuffer`` is a plain shared
-buffer for callers without torch (tests, ``tierd bench``).
+``share_torch_tensors`` moves each CPU tensor's storage into shared memory *in place* with
+torch's per-storage ``_share_fd_cpu_`` (the storage's data pointer is swapped, so every view
+the engine holds keeps working). That memory is a /dev/shm file which torch unlinks at once and
+keeps open by fd: it has no name, so nothing can outlive the process, however it ends (SIGKILL
+included), and the kernel frees it when the last fd and mapping are gone.
+
+The daemon maps memory by a path under /dev/shm (docs/protocol.md, REGISTER). ``Publication``
+gives each storage a name only while a REGISTER is in flight: a symlink
+``/dev/shm/tierd-kv-<pid>-<id>-<n>`` -> ``/proc/<pid>/fd/<fd>``, made right before the REGISTER
+is sent and removed once it is answered (the client's ``publish`` hook, also around every
+re-REGISTER after a daemon restart). Hazards:
+
+- The daemon must be able to open ``/proc/<engine pid>/fd/<fd>``: same user (or root) and the
+  same PID namespace (a daemon in another container with its own /proc cannot follow the link;
+  REGISTER then fails with LAYOUT_INVALID "cannot open" and the tier stays off for that rank).
+- An engine SIGKILLed while a REGISTER is in flight leaves a dangling symlink (no memory); the
+  next ``Publication.open`` of any engine of this user removes dangling ``tierd-kv-*`` links.
+- Nothing here changes process-wide state: torch's sharing strategy is left as it is, and
+  torch's file_system machinery (torch_shm_manager, named files) is not used.
+
+``SharedBuffer`` is a plain named shared buffer for callers without torch (tests, ``tierd bench``);
+its owner unlinks it with ``close``.
 """
 
 from __future__ import annotations
 
+import glob
 import mmap
 import os
 import uuid
 
 import numpy as np
+
+LINK_PREFIX = "/dev/shm/tierd-kv-"
 
 
 class SharedBuffer:
@@ -48,6 +69,87 @@ class SharedBuffer:
             pass
 
 
+class Publication:
+    """/dev/shm names for unnamed shared storages, present only between ``open`` and ``close``."""
+
+    def __init__(self, fds: list[int]):
+        self.pid = os.getpid()
+        tag = uuid.uuid4().hex[:8]
+        self.links = [(f"{LINK_PREFIX}{self.pid}-{tag}-{i}", f"/proc/{self.pid}/fd/{fd}") for i, fd in enumerate(fds)]
+
+    def open(self) -> None:
+        sweep_dangling_links()
+        for link, target in self.links:
+            try:
+                os.symlink(target, link)
+            except FileExistsError:
+                if os.readlink(link) != target:
+                    raise
+
+    def close(self) -> None:
+        for link, _ in self.links:
+            try:
+                os.unlink(link)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def paths(self) -> list[str]:
+        return [link for link, _ in self.links]
+
+
+def sweep_dangling_links() -> int:
+    """Remove this user's ``tierd-kv-*`` symlinks whose engine is gone; returns how many."""
+    removed = 0
+    for link in glob.glob(LINK_PREFIX + "*"):
+        try:
+            if os.lstat(link).st_uid == os.getuid() and os.path.islink(link) and not os.path.exists(link):
+                os.unlink(link)
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]], Publication | None]:
+    """Move the storages of ``tensors`` (CPU) into unnamed shared memory, in place.
+
+    Returns ``(refs, where, publication)``: ``refs`` are the distinct storages as REGISTER tensor
+    refs, ``where[i] = (ref index, byte offset of tensors[i]'s first element in that storage)``,
+    and ``publication`` must go with the REGISTER (``register_async(publish=)``) so the refs'
+    paths exist while the daemon maps them (None when every storage already had a name).
+    """
+    refs: list[dict] = []
+    by_storage: dict[int, int] = {}
+    where = []
+    fds: dict[int, int] = {}  # ref index -> fd of its unnamed memory
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"share_torch_tensors takes CPU tensors, got one on {t.device}")
+        storage = t.untyped_storage()
+        if not storage.is_shared():
+            share = getattr(storage, "_share_fd_cpu_", None)
+            if share is None:
+                raise RuntimeError("this torch has no UntypedStorage._share_fd_cpu_: tierd cannot share its CPU KV cache")
+            share()  # swaps the storage's data pointer: every view of it follows
+        base = storage.data_ptr()
+        if base not in by_storage:
+            by_storage[base] = len(refs)
+            path, offset = _mapping_of(base)
+            try:
+                fds[len(refs)] = int(storage._get_shared_fd())
+                path = None  # unnamed: the publication names it
+            except RuntimeError:  # shared by torch's file_system strategy before we saw it: named
+                if not path.startswith("/dev/shm/") or path.endswith("(deleted)"):
+                    raise RuntimeError(f"tensor storage lives in {path!r}, which the daemon cannot map") from None
+            refs.append({"handle": {"kind": "shm", "path": path, "offset": offset}, "nbytes": storage.nbytes()})
+        where.append((by_storage[base], t.data_ptr() - base))
+    publication = Publication(list(fds.values())) if fds else None
+    for i, link in zip(fds, publication.paths if publication else ()):
+        refs[i]["handle"]["path"] = link
+    return refs, where, publication
+
+
 def _mapping_of(addr: int) -> tuple[str, int]:
     """(file, offset of ``addr`` inside it) for a shared file mapping of this process."""
     with open("/proc/self/maps") as maps:
@@ -57,45 +159,3 @@ def _mapping_of(addr: int) -> tuple[str, int]:
             if lo <= addr < hi and len(parts) == 6:
                 return parts[5].strip(), addr - lo + int(parts[2], 16)
     raise RuntimeError(f"address {addr:#x} is not in a file mapping")
-
-
-def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]]]:
-    """Move the storages of ``tensors`` (CPU) into shared memory, in place.
-
-    Returns ``(refs, where)``: ``refs`` are the distinct storages as REGISTER tensor refs,
-    ``where[i] = (ref index, byte offset of tensors[i]'s first element in that storage)``.
-    """
-    refs: list[dict] = []
-    by_storage: dict[int, int] = {}
-    where = []
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"share_torch_tensors takes CPU tensors, got one on {t.device}")
-        storage = t.untyped_storage()
-        if not storage.is_shared():
-            _share_by_filename(storage)
-        base = storage.data_ptr()
-        if base not in by_storage:
-            path, offset = _mapping_of(base)
-            if not path.startswith("/dev/shm/") or path.endswith("(deleted)"):
-                raise RuntimeError(
-                    f"tensor storage lives in {path!r}, not a named /dev/shm file: it was shared with torch's "
-                    "file_descriptor strategy before tierd saw it"
-                )
-            by_storage[base] = len(refs)
-            refs.append({"handle": {"kind": "shm", "path": path, "offset": offset}, "nbytes": storage.nbytes()})
-        where.append((by_storage[base], t.data_ptr() - base))
-    return refs, where
-
-
-def _share_by_filename(storage) -> None:
-    """Move a storage into a *named* /dev/shm file in place (torch's file_system strategy for
-    this one storage, whatever the process-wide strategy is)."""
-    share = getattr(storage, "_share_filename_cpu_", None)
-    if share is not None:
-        share()
-        return
-    import torch.multiprocessing as mp
-
-    mp.set_sharing_strategy("file_system")
-    storage.share_memory_()

@@ -76,7 +76,8 @@ def make_specs(groups: list[GroupDef]):
 
 
 def make_vllm_config(model_dir: str, url: str, block_size: int, chunk_tokens: int, *, max_batched: int = 256,
-                     extra: dict | None = None, mamba: bool = False, spec_tokens: int = 0):
+                     extra: dict | None = None, mamba: bool = False, spec_tokens: int = 0,
+                     kv_events: dict | None = None):
     """vLLM's own config objects for a CPU engine with TierdConnector (no model is loaded)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
@@ -97,6 +98,10 @@ def make_vllm_config(model_dir: str, url: str, block_size: int, chunk_tokens: in
         spec["speculative_config"] = SpeculativeConfig(
             method="ngram", num_speculative_tokens=spec_tokens, prompt_lookup_max=4, prompt_lookup_min=2,
             target_model_config=mc, target_parallel_config=ParallelConfig())
+    if kv_events is not None:  # KVEventsConfig fields, e.g. {"enable_kv_cache_events": True, "endpoint": ...}
+        from vllm.config import KVEventsConfig
+
+        spec["kv_events_config"] = KVEventsConfig(**kv_events)
     return VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kvt,
                       device_config=DeviceConfig("cpu"), **spec)
 
@@ -106,7 +111,7 @@ class SimEngine:
 
     def __init__(self, model_dir: str, url: str, groups: list[GroupDef], *, num_blocks: int = 256,
                  chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None,
-                 spec_tokens: int = 0, spec_accept: int = 0, share_pages: bool = True):
+                 spec_tokens: int = 0, spec_accept: int = 0, share_pages: bool = True, kv_events: dict | None = None):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -121,7 +126,7 @@ class SimEngine:
         self.spec_tokens, self.spec_accept = spec_tokens, spec_accept
         self.vllm_config = vc = make_vllm_config(
             model_dir, url, self.block_size, chunk_tokens, max_batched=max_batched, extra=extra,
-            mamba=any(g.kind == "mamba" for g in groups), spec_tokens=spec_tokens)
+            mamba=any(g.kind == "mamba" for g in groups), spec_tokens=spec_tokens, kv_events=kv_events)
         specs = make_specs(groups)
         self.layer_names = [[f"g{gi}.layer{l}" for l in range(g.layers)] for gi, g in enumerate(groups)]
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -154,14 +159,16 @@ class SimEngine:
         self.on_forward = None
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None):
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None,
+            kv_transfer_params: dict | None = None):
         from vllm import SamplingParams
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.request import Request
         from vllm.utils.hashing import sha256
 
         init_none_hash(sha256)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
         req = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
                       cache_salt=cache_salt, block_hasher=get_request_block_hasher(self.block_size, sha256))
         self.scheduler.add_request(req)
@@ -185,6 +192,7 @@ class SimEngine:
         w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
+        kv_events = w.get_kv_connector_kv_cache_events()  # as vLLM's model runner does, after the forward
         wmeta = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         self.failed_loads |= res.failed_recving
@@ -207,7 +215,7 @@ class SimEngine:
             kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending,
                                                   finished_recving=res.finished_recving,
                                                   failed_recving=res.failed_recving, invalid_block_ids=invalid,
-                                                  kv_connector_worker_meta=wmeta),
+                                                  kv_cache_events=kv_events, kv_connector_worker_meta=wmeta),
         )
         engine_out = self.scheduler.update_from_output(so, out)
         if self.spec_tokens:

@@ -23,6 +23,10 @@ class ConnectorConfig:
     lookup_timeout_s: float = 2.0  # a LOOKUP slower than this counts as a miss
     lookup_wait_ms: float = 2.0  # how long get_num_new_matched_tokens may wait before returning None
     store_decode: bool = True  # also store chunks made of generated tokens (multi-turn reuse)
+    # how long a worker's start-up waits for the daemon to accept its REGISTER; past it the engine
+    # runs without the tier and keeps registering in the background (the tier turns on then)
+    connect_timeout_s: float = 1.0
+    register_retry_s: float = 5.0  # pause between background REGISTER attempts
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
@@ -43,6 +47,8 @@ class ConnectorConfig:
             lookup_timeout_s=float(extra.get("tierd.lookup_timeout_s", 2.0)),
             lookup_wait_ms=float(extra.get("tierd.lookup_wait_ms", 2.0)),
             store_decode=_bool(extra.get("tierd.store_decode", True)),
+            connect_timeout_s=float(extra.get("tierd.connect_timeout_s", 1.0)),
+            register_retry_s=float(extra.get("tierd.register_retry_s", 5.0)),
         )
 
 

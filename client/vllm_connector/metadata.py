@@ -14,6 +14,9 @@ except ImportError:  # pragma: no cover - vLLM without worker metadata
         pass
 
 
+SKIP = -1  # "leave this block alone": the worker turns it (and vLLM's null block) into the daemon's null id
+
+
 @dataclass
 class ChunkIO:
     key: bytes

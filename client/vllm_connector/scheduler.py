@@ -2,47 +2,41 @@
 
 Per request it keeps the chunk keys (chained PAGE hashes over the token ids, independent of
 PYTHONHASHSEED), the LOOKUP in flight or its answer and lease, how many chunks are already in
-the tier, and whether the tier is bypassed after a failed load (so a failure recomputes once
-instead of looping lookup -> load -> fail).
+the tier, the request's own limits (``kv_transfer_params``, see ``requests``), and whether the
+tier is bypassed after a failed load (so a failure recomputes once instead of looping lookup ->
+load -> fail). Prompts shorter than one chunk never reach the tier.
+
+While the client has no session with the daemon (none running yet, or it refused our HELLO),
+lookups are not sent at all: a lookup waiting for a daemon that is not there would hold every
+new request for ``tierd.lookup_timeout_s``. The tier turns on when the session comes up.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass, field
 
 from tierd.protocol.layout import GroupKind, GroupSpec
 
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import Geometry
 from tierd_client.vllm_connector.keys import extend_keys, unkeyable as _unkeyable
-from tierd_client.vllm_connector.metadata import ChunkIO, LoadJob, StoreJob, TierdMetadata
+from tierd_client.vllm_connector.log import get_logger
+from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, LoadJob, TierdMetadata
+from tierd_client.vllm_connector.requests import Limits, ReqState
+from tierd_client.vllm_connector.store_plan import block_resolver, new_block_ids, plan_state_store, plan_store, state_offers
 
-log = logging.getLogger("tierd_client.vllm_connector")
+log = get_logger("tierd_client.vllm_connector")
 
-SKIP = -1  # "leave this block alone": the worker turns it (and vLLM's null block) into the daemon's null id
-
-
-@dataclass
-class ReqState:
-    request: object
-    keys: list[bytes] = field(default_factory=list)
-    lookup: object = None  # Future of the LOOKUP reply
-    lookup_at: float = 0.0
-    hit_chunks: int = 0
-    lease: int = 0
-    local_tokens: int = 0  # block-aligned local prefix-cache hit at the last query
-    stored_chunks: int = 0  # chunks [0, stored_chunks) are in the tier (stored or loaded)
-    bypass: bool = False  # a load failed: no more lookups for this request
-    loading: bool = False
+__all__ = ["SKIP", "SchedulerSide", "new_block_ids"]
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, geo: Geometry, client):
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, client, events=None):
         self.cfg = cfg
         self.geo = geo
         self.client = client
+        self.events = events  # RouterEvents, when vLLM publishes KV cache events
+        self._online: bool | None = None  # last seen: the client has a session with the daemon
         self.reqs: dict[str, ReqState] = {}
         self.pending_loads: list[LoadJob] = []
         self.kv_cache_manager = None
@@ -62,12 +56,15 @@ class SchedulerSide:
         req_id = request.request_id
         st = self.reqs.get(req_id)
         if st is None:
-            st = self.reqs[req_id] = ReqState(request)
+            st = self.reqs[req_id] = ReqState(request, Limits.of(request))
         st.local_tokens = num_computed_tokens
-        if st.bypass or _unkeyable(request):
+        if st.bypass or _unkeyable(request) or not self._session_up():
             return 0, False
         C = self.geo.chunk_tokens
         usable = request.num_tokens - 1 if self.need_spare_token else request.num_tokens
+        cap = st.limits.load_cap(num_computed_tokens, C)
+        if cap is not None:
+            usable = min(usable, cap)
         max_chunks = max(0, usable) // C
         if max_chunks * C <= num_computed_tokens:
             return 0, False
@@ -152,73 +149,27 @@ class SchedulerSide:
             if st is not None:
                 self._drop_lease(st)
                 st.lookup, st.loading = None, False
-        resolve = _block_resolver(so, self.kv_cache_manager)
-        offers = _state_offers(so)
+        resolve = block_resolver(so, self.kv_cache_manager)
+        offers = state_offers(so)
         for req_id, n_sched in so.num_scheduled_tokens.items():
             st = self.reqs.get(req_id)
             if st is None or _unkeyable(st.request):
                 continue
-            job = self._store_job(st, n_sched, resolve, positional_states=offers is None)
+            job = plan_store(self.geo, self.cfg, st, n_sched, resolve, offers is None, self.events)
             if job is not None:
                 meta.stores.append(job)
         for req_id, states in (offers or {}).items():
             st = self.reqs.get(req_id)
             if st is not None and not _unkeyable(st.request):
-                job = self._state_job(st, states)
+                job = plan_state_store(self.geo, st, states)
                 if job is not None:
                     meta.stores.append(job)
         return meta
 
-    def _state_job(self, st: ReqState, states: list[tuple[int, int, int]]) -> StoreJob | None:
-        """Recurrent states vLLM hands off with their exact blocks (mamba "align" mode): one
-        state-only chunk per offered boundary that ends a chunk."""
-        C = self.geo.chunk_tokens
-        by_index = {g.index: g for g in self.geo.groups}
-        chunks = []
-        for gid, block_id, boundary in states:
-            g = by_index.get(gid)
-            if g is None or g.kind is not GroupKind.STATE or boundary % C or boundary > len(st.request.all_token_ids):
-                continue
-            j = boundary // C - 1
-            keys = self._keys(st, j + 1)
-            blocks = [[block_id] if other.index == gid else [SKIP] * other.blocks_per_chunk(C)
-                      for other in self.geo.groups]
-            chunks.append(ChunkIO(keys[j], blocks))
-        return StoreJob(st.request.request_id, chunks, []) if chunks else None
-
-    def _store_job(self, st: ReqState, n_sched: int, resolve, positional_states: bool) -> StoreJob | None:
-        req = st.request
-        C = self.geo.chunk_tokens
-        written = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
-        if not self.cfg.store_decode:
-            written = min(written, req.num_prompt_tokens)
-        done = written // C
-        if done <= st.stored_chunks:
-            return None
-        ids = resolve(req.request_id)
-        if ids is None:
-            return None
-        keys = self._keys(st, done)
-        chunks = []
-        for j in range(st.stored_chunks, done):
-            per_group = []
-            for g in self.geo.groups:
-                gids = ids[g.index]
-                if g.kind is GroupKind.STATE:
-                    # vLLM that hands off boundary states gets them stored from those exact blocks
-                    # (_state_job); older vLLM: the block at the boundary's position.
-                    idx = (j + 1) * C // g.block_tokens - 1
-                    per_group.append([gids[idx] if positional_states and idx < len(gids) else SKIP])
-                else:
-                    bpc = C // g.block_tokens
-                    per_group.append([gids[i] if i < len(gids) else SKIP for i in range(j * bpc, (j + 1) * bpc)])
-            chunks.append(ChunkIO(keys[j], per_group))
-        job = StoreJob(req.request_id, chunks, keys[: st.stored_chunks])
-        st.stored_chunks = done
-        return job
-
     # ---- feedback ---------------------------------------------------------------------------------
     def update_connector_output(self, output) -> None:
+        if self.events is not None:
+            self.events.on_reports(getattr(output, "kv_cache_events", None))
         failed = set(getattr(output, "failed_recving", None) or ())
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
         failed |= set(getattr(worker_meta, "failed_loads", ()) or ())
@@ -249,41 +200,20 @@ class SchedulerSide:
             except Exception:  # noqa: BLE001 - a lease left behind expires by TTL
                 pass
 
+    def _session_up(self) -> bool:
+        """Whether the client has a session; says so (once per change) in vLLM's log."""
+        up = getattr(self.client, "server", None) is not None
+        if up != self._online:
+            if up:
+                log.info("tierd: scheduler has a session with %s: prompts of %d+ tokens use the tier",
+                         self.client.url, self.geo.chunk_tokens)
+            else:
+                why = getattr(self.client, "refusal", None)
+                log.warning("tierd: %s: requests bypass the tier until the daemon answers",
+                            f"{self.client.url} refused us ({why})" if why else f"no daemon answers at {self.client.url} (yet)")
+            self._online = up
+        return up
+
     def _lease_ttl(self) -> float:
         server = getattr(self.client, "server", None) or {}
         return float(server.get("lease_ttl_s", 60.0))
-
-
-def new_block_ids(so) -> set[int]:
-    """Every block id handed out in this step, over all of vLLM's KV cache groups (including
-    groups tierd does not store: their blocks share pages with the groups it does)."""
-    out: set[int] = set()
-
-    def add(block_ids):
-        for ids in block_ids or ():
-            out.update(ids)
-
-    for req in so.scheduled_new_reqs:
-        add(req.block_ids)
-    cached = so.scheduled_cached_reqs
-    for ids in getattr(cached, "new_block_ids", None) or ():
-        add(ids)
-    return out
-
-
-def _state_offers(so) -> dict[str, list[tuple[int, int, int]]] | None:
-    """vLLM's exact (group, block, boundary tokens) recurrent-state hand-offs, or None when this
-    vLLM does not offer them (then states are read positionally)."""
-    state = getattr(so, "kv_connector_block_state", None)
-    if state is None or not hasattr(state, "boundary_state_offloads"):
-        return None
-    return state.boundary_state_offloads
-
-
-def _block_resolver(so, kv_cache_manager):
-    state = getattr(so, "kv_connector_block_state", None)
-    if state is not None:
-        return state.get_block_ids
-    if kv_cache_manager is not None:
-        return kv_cache_manager.get_block_ids
-    return lambda req_id: None

@@ -5,103 +5,50 @@ Block reuse is fenced instead of holding blocks: a store is asynchronous, and be
 (or a load) writes into a block that a pending store still reads, the worker waits for that
 store. Loads report completion per request; a failed load is reported as ``failed_recving`` for
 multi-group models and as invalid block ids for single-group ones, so vLLM recomputes.
+
+Until the rank is registered (``registration``: a bounded wait at start-up, then background
+retries) loads fail over to recompute and stores are skipped. With KV cache events on, every
+chunk a step asked to store is reported back with its fate (``take_events``).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
-from tierd_client.client import TierdError
-from tierd_client.layouts import block_span, group as group_desc, layout as layout_desc
+from tierd_client.errors import TierdError
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import Geometry
-from tierd_client.vllm_connector.metadata import ChunkIO, TierdMetadata, TierdWorkerMeta
-from tierd_client.vllm_connector.scheduler import SKIP
+from tierd_client.vllm_connector.log import get_logger
+from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, TierdMetadata, TierdWorkerMeta
+from tierd_client.vllm_connector.registration import RankRegistration
 
-log = logging.getLogger("tierd_client.vllm_connector")
-
-REGISTER_RETRY_S = 5.0
+log = get_logger("tierd_client.vllm_connector")
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, geo: Geometry, client, instance_id: str, num_blocks: int, vllm_null: int = 0):
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, client, instance_id: str, num_blocks: int,
+                 vllm_null: int = 0, events: bool = False):
         self.cfg = cfg
         self.geo = geo
         self.client = client
         self.instance = instance_id
-        self.num_blocks = num_blocks
         self.vllm_null = vllm_null
-        self.layout: dict | None = None
-        self.registered = False
-        self._register_future = None
-        self._register_at = 0.0
+        self.reg = RankRegistration(cfg, geo, client, instance_id, num_blocks)
         self.loads: dict[str, tuple[object, list[int]]] = {}
         self.stores: list[tuple[object, set[int]]] = []  # pending STOREs and the block ids they read
+        self._store_keys: dict[int, list[bytes]] = {}  # id(STORE future) -> its chunk keys (events on)
         self.failed: set[str] = set()
         self.invalid_blocks: set[int] = set()
         self._failed_now: set[str] = set()  # loads that failed before being sent
         self.event_for_store = None  # CUDA: callable recording an IPC event on the forward stream
+        self.reports: list[tuple[bytes, str]] | None = [] if events else None  # (chunk key, STORE result)
 
     # ---- registration -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, rank: int) -> None:
-        named = [(g, [kv_caches[n] for n in g.layer_names if n in kv_caches]) for g in self.geo.groups]
-        tensors = [t for _, ts in named for t in ts]
-        if not tensors:
-            raise ValueError("register_kv_caches got none of the layers in the KV cache config")
-        device = tensors[0].device.type
-        if device == "cpu":
-            from tierd_client.shm import share_torch_tensors
+        self.event_for_store = self.reg.publish(kv_caches, rank)
 
-            refs, where = share_torch_tensors(tensors)
-        elif device == "cuda":
-            from tierd_client.cuda_ipc import share_cuda_tensors, store_event_recorder
-
-            refs, where = share_cuda_tensors(tensors)
-            self.event_for_store = store_event_recorder(tensors[0].device)
-        else:
-            raise ValueError(f"TierdConnector supports cpu and cuda KV caches, not {device}")
-        groups, i = [], 0
-        for g, ts in named:
-            spans = []
-            for t in ts:
-                ref, offset = where[i]
-                i += 1
-                if t.shape[0] % self.num_blocks:
-                    raise ValueError(f"layer tensor with {t.shape[0]} blocks is not a multiple of {self.num_blocks}")
-                spans.append(block_span(tuple(t.shape), tuple(t.stride()), t.element_size(), 0, tensor=ref,
-                                        offset=offset, blocks_per_block=t.shape[0] // self.num_blocks))
-            groups.append(group_desc(g.kind.value, g.block_tokens, spans, window_tokens=g.window_tokens,
-                                     dtype=str(ts[0].dtype) if ts else ""))
-        self.layout = layout_desc(self.geo.namespace, rank, self.geo.chunk_tokens, refs, groups,
-                                  device=device, replicated=self.geo.replicated)
-        self._try_register(block=True)
-
-    def _try_register(self, block: bool = False) -> bool:
-        if self.registered or self.layout is None:
-            return self.registered
-        fut = self._register_future
-        if fut is None:
-            if time.monotonic() - self._register_at < REGISTER_RETRY_S and not block:
-                return False
-            self._register_at = time.monotonic()
-            fut = self._register_future = self.client.register_async(self.instance, self.layout, self.cfg.timeout_s)
-        if block:
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001 - reported below
-                pass
-        if not fut.done():
-            return False
-        self._register_future = None
-        exc = fut.exception()
-        if exc is not None:
-            log.error("tierd: registering %s with %s failed (%s); the tier is off for this rank until it succeeds",
-                      self.instance, self.client.url, exc)
-            return False
-        self.registered = True
-        log.info("tierd: registered %s with %s", self.instance, self.client.url)
-        return True
+    def _try_register(self) -> bool:
+        return self.reg.ready()
 
     # ---- per step -----------------------------------------------------------------------------------
     def handle_preemptions(self, meta: TierdMetadata) -> None:
@@ -124,20 +71,37 @@ class WorkerSide:
             self.loads[job.req_id] = (fut, ids)
 
     def wait_for_save(self, meta: TierdMetadata) -> None:
-        if not meta.stores or not self._try_register():
+        if not meta.stores:
+            return
+        if not self._try_register():
+            self._report([c.key for job in meta.stores for c in job.chunks], "skipped")
             return
         event = self.event_for_store() if self.event_for_store is not None else None
         for job in meta.stores:
             ids = [self._ids(c) for c in job.chunks]
             chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
+            keys = [c.key for c in job.chunks]
             try:
                 fut = self.client.store_async(self.instance, chunks, touch=job.touch, timeout=self.cfg.timeout_s,
                                               event=event)
             except Exception as exc:  # noqa: BLE001 - a store not made is a future miss, nothing more
                 log.debug("tierd: store for %s not sent: %s", job.req_id, exc)
+                self._report(keys, "failed")
                 continue
             self.stores.append((fut, self._block_set(ids)))
+            if self.reports is not None:
+                self._store_keys[id(fut)] = keys
         self._prune_stores()
+
+    def take_events(self) -> list[tuple[bytes, str]]:
+        """(chunk key, result) of every store that ended since the last call (events on)."""
+        self._prune_stores()
+        out, self.reports = self.reports or [], [] if self.reports is not None else None
+        return out
+
+    def _report(self, keys: list[bytes], result: str) -> None:
+        if self.reports is not None:
+            self.reports += [(k, result) for k in keys]
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         finished, failed = set(), set()
@@ -192,16 +156,13 @@ class WorkerSide:
                 pass
         self._prune_stores()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Let pending stores finish (bounded), then leave the daemon."""
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Let pending stores finish (bounded: vLLM kills an engine that takes long to stop),
+        then leave the daemon (the client's BYE ends the session; UNREGISTER serves a daemon
+        that does not know BYE)."""
         self.flush(timeout)
-        self.stores = []
-        if self.registered:
-            try:
-                self.client.unregister(self.instance, timeout=2.0)
-            except Exception:  # noqa: BLE001 - the daemon reaps us by heartbeat anyway
-                pass
-            self.registered = False
+        self.stores, self._store_keys = [], {}
+        self.reg.leave()
 
     # ---- helpers ------------------------------------------------------------------------------------
     @property
@@ -240,11 +201,16 @@ class WorkerSide:
     def _prune_stores(self) -> None:
         keep = []
         for fut, reads in self.stores:
-            if fut.done():
-                exc = fut.exception()
-                if exc is not None and not isinstance(exc, TierdError):
-                    log.debug("tierd store failed: %s", exc)
-            else:
+            if not fut.done():
                 keep.append((fut, reads))
+                continue
+            keys = self._store_keys.pop(id(fut), [])
+            exc = fut.exception()
+            if exc is not None:
+                if not isinstance(exc, TierdError):
+                    log.debug("tierd store failed: %s", exc)
+                self._report(keys, "failed")
+            elif self.reports is not None:
+                self.reports += list(zip(keys, fut.result().get("results", ())))
         self.stores = keep
 

@@ -1,0 +1,24 @@
+"""Errors a tierd client call can end in: the daemon's typed errors (``TierdError.code`` is the
+name of a ``tierd.protocol.errors.ErrorCode``) and the client-side ones (``DEADLINE``,
+``UNAVAILABLE``, ``CLOSED``), see docs/protocol.md section 7."""
+
+from __future__ import annotations
+
+
+class TierdError(Exception):
+    """The daemon answered with a typed error."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DeadlineExceeded(TierdError):
+    def __init__(self, op: str, timeout: float):
+        super().__init__("DEADLINE", f"{op} got no answer within {timeout:g} s")
+
+
+class DaemonUnavailable(TierdError):
+    def __init__(self, url: str):
+        super().__init__("UNAVAILABLE", f"no tierd is connected at {url}")

@@ -1,0 +1,214 @@
+"""A client's session with the daemon (docs/protocol.md sections 5-7): HELLO, heartbeats,
+recovery after a daemon restart, BYE, and the request/deadline API the verbs are built on.
+
+- Every call has a deadline; a call the daemon does not answer in time fails with
+  ``DeadlineExceeded`` and its reply, should it come later, is ignored.
+- STORE and RETRIEVE carry the wall-clock deadline too, so the daemon never commits a store
+  (or starts a retrieve) after the client gave up on it: a late copy can never publish bytes
+  from blocks the engine has already reused.
+- Heartbeats (PING) start with the session. A daemon restart shows as a new connection or an
+  ``UNKNOWN_SESSION`` answer; the client then says HELLO again, re-registers its ranks and
+  re-sends the request once. A daemon that comes up only after the first HELLO expired is
+  greeted when its connection comes up, so a client started before its daemon still gets a
+  session (and its ranks registered) later.
+- A HELLO the daemon refuses (e.g. ``UNSUPPORTED_VERSION``) is not "no daemon": ``wait_ready``
+  raises the daemon's own error, and requests that fail for want of a session carry it too.
+- ``close`` says BYE (bounded; an older daemon's ``UNKNOWN_OP`` is fine), so the daemon drops
+  the session, its leases and its instances at once instead of at the heartbeat timeout.
+- A REGISTER may carry a *publication* (``register_async(publish=)``): ``open()`` runs on the
+  I/O thread right before every REGISTER of that instance is sent (re-registrations after a
+  daemon restart included) and ``close()`` once it is answered. The CPU path uses it to give
+  its shared memory a /dev/shm name only while the daemon maps it (``tierd_client.shm``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from tierd.config import default_socket
+from tierd.protocol import PROTOCOL_VERSION
+from tierd.protocol.errors import ErrorCode
+
+from tierd_client.errors import DaemonUnavailable, TierdError
+from tierd_client.transport import Pending, Transport
+
+log = logging.getLogger("tierd_client")
+
+_DEADLINE_OPS = ("STORE", "RETRIEVE")
+_NOT_REFUSALS = ("DEADLINE", "UNAVAILABLE", "CLOSED")  # a HELLO that got no answer was not refused
+
+
+@dataclass
+class _Registration:
+    instance: str
+    layout: dict
+    publish: object | None = None
+
+
+class Session(Transport):
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        heartbeat_interval_s: float | None = None,
+        name: str = "tierd-client",
+        connect_timeout_s: float = 5.0,
+    ):
+        super().__init__(url or default_socket(), timeout_s, name)
+        self._heartbeat = heartbeat_interval_s
+        self._registrations: dict[str, _Registration] = {}
+        self._hello: dict | None = None
+        self._hello_event = threading.Event()
+        self._hello_error: TierdError | None = None  # the daemon refused our last HELLO
+        self._recovering = True  # a HELLO is in flight (the first one is submitted below)
+        self._leaving = False  # close() is saying BYE: no heartbeats, no recovery
+        self._next_ping = 0.0
+        self._thread.start()
+        self._submit(self._request("HELLO", self._hello_body(), connect_timeout_s, callback=self._on_hello))
+
+    # ---- requests -------------------------------------------------------------------------------
+    def call_async(self, op: str, body: dict | None = None, timeout: float | None = None) -> Future:
+        timeout = self.timeout_s if timeout is None else timeout
+        fut: Future = Future()
+        body = dict(body or {})
+        if op in _DEADLINE_OPS:
+            body["deadline"] = time.time() + timeout
+        self._submit(self._request(op, body, timeout, future=fut))
+        return fut
+
+    def call(self, op: str, body: dict | None = None, timeout: float | None = None) -> dict:
+        return self.call_async(op, body, timeout).result()
+
+    def wait_ready(self, timeout: float | None = None) -> dict:
+        """Block until HELLO was answered; returns its reply. Raises the daemon's own error when it
+        refused the HELLO (e.g. ``UNSUPPORTED_VERSION``), ``DaemonUnavailable`` when none answered."""
+        self._hello_event.wait(self.timeout_s if timeout is None else timeout)
+        if self._hello_error is not None:
+            raise self._hello_error
+        if self._hello is None:
+            raise DaemonUnavailable(self.url)
+        return self._hello
+
+    @property
+    def server(self) -> dict | None:
+        """The last HELLO reply (protocol, version, boot_id, null_block_id, ...)."""
+        return self._hello
+
+    @property
+    def refusal(self) -> TierdError | None:
+        """The daemon's error if it refused our last HELLO (e.g. UNSUPPORTED_VERSION), else None."""
+        return self._hello_error
+
+    def register_async(self, instance: str, layout: dict, timeout: float | None = None,
+                       publish: object | None = None) -> Future:
+        """REGISTER a rank's page layout; once accepted it is re-sent after a daemon restart.
+        ``publish`` (optional): ``open()``/``close()`` around every REGISTER of it (module doc)."""
+        done: Future = Future()
+
+        def finish(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                done.set_exception(exc)
+                return
+            self._registrations[instance] = _Registration(instance, layout, publish)
+            done.set_result(f.result())
+
+        fut: Future = Future()
+        fut.add_done_callback(finish)
+        self._submit(self._request("REGISTER", {"instance": instance, "layout": layout}, timeout, future=fut,
+                                   publish=publish))
+        return done
+
+    def close(self, bye_timeout: float = 0.5) -> None:
+        """Say BYE (at most ``bye_timeout`` s), then stop the I/O thread."""
+        if self._closed.is_set():
+            return
+        if self._hello is not None and self._connected:
+            self._leaving = True
+            try:
+                self.call("BYE", {}, timeout=bye_timeout)
+            except TierdError:
+                pass  # UNKNOWN_OP (older daemon), gone, or slow: the heartbeat timeout reaps us
+        self._stop()
+
+    # ---- I/O thread -----------------------------------------------------------------------------
+    def _hello_body(self) -> dict:
+        return {"protocol": PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
+
+    def _resync(self, then: Pending | None = None) -> None:
+        """HELLO, every accepted REGISTER, then ``then``: ahead of anything else waiting."""
+        self._recovering = True
+        self._front.append(self._request("HELLO", self._hello_body(), callback=self._on_hello))
+        self._front += [self._reregister(reg) for reg in list(self._registrations.values())]
+        if then is not None:
+            self._front.append(then)
+
+    def _reregister(self, reg: _Registration) -> Pending:
+        return self._request("REGISTER", {"instance": reg.instance, "layout": reg.layout},
+                             callback=self._on_reregister, publish=reg.publish)
+
+    def _on_connect(self, reconnect: bool) -> None:
+        # a new daemon (or the same one after a blip, or one that came up after our first HELLO
+        # expired): new session, same registrations
+        if (reconnect or self._hello is None) and not self._recovering and not self._leaving:
+            log.info("connected to tierd at %s; saying HELLO%s", self.url,
+                     " and re-registering" if self._registrations else "")
+            self._resync()
+
+    def _on_reply(self, p: Pending, ok: bool, body: dict) -> None:
+        code = None if ok else body.get("code")
+        internal = p.op == "HELLO" or (p.op == "REGISTER" and p.callback is not None)
+        if code is not None and not p.retried and not internal and not self._leaving:
+            if code == ErrorCode.UNKNOWN_SESSION.name:
+                p.retried = True  # the daemon lost us (restart): HELLO, re-REGISTER, then p once
+                if self._recovering:
+                    self._front.append(p)
+                else:
+                    log.info("tierd at %s lost this session; saying HELLO and re-registering", self.url)
+                    self._resync(then=p)  # STORE/RETRIEVE keep their wall-clock deadline
+                return
+            reg = self._registrations.get(p.body.get("instance")) if code == ErrorCode.UNKNOWN_INSTANCE.name else None
+            if reg is not None:  # the daemon dropped this rank only (e.g. UNREGISTER elsewhere)
+                p.retried = True
+                self._front += [self._reregister(reg), p]
+                return
+        if code == ErrorCode.UNKNOWN_SESSION.name and self._hello_error is not None:
+            self._fail(p, self._hello_error)  # no session because the daemon refused our HELLO: say why
+        else:
+            super()._on_reply(p, ok, body)
+
+    def _on_hello(self, ok: bool, body: dict) -> None:
+        self._recovering = False
+        if ok:
+            self._hello_error = None
+            self._hello = body
+            if self._heartbeat is None:
+                self._heartbeat = max(0.05, min(5.0, body.get("heartbeat_timeout_s", 30.0) / 4))
+            self._next_ping = time.monotonic() + self._heartbeat
+        elif body.get("code") not in _NOT_REFUSALS:
+            self._hello_error = TierdError(str(body.get("code")), str(body.get("message")))
+            log.error("tierd at %s refused HELLO: %s", self.url, self._hello_error)
+        self._hello_event.set()
+
+    def _on_reregister(self, ok: bool, body: dict) -> None:
+        if not ok:
+            log.error("re-registering with tierd failed: %s", body)
+
+    def _tick(self) -> None:
+        """Heartbeat: a PING every interval once a HELLO was answered."""
+        if self._hello is None or self._heartbeat is None or self._leaving:
+            return
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + self._heartbeat
+            self._front.append(self._request("PING", {}, max(self._heartbeat * 2, 1.0), callback=_ignore))
+
+
+def _ignore(ok: bool, body: dict) -> None:
+    """Heartbeat answers need no handling: a lost session shows as UNKNOWN_SESSION or a disconnect."""

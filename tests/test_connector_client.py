@@ -1,0 +1,134 @@
+"""The engine client's session as a connector meets it, against a real ``tierd serve``: a refused
+HELLO says why, a clean close frees the session at once (BYE), an older daemon's UNKNOWN_OP for
+BYE is harmless, and a client started before its daemon gets a session when the daemon comes up."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from conftest import DaemonProcess
+from tierd.protocol import codec
+from tierd.protocol.errors import ErrorCode
+from tierd_client import DaemonUnavailable, TierdClient, TierdError
+
+
+class FutureClient(TierdClient):
+    """A client from a later release: it speaks a protocol version this daemon does not."""
+
+    def _hello_body(self) -> dict:
+        return {**super()._hello_body(), "protocol": 999}
+
+
+def wait_for(pred, timeout: float = 5.0, every: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    return pred()
+
+
+def test_a_refused_hello_reaches_the_caller_as_the_daemons_error(daemon):
+    c = FutureClient(daemon.endpoint, timeout_s=3)
+    try:
+        with pytest.raises(TierdError) as err:
+            c.wait_ready(5)
+        assert not isinstance(err.value, DaemonUnavailable)
+        assert err.value.code == ErrorCode.UNSUPPORTED_VERSION.name and "999" in err.value.message
+        assert c.refusal is err.value
+        # a request without a session says why there is none, not "unknown session"
+        with pytest.raises(TierdError) as call_err:
+            c.status(timeout=3)
+        assert call_err.value.code == ErrorCode.UNSUPPORTED_VERSION.name
+    finally:
+        c.close()
+
+
+def test_no_daemon_at_all_is_still_daemon_unavailable(tmp_path):
+    c = TierdClient(f"ipc://{tmp_path}/nobody.sock", timeout_s=1, connect_timeout_s=0.2)
+    try:
+        with pytest.raises(DaemonUnavailable):
+            c.wait_ready(1)
+        assert c.refusal is None
+    finally:
+        c.close()
+
+
+def test_close_says_bye_and_the_daemon_drops_the_session_and_its_leases_at_once(daemon, client_factory):
+    admin = client_factory(daemon)
+    before = daemon.status()
+    c = TierdClient(daemon.endpoint, timeout_s=5)
+    c.wait_ready(5)
+    ns = {"model": "bye-test", "fingerprint": "f", "world_size": 1, "salt": ""}
+    c.lookup(ns, [b"k" * 16], [{"kind": "full", "block_tokens": 16, "window_tokens": 0}], 64)
+    assert daemon.status()["sessions"] == before["sessions"] + 1
+    t0 = time.monotonic()
+    c.close()
+    closed_in = time.monotonic() - t0
+    # the session is gone at once, not after the 30 s heartbeat timeout
+    assert wait_for(lambda: daemon.status()["sessions"] == before["sessions"], timeout=1.0)
+    assert daemon.status()["sessions_reaped"] == before["sessions_reaped"]
+    assert closed_in < 1.0
+    admin.ping()
+
+
+def _old_daemon(endpoint: str, stop: threading.Event, seen: list[str]) -> None:
+    """A daemon from before BYE: HELLO works, BYE is an unknown op."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    try:
+        while not stop.is_set():
+            if not sock.poll(20):
+                continue
+            ident, frame = sock.recv_multipart()
+            op, req_id, _ = codec.decode_request(frame, 1 << 20)
+            seen.append(op)
+            if op == "HELLO":
+                reply = codec.encode_reply(req_id, {"protocol": 1, "boot_id": "0" * 32, "null_block_id": -1,
+                                                    "heartbeat_timeout_s": 30.0})
+            else:
+                reply = codec.encode_error(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+            sock.send_multipart([ident, reply])
+    finally:
+        sock.close(linger=0)
+
+
+def test_close_tolerates_a_daemon_that_does_not_know_bye(tmp_path):
+    endpoint, stop, seen = f"ipc://{tmp_path}/old.sock", threading.Event(), []
+    t = threading.Thread(target=_old_daemon, args=(endpoint, stop, seen), daemon=True)
+    t.start()
+    try:
+        c = TierdClient(endpoint, timeout_s=2)
+        c.wait_ready(5)
+        t0 = time.monotonic()
+        c.close()  # must neither raise nor hang
+        assert time.monotonic() - t0 < 1.0
+        assert "BYE" in seen
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_a_client_started_before_its_daemon_gets_a_session_when_the_daemon_comes_up(tmp_path):
+    """The first HELLO expires (no daemon); a daemon started later must still be greeted."""
+    folder = tmp_path / "late"
+    folder.mkdir()
+    c = TierdClient(f"ipc://{folder}/tierd.sock", timeout_s=3, connect_timeout_s=0.3)
+    d = None
+    try:
+        with pytest.raises(DaemonUnavailable):
+            c.wait_ready(1.0)  # the first HELLO has expired by now
+        d = DaemonProcess(folder)
+        assert wait_for(lambda: c.server is not None, timeout=10), "the late daemon never got a HELLO"
+        assert c.ping(timeout=3)["boot_id"] == c.server["boot_id"]
+        assert d.status()["sessions"] == 1
+    finally:
+        c.close()
+        if d is not None:
+            d.kill()
