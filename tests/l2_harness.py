@@ -166,10 +166,12 @@ class Node:
         return json.loads(line)
 
     def stop(self) -> None:
+        """Ask it to leave the store (its segment unmounted at once), then make sure it is gone."""
         if self.proc.poll() is None:
             try:
                 self("quit", wait_s=15)
-            except (RuntimeError, BrokenPipeError, OSError):
+                self.proc.wait(15)
+            except (RuntimeError, BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 pass
             self.proc.kill()
         self.proc.wait(10)

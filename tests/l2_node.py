@@ -8,7 +8,7 @@ to a file. Keys travel as hex; memory is named by offsets into the mapping.
 
 Commands: fill(offset,size,seed) digest(offset,size) put/get(keys,offsets,sizes[,timeout_s])
 exists/remove(keys) loop(op,keys,offsets,sizes,seconds) wait_finished(timeout) wait_state(state,
-timeout) status quit. Every reply carries ``t`` (the node's monotonic clock).
+timeout) kill_agent status quit. Every reply carries ``t`` (the node's monotonic clock).
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main() -> None:
         if op == "quit":
             if tier:
                 tier.close()
+            else:
+                raw.store.close()  # unmount now: a segment left behind fails others' puts for client_ttl
             reply({"closed": True})
             return
         keys = [bytes.fromhex(k) for k in cmd.get("keys", [])]
@@ -127,6 +129,11 @@ def main() -> None:
             while tier.state != cmd["state"] and time.monotonic() - t0 < cmd["timeout"]:
                 time.sleep(0.02)
             reply({"state": tier.state, "waited": time.monotonic() - t0})
+        elif op == "kill_agent":  # a Mooncake crash, as the daemon would meet it
+            link = tier._relay.link
+            link.proc.kill()
+            link.proc.wait(10)
+            reply({"killed": link.proc.pid})
         elif op == "status":
             reply({"status": tier.status() if tier else {}})
         else:

@@ -170,3 +170,44 @@ def no_master(workdir: Path, started: list) -> dict:
     out["dst"] = digests(b, dst, sizes)
     out["status_b"] = b("status")["status"]
     return out
+
+
+def agent_dies(workdir: Path, started: list) -> dict:
+    """B's Mooncake process is killed (as a crash in Mooncake would end it): B degrades, not the daemon.
+
+    B contributes no segment (segment_gb=0), so every object lives in A's: a dead client's own
+    segment takes its objects along (until client_ttl they even fail as transfer errors)."""
+    url = "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=2000&retry_s=0.5"
+    started.append(Master(workdir).start())
+    a = Node(workdir, "a", url)
+    started.append(a)
+    b = Node(workdir, "b", url.replace("segment_gb=0.25", "segment_gb=0"))
+    started.append(b)
+    sizes = [2 * MIB] * 4
+    ks = keys("agent", len(sizes))
+    src, dst = layout(sizes), layout(sizes, base=64 * MIB)
+    out = {"src": fill(a, src, sizes, seed=11), "put": a("put", keys=ks, offsets=src, sizes=sizes)["ok"]}
+    out["killed"] = b("kill_agent")
+    out["get_lost"] = b("get", keys=ks, offsets=dst, sizes=sizes)
+    out["wait_state"] = b("wait_state", state="connected", timeout=30)
+    out["get_after"] = b("get", keys=ks, offsets=dst, sizes=sizes)
+    out["dst"] = digests(b, dst, sizes)
+    out["status_b"] = b("status")["status"]
+    return out
+
+
+def full(workdir: Path, started: list) -> dict:
+    """Two 64 MiB segments, 96 x 2 MiB put: refusals per key ("full"), no degradation, room again."""
+    url = "mooncake://127.0.0.1?segment_gb=0.0625&timeout_ms=5000&retry_s=0.5"
+    _, a, b = two_nodes(workdir, started, url)
+    sizes = [2 * MIB] * 16
+    src = layout(sizes)
+    fill(a, src, sizes, seed=21)
+    out = {"puts": []}
+    for r in range(6):
+        out["puts"].append(a("put", keys=keys(f"full{r}", 16), offsets=src, sizes=sizes)["ok"])
+    out["status_full"] = a("status")["status"]
+    out["later"] = until_stored(a, keys("room", 4), src[:4], sizes[:4], seconds=10)
+    out["too_big"] = a("put", keys=keys("big", 1), offsets=[0], sizes=[96 * MIB])
+    out["status_a"] = a("status")["status"]
+    return out

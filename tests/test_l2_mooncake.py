@@ -161,3 +161,27 @@ def test_a_node_started_before_its_master_degrades_by_the_setup_deadline_then_jo
     assert r["put"]["ok"] == [True, True] and r["get"]["ok"] == [True, True] and r["dst"] == r["src"]
     s = r["status_b"]
     assert s["timeouts"] == 1 and s["setup_failures"] >= 1 and s["state"] == "connected"
+
+
+def test_a_dead_mooncake_process_degrades_the_tier_and_a_new_one_takes_over():
+    r = run("agent_dies")
+    assert r["put"] == [True] * 4
+    lost = r["get_lost"]
+    assert lost["ok"] == [False] * 4 and lost["state"] == "degraded" and lost["elapsed"] < 1.0
+    assert r["wait_state"]["state"] == "connected"
+    assert r["get_after"]["ok"] == [True] * 4 and r["dst"] == r["src"]  # A's objects outlive B's agent
+    s = r["status_b"]
+    assert s["degraded"] == 1 and s["reconnects"] == 1 and s["registered_buffers"] == 1
+    assert s["errors_by_code"] == {"AGENT_LOST": 4} and s["last_error"].startswith("agent ")
+
+
+def test_full_segments_refuse_keys_without_degrading_and_make_room_again():
+    r = run("full")
+    stored = sum(sum(p) for p in r["puts"])
+    assert 0 < stored < 96  # 128 MiB of segments cannot take 192 MiB
+    s = r["status_full"]
+    assert s["put_full"] == 96 - stored and s["errors"] == 0
+    assert s["state"] == "connected" and s["degraded"] == 0
+    assert r["later"]["ok"] == [True] * 4  # the master's eviction made room
+    assert r["too_big"]["ok"] == [False]  # larger than any segment: refused, not split
+    assert r["status_a"]["errors_by_code"].get("NO_AVAILABLE_HANDLE", 0) == 0  # "full" is an answer

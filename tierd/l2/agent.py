@@ -81,10 +81,11 @@ class Agent:
         return [0, self.store.get_hostname()]
 
     def register(self, buf: int, nbytes: int, offset: int, fd: int):
+        # MAP_POPULATE: the pages exist (the daemon's mapping), but this mapping's page tables do
+        # not; without it every first touch of a 4 KiB page in a put or get takes a minor fault.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         try:
-            m = mmap.mmap(
-                fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset
-            )
+            m = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
         finally:
             os.close(fd)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(m))

@@ -77,17 +77,18 @@ class MooncakeTier:
 
     def register(self, addr: int, nbytes: int, fd: int, offset: int = 0) -> Op:
         """``nbytes`` at ``addr``, mapped from ``fd`` at ``offset`` (a pool segment's memfd): memory
-        puts read and gets write. Kept across reconnects; ``fd`` is duplicated. True once held."""
+        puts read and gets write. Kept across reconnects; ``fd`` is duplicated. True once the
+        agent holds it, False while unconnected (setup registers it). Never dropped unstarted."""
         buf = self._buffers.add(addr, nbytes, fd, offset)
         return self._submit(
-            "register", lambda: self._relay.register(buf), False, self.url.timeout_ms / 1000, cut=False
+            "register", lambda: self._relay.register(buf), False, self._relay.hang_s, cut=False
         )
 
     def unregister(self, addr: int) -> Op:
         """Forget a buffer. Only once no put or get naming it is unfinished."""
         buf = self._buffers.remove(addr)
         return self._submit(
-            "unregister", lambda: self._relay.unregister(buf), False, self.url.timeout_ms / 1000, cut=False
+            "unregister", lambda: self._relay.unregister(buf), False, self._relay.hang_s, cut=False
         )
 
     def put(

@@ -90,7 +90,7 @@ class Relay:
         if not self.connected:
             return self.setup()
         self.stats.add(probes=1)
-        code = self._ask("exists", [name])[0]
+        code = (self._ask("exists", [name]) or [-1])[0]
         if code in (0, 1):
             self.failures = 0
             self._joined("the master answers again")
@@ -140,6 +140,8 @@ class Relay:
 
     def put(self, names, ids, offs, sizes) -> list[bool]:
         codes = self._ask("put", names, ids, offs, sizes)
+        if codes is None:
+            return self._unanswered(len(names))
         ok = [c in (OK, OBJECT_ALREADY_EXISTS) for c in codes]
         self.stats.add(
             puts=1,
@@ -153,6 +155,8 @@ class Relay:
 
     def get(self, names, ids, offs, sizes) -> list[bool]:
         codes = self._ask("get", names, ids, offs, sizes)
+        if codes is None:
+            return self._unanswered(len(names))
         ok = [c == s for c, s in zip(codes, sizes)]
         mismatched = sum(1 for c, s in zip(codes, sizes) if 0 <= c != s or c == INVALID_PARAMS)
         self.stats.add(
@@ -169,12 +173,16 @@ class Relay:
 
     def exists(self, names) -> list[bool]:
         codes = self._ask("exists", names)
+        if codes is None:
+            return self._unanswered(len(names))
         self.stats.add(exists_calls=1, exists_keys=len(names), exists_hits=sum(c == 1 for c in codes))
         self._judge(codes, {0, 1})
         return [c == 1 for c in codes]
 
     def remove(self, names) -> list[bool]:
         codes = self._ask("remove", names)
+        if codes is None:
+            return self._unanswered(len(names))
         ok = [c in (OK, OBJECT_NOT_FOUND) for c in codes]
         self.stats.add(removes=1, removed=sum(ok))
         self._judge(codes, ANSWERS | {OBJECT_HAS_LEASE})
@@ -182,15 +190,20 @@ class Relay:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _ask(self, verb: str, names, *args) -> list[int]:
-        """The agent's codes, one per name; -1 each if it failed, died or was killed."""
+    def _unanswered(self, n: int) -> list[bool]:
+        self.stats.add(errors=n)
+        self.stats.code("AGENT_LOST", n)
+        return [False] * n
+
+    def _ask(self, verb: str, names, *args) -> list[int] | None:
+        """The agent's codes, one per name (-1 for an answer that makes no sense); None if it died."""
         if self.link is None:
-            return [-1] * len(names)
+            return None
         try:
             codes = self.link.call(verb, names, *args)
         except AgentLost as e:
             self._lost(str(e))
-            return [-1] * len(names)
+            return None
         if isinstance(codes, list) and len(codes) == len(names) and all(isinstance(c, int) for c in codes):
             return codes
         self.last_error = f"{verb}: agent answered {str(codes)[:200]}"

@@ -12,7 +12,8 @@ Hazards:
 - Callbacks on ``done`` and ``finished`` run on the worker or the clock thread. Keep them short,
   never block in them, never wait there for another Op (hand off to your own loop instead).
 - ``finished`` resolves before ``done`` for a call that returns in time, so a ``done`` callback
-  can test ``op.finished.done()`` to know whether the memory is free already.
+  can test ``op.finished.done()`` to know whether the memory is free already. A callback added
+  to an Op that is already answered (a call rejected fast) runs at once, in the adding thread.
 """
 
 from __future__ import annotations
