@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import uuid
 
 import pytest
@@ -61,3 +62,17 @@ def huge_dir():
     path = os.path.join(point, f"tierd-test-{uuid.uuid4().hex[:12]}")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A private 4 MiB tmpfs mount (needs CAP_SYS_ADMIN), for a pool folder that fills up."""
+    point = f"/dev/shm/tierd-small-{uuid.uuid4().hex[:12]}"
+    os.makedirs(point)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", point], capture_output=True)
+    if mount.returncode:
+        os.rmdir(point)
+        pytest.skip("cannot mount a tmpfs here")
+    yield point
+    subprocess.run(["umount", "-l", point], check=True)
+    os.rmdir(point)

@@ -8,7 +8,7 @@ import random
 
 import pool_writer as pw
 import pytest
-from pool_dirs import huge_dir, shm_dir, small_slabs  # noqa: F401 - fixtures
+from pool_dirs import huge_dir, shm_dir, small_slabs, small_tmpfs  # noqa: F401 - fixtures
 
 from tierd.pool import persist
 from tierd.pool.pool import Pool
@@ -154,5 +154,35 @@ def test_hugetlbfs_segments_are_whole_huge_pages_and_restart_warm(huge_dir, shm_
     pool = Pool(8 << 20, 0, 4096, 3 << 20, pool_dir=huge_dir, meta={"m": 1}, index_dir=shm_dir)
     try:
         assert pool.warm_restart["warm"] and survivors(pool) == before and pw.check(pool)[1] == []
+    finally:
+        pool.close()
+
+
+def test_a_full_tmpfs_stops_growth_and_the_journal_never_a_wrong_restart(small_tmpfs):
+    """The pool stops growing (a store is not stored, no SIGBUS at a later copy); a journal
+    write that fails removes the index, so the next start is cold rather than stale."""
+    folder, filler = os.path.join(small_tmpfs, "pool"), os.path.join(small_tmpfs, "filler")
+    pool = Pool(8 << 20, 0, 4096, 1 << 20, pool_dir=folder, meta={"m": 1})
+    try:
+        fill(pool, 7, 400)
+        assert pool.segments.grow_error and "cannot back" in pool.segments.grow_error
+        assert pool.backed_bytes < 4 << 20 and pool.objects > 0 and pw.check(pool)[1] == []
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    os.write(fd, b"\0" * 4096)  # take what is left
+        finally:
+            os.close(fd)
+        fill(pool, 8, 200)  # commits and evictions: the journal cannot be written
+        assert pool.persist.error and "journal write failed" in pool.persist.error
+        assert not os.path.exists(os.path.join(folder, "index"))
+        assert pw.check(pool)[1] == []  # still serving from memory
+    finally:
+        pool.close()
+    os.unlink(filler)
+    pool = Pool(8 << 20, 0, 4096, 1 << 20, pool_dir=folder, meta={"m": 1})
+    try:
+        assert not pool.warm_restart["warm"] and "no index" in pool.warm_restart["reason"]
     finally:
         pool.close()

@@ -150,9 +150,9 @@ def last_write_torn(folder: str, prepare, act) -> list[int]:
     pool.close()
     with open(path, "rb") as fh:
         data = fh.read()
-    assert end - start > 16 and len(data) == end
+    assert end - start > 40 and len(data) == end
     served = []
-    for cut in sorted({1, 7, 15, 16, 17, 40, (end - start) // 2, end - start - 1}):
+    for cut in sorted({1, 7, 11, 12, 13, 40, (end - start) // 2, end - start - 1}):  # head: 12 bytes
         with open(path, "wb") as fh:
             fh.write(data[: end - cut])
         _, kept, kept_end = journal.read(data[: end - cut])

@@ -18,9 +18,11 @@ the last write short: a record that runs past the end of the file is a torn tail
 is cold. Power loss empties tmpfs: no files, a cold start.
 
 Format (little endian). Header, 24 bytes: ``b"TIERDJ01"``, u64 generation (the index's it
-follows), blake2b-8 of those 16 bytes. Records, back to back: u32 body length, u32 crc32 of
-(length, body digest, generation), u64 body digest = blake2b-8 of the body keyed by the
-generation, then the body: a msgpack array, its first item the kind.
+follows), blake2b-8 of those 16 bytes. Records, back to back: u32 body length, u32 body crc
+(crc32 of the body, started from the generation's low 32 bits), u32 head crc (crc32 of the
+length, body crc and generation as <IIQ), then the body: a msgpack array, its first item the
+kind. CRC32, not a cryptographic digest: it guards against torn and flipped bytes (anyone who
+can write the folder can write any bytes anyway), at 0.2 us a record instead of 0.6.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ import msgpack
 
 MAGIC = b"TIERDJ01"
 HEADER_BYTES = 24
-_HEAD = struct.Struct("<IIQ")
-_CHECKED = struct.Struct("<IQQ")  # what the head crc covers
+_HEAD = struct.Struct("<III")  # length, body crc, head crc
+_CHECKED = struct.Struct("<IIQ")  # what the head crc covers: length, body crc, generation
 MAX_RECORD = 1 << 20
 
 
@@ -48,10 +50,9 @@ def header(generation: int) -> bytes:
     return fields + blake2b(fields, digest_size=8).digest()
 
 
-def frame(body: bytes, generation: int, key: bytes) -> bytes:
-    digest = int.from_bytes(blake2b(body, digest_size=8, key=key).digest(), "little")
-    crc = zlib.crc32(_CHECKED.pack(len(body), digest, generation))
-    return _HEAD.pack(len(body), crc, digest) + body
+def frame(body: bytes, generation: int) -> bytes:
+    crc = zlib.crc32(body, generation & 0xFFFFFFFF)
+    return _HEAD.pack(len(body), crc, zlib.crc32(_CHECKED.pack(len(body), crc, generation))) + body
 
 
 class Journal:
@@ -61,12 +62,14 @@ class Journal:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self.generation = generation
         self.records = 0  # since the index this journal follows
-        self._key = generation.to_bytes(8, "little")
         self._buf = bytearray()
         self._pack = msgpack.Packer(use_bin_type=True).pack
 
     def add(self, record: tuple) -> None:
-        self._buf += frame(self._pack(record), self.generation, self._key)
+        body = self._pack(record)
+        if len(body) > MAX_RECORD:
+            raise ValueError(f"a journal record of {len(body)} bytes (at most {MAX_RECORD})")
+        self._buf += frame(body, self.generation)
         self.records += 1
 
     def flush(self) -> None:
@@ -96,18 +99,17 @@ def read(data: bytes) -> tuple[int, list[list], int]:
     if len(data) < HEADER_BYTES or data[:HEADER_BYTES] != header(int.from_bytes(data[8:16], "little")):
         raise Corrupt("journal header does not check")
     generation = int.from_bytes(data[8:16], "little")
-    key = generation.to_bytes(8, "little")
     records, pos, end = [], HEADER_BYTES, len(data)
     while pos < end:
         if end - pos < _HEAD.size:
             break  # torn inside a head
-        length, crc, digest = _HEAD.unpack_from(data, pos)
-        if crc != zlib.crc32(_CHECKED.pack(length, digest, generation)) or length > MAX_RECORD:
+        length, crc, head = _HEAD.unpack_from(data, pos)
+        if head != zlib.crc32(_CHECKED.pack(length, crc, generation)) or length > MAX_RECORD:
             raise Corrupt(f"journal record at byte {pos}: its head does not check")
         body = data[pos + _HEAD.size : pos + _HEAD.size + length]
         if len(body) < length:
             break  # torn inside a body
-        if int.from_bytes(blake2b(body, digest_size=8, key=key).digest(), "little") != digest:
+        if zlib.crc32(body, generation & 0xFFFFFFFF) != crc:
             raise Corrupt(f"journal record at byte {pos}: its body does not check")
         try:
             rec = msgpack.unpackb(body, raw=False)

@@ -80,6 +80,7 @@ class Model:
         # (segment, slab offset, slot) -> (ns, key, span items, rank, nbytes, mask, label), oldest first
         self.objects: dict[tuple[int, int, int], tuple] = {}
         self._parts: set[tuple] = set()  # (ns, key, group, rank) held
+        self._shapes: set[tuple] = set()  # (span, nbytes, slot bytes) found consistent
         self.extra = None
         self.replayed = 0  # journal records applied
         self.torn_bytes = 0  # a torn tail ignored
@@ -169,17 +170,27 @@ class Model:
         return items
 
     def _commit(self, ns, key, span, rank, nbytes, mask, label, seg, off, slot) -> None:
+        where = (seg, off, slot)
         slab = self.slabs.get((seg, off))
-        if slab is None or not (_is_int(slot) and slot < slab[1]) or (seg, off, slot) in self.objects:
+        if slab is None or type(slot) is not int or not 0 <= slot < slab[1] or where in self.objects:
             raise Cold(f"commit into slot {seg}/{off}/{slot}: no such free slot")
-        if not (_is_int(nbytes, 1) and -(-nbytes // self.align) * self.align == slab[0]):
-            raise Cold(f"an object of {nbytes!r} bytes in a slot of {slab[0]}")
-        if not (type(ns) is bytes and type(key) is bytes and _is_int(rank) and type(mask) is bytes
-                and type(label) is str and all(o < nbytes for _, (_, o) in span)):
-            raise Cold(f"commit into slot {seg}/{off}/{slot} has fields of the wrong type or range")
-        parts = [(ns, key, g, rank) for g, _ in span]
-        if any(p in self._parts for p in parts):
-            raise Cold(f"key {key.hex()[:16]} rank {rank} is held twice")
-        self._parts.update(parts)
+        if (span, nbytes, slab[0]) not in self._shapes:  # checked once per distinct shape
+            self._shape(span, nbytes, slab[0])
+        if (type(ns) is not bytes or type(key) is not bytes or type(rank) is not int or rank < 0
+                or type(mask) is not bytes or type(label) is not str):
+            raise Cold(f"commit into slot {seg}/{off}/{slot} has fields of the wrong type")
+        parts = self._parts
+        for g, _ in span:
+            if (ns, key, g, rank) in parts:
+                raise Cold(f"key {key.hex()[:16]} group {g} rank {rank} is held twice")
+        for g, _ in span:
+            parts.add((ns, key, g, rank))
         slab[2] += 1
-        self.objects[seg, off, slot] = (ns, key, span, rank, nbytes, int.from_bytes(mask, "little"), label)
+        self.objects[where] = (ns, key, span, rank, nbytes, int.from_bytes(mask, "little"), label)
+
+    def _shape(self, span: tuple, nbytes, slot_bytes: int) -> None:
+        if not (_is_int(nbytes, 1) and -(-nbytes // self.align) * self.align == slot_bytes):
+            raise Cold(f"an object of {nbytes!r} bytes in a slot of {slot_bytes}")
+        if not all(o < nbytes for _, (_, o) in span):
+            raise Cold(f"span {span!r} reaches past the object's {nbytes} bytes")
+        self._shapes.add((span, nbytes, slot_bytes))

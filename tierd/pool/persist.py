@@ -66,23 +66,23 @@ class Persist:
     # ---- start -----------------------------------------------------------------------------
     def recover(self, align: int, ceiling: int) -> Model | None:
         """The checked model of what the folder holds, or None after removing it (cold)."""
-        t0 = time.perf_counter()
         try:
             model = self._read(align)
             self._check_files(model, ceiling)
         except Cold as exc:
-            self.cold(str(exc), t0)
+            self.cold(str(exc))
             return None
         self.extra = model.extra
         objs = model.objects.values()
         self.report = {"warm": True, "reason": None, "objects": len(objs), "bytes": sum(r[4] for r in objs),
                        "journal_records": model.replayed, "torn_bytes": model.torn_bytes,
-                       "seconds": time.perf_counter() - t0, "pool_dir": self.folder.path}
+                       "seconds": 0.0, "pool_dir": self.folder.path}
         return model
 
     def open(self, pool, ceiling: int, initial: int, pinner) -> None:
         """Build ``pool`` from what the folder holds, or cold; then journal every change and
-        back ``initial`` bytes."""
+        back ``initial`` bytes. ``report["seconds"]``: all of it but the initial backing."""
+        t0 = time.perf_counter()
         model = self.recover(self.align, ceiling)
         segments = lambda restore: SegmentSet(ceiling, 0, self.segment_bytes, self.align, pinner, self.folder,
                                               restore)
@@ -94,21 +94,20 @@ class Persist:
             self.cold(f"the recovered files could not be mapped: {exc}")
             pool._build(segments(()), None)
         self.start(pool)
+        self.report["seconds"] = time.perf_counter() - t0
         pool.segments.watch = pool.slabs.watch = self
         pool.segments.grow_to(initial)
         self.flush(pool)
 
-    def cold(self, reason: str, t0: float | None = None) -> None:
+    def cold(self, reason: str) -> None:
         self.folder.wipe()
         self.extra, self._resume = None, None
-        seconds = 0.0 if t0 is None else time.perf_counter() - t0
         self.report = {"warm": False, "reason": reason, "objects": 0, "bytes": 0, "journal_records": 0,
-                       "torn_bytes": 0, "seconds": seconds, "pool_dir": self.folder.path}
+                       "torn_bytes": 0, "seconds": 0.0, "pool_dir": self.folder.path}
         log.info("pool %s starts cold: %s", self.folder.path, reason)
 
     def start(self, pool) -> None:
         """After the pool is built: append to the recovered journal, or write a first index."""
-        t0 = time.perf_counter()
         if self._resume is None:
             self.checkpoint(pool)
         else:
@@ -121,7 +120,6 @@ class Persist:
                 self.folder.publish("journal")
             self.generation, self.journal = gen, journal.Journal(path, gen)
             self.journal.records = self.report["journal_records"]
-        self.report["seconds"] += time.perf_counter() - t0
 
     def _read(self, align: int) -> Model:
         data = self.folder.read("index")
