@@ -75,8 +75,8 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         kv_events = getattr(vllm_config, "kv_events_config", None)
         events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
-            router = RouterEvents(self.geo, self.client, self.geo.world_size,
-                                  int(vllm_config.cache_config.block_size)) if events else None
+            router = RouterEvents(self.geo, self.client, self.geo.world_size, int(vllm_config.cache_config.block_size),
+                                  max_wait_s=self.cfg.timeout_s + 1.0) if events else None
             self.scheduler = SchedulerSide(self.cfg, self.geo, self.client, router)
         else:
             rank = _global_rank()
@@ -155,6 +155,11 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while stored chunks await their reports (events on only)."""
+        events = self.scheduler.events if self.scheduler is not None else None
+        return events is not None and events.pending()
 
     def take_events(self):
         """BlockStored/BlockRemoved (medium CPU) for the router, see ``events``."""

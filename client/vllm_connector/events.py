@@ -16,6 +16,11 @@ Flow (only when ``kv_events_config.enable_kv_cache_events``):
    ``UNKNOWN_OP`` answer turns polling off) names the keys that stopped being servable; those
    this engine announced are published as ``BlockRemoved`` with the same hashes.
 
+While chunks await their reports the connector asks vLLM to keep stepping
+(``has_pending_push_work``), so the last stores of a request that has finished still reach the
+router although the engine has nothing else to do; a chunk whose reports have not all come
+within ``max_wait_s`` (the STORE deadline and a margin) is dropped, never waited for forever.
+
 Hazards: memory is bounded (at most ``MAX_TRACKED`` planned and announced chunks; a key dropped
 from ``announced`` is never reported removed, so a router may over-estimate what this node
 holds, never under-estimate). Sliding-window and recurrent-state groups are not announced: the
@@ -76,6 +81,7 @@ class _Planned:
     expected: int  # rank reports still to come
     good: bool = False
     bad: bool = False
+    at: float = 0.0  # monotonic time it was (last) planned
 
 
 @dataclass
@@ -84,6 +90,7 @@ class RouterEvents:
     client: object
     world_size: int
     hash_block_size: int
+    max_wait_s: float = 11.0
     planned: OrderedDict = field(default_factory=OrderedDict)  # key -> _Planned
     announced: OrderedDict = field(default_factory=OrderedDict)  # key -> [BlockRemoved]
     out: list = field(default_factory=list)
@@ -99,7 +106,7 @@ class RouterEvents:
             return
         p = self.planned.pop(key, None)
         expected = self.world_size + (p.expected if p is not None else 0)
-        self.planned[key] = _Planned(stored, expected, p.good if p else False, p.bad if p else False)
+        self.planned[key] = _Planned(stored, expected, p.good if p else False, p.bad if p else False, time.monotonic())
         while len(self.planned) > MAX_TRACKED:
             self.planned.popitem(last=False)
 
@@ -121,6 +128,16 @@ class RouterEvents:
                 self.announced.move_to_end(key)
                 while len(self.announced) > MAX_TRACKED:
                     self.announced.popitem(last=False)
+
+    def pending(self) -> bool:
+        """Chunks still await reports (stale ones are dropped first)."""
+        cutoff = time.monotonic() - self.max_wait_s
+        while self.planned:
+            key, p = next(iter(self.planned.items()))
+            if p.at >= cutoff:
+                return True
+            del self.planned[key]
+        return False
 
     def take(self) -> list:
         self._poll_evictions()
