@@ -31,7 +31,10 @@ NAMESPACES = (b"ns-model-a", b"ns-model-b")
 KEYS = 120  # the writer's keys; tests add objects under KEYS..KEYS + SPARE - 1
 SPARE = 16
 RANKS = (0, 1)
-SIZES = (12 * KIB, 20 * KIB, 36 * KIB, 64 * KIB, 100 * KIB)
+# Object sizes come in phases of PHASE versions: each phase wants other size classes, so whole
+# slabs move between classes (evicting theirs) at every phase change.
+SIZES = ((12 * KIB, 20 * KIB, 36 * KIB), (36 * KIB, 64 * KIB, 100 * KIB), (100 * KIB, 300 * KIB, 12 * KIB))
+PHASE = 400
 SLAB_BYTES = 256 * KIB  # as pool_dirs.SLAB_BYTES: several size classes share 3 MiB
 
 
@@ -45,13 +48,16 @@ def key(i: int) -> bytes:
     return b"page-hash-%06d" % i
 
 
-def shape(ns: bytes, k: bytes) -> tuple[int, dict]:
-    """(nbytes, span) of a key: fixed per key, so a fuller copy can replace a partial one."""
+def span_of(ns: bytes, k: bytes) -> dict:
+    """A key's span: fixed per key, so a fuller copy can replace a partial one."""
     r = random.Random(ns + k)
-    nbytes = r.choice(SIZES)
     if r.random() < 0.3:  # one object for two groups (--no-separate-object-groups)
-        return nbytes, {0: (0, 0), 1: (4, nbytes // 2)}
-    return nbytes, {r.choice((0, 1, 2)): (0, 0)}
+        return {0: (0, 0), 1: (4, 4 * KIB)}
+    return {r.choice((0, 1, 2)): (0, 0)}
+
+
+def size_of(ns: bytes, k: bytes, version: int) -> int:
+    return random.Random(b"%s/%s/%d" % (ns, k, version // PHASE)).choice(SIZES[version // PHASE % len(SIZES)])
 
 
 def mask_of(ns: bytes, k: bytes, rank: int, version: int, span: dict) -> int:
@@ -70,7 +76,7 @@ def check(pool: Pool) -> tuple[int, list[str]]:
     for ns in NAMESPACES:
         for i in range(KEYS + SPARE):
             k = key(i)
-            nbytes, span = shape(ns, k)
+            span = span_of(ns, k)
             for rank in RANKS:
                 for g in span:
                     o = pool.find_ready(ns, k, g, rank)
@@ -78,6 +84,7 @@ def check(pool: Pool) -> tuple[int, list[str]]:
                         continue
                     seen.add(id(o))
                     v = int(o.label[1:])
+                    nbytes = size_of(ns, k, v)
                     if (o.nbytes, o.span, o.mask) != (nbytes, span, mask_of(ns, k, rank, v, span)):
                         wrong.append(f"{k!r} r{rank} v{v}: shape {o.nbytes}/{o.span}/{o.mask:b}")
                     elif not np.array_equal(o.view(), pattern(ns, k, rank, v, nbytes)):
@@ -89,7 +96,7 @@ def check(pool: Pool) -> tuple[int, list[str]]:
 
 def store(pool: Pool, ns: bytes, k: bytes, rank: int, version: int, pieces: int = 1):
     """begin_write + fill; the caller commits or aborts. None when not stored."""
-    nbytes, span = shape(ns, k)
+    nbytes, span = size_of(ns, k, version), span_of(ns, k)
     obj = pool.begin_write(ns, k, span, rank, nbytes, mask_of(ns, k, rank, version, span), f"v{version}")
     if obj is None or obj is EXISTS:
         return None
@@ -147,13 +154,13 @@ def run_script(folder: str) -> None:
             live[key(i)] = version
     stored = sorted(live, key=live.get)
     for k in stored:
-        if pool.find_ready(ns, k, next(iter(shape(ns, k)[1])), 0) is None:
+        if pool.find_ready(ns, k, next(iter(span_of(ns, k))), 0) is None:
             del live[k]  # evicted
     in_flight = [o for i in range(KEYS, KEYS + 4) if (o := store(pool, NAMESPACES[1], key(i), 1, 10**6 + i))]
     for o in in_flight:
         o.view()[:] = 0xEE  # never committed: must not come back
     for k in stored:
-        if k in live and pool.find_ready(ns, k, next(iter(shape(ns, k)[1])), 0) is None:
+        if k in live and pool.find_ready(ns, k, next(iter(span_of(ns, k))), 0) is None:
             del live[k]  # evicted by the in-flight writes
     order = sorted(live.items(), key=lambda kv: kv[1])
     print(json.dumps({"live": [[k.decode(), v] for k, v in order], "in_flight": len(in_flight)}), flush=True)

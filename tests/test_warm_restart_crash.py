@@ -19,7 +19,8 @@ from pool_dirs import shm_dir, small_slabs  # noqa: F401 - fixtures
 pytestmark = pytest.mark.usefixtures("small_slabs")  # several size classes in a few MiB
 
 WRITER = str(Path(__file__).with_name("pool_writer.py"))
-TRIALS = 36
+TRIALS = int(os.environ.get("TIERD_CRASH_TRIALS", "36"))  # soak: more trials, other seeds
+SEED = int(os.environ.get("TIERD_CRASH_SEED", "1234"))
 
 
 def spawn(*args: str) -> subprocess.Popen:
@@ -37,11 +38,11 @@ def kill(proc: subprocess.Popen) -> str:
 
 
 def test_sigkill_at_random_points_never_serves_a_wrong_byte(shm_dir):
-    rnd = random.Random(1234)
+    rnd = random.Random(SEED)
     served = warm = torn = 0
     indexed = False  # a writer has finished its first start: from then on every start is warm
     for trial in range(TRIALS):
-        proc = spawn("random", shm_dir, str(trial + 1))
+        proc = spawn("random", shm_dir, str(SEED * 1000 + trial + 1))
         assert proc.stdout.readline().strip() == "opening"
         if trial % 5 == 4:
             time.sleep(rnd.uniform(0, 0.004))  # inside the child's recovery
@@ -78,7 +79,7 @@ def test_a_kill_loses_no_durable_commit_and_serves_no_write_in_flight(shm_dir):
         assert wrong == [] and n == len(expect["live"])
         ns = pw.NAMESPACES[0]
         for k, v in expect["live"]:
-            obj = pool.find_ready(ns, k.encode(), next(iter(pw.shape(ns, k.encode())[1])), 0)
+            obj = pool.find_ready(ns, k.encode(), next(iter(pw.span_of(ns, k.encode()))), 0)
             assert obj is not None and obj.label == f"v{v}"
         assert all(pool.find_ready(pw.NAMESPACES[1], pw.key(i), g, 1) is None
                    for i in range(pw.KEYS, pw.KEYS + 4) for g in range(3))
