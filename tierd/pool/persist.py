@@ -9,10 +9,11 @@ segment file has its recorded size; slabs lie inside their segment without overl
 object sits in a slot of its own size class; no (namespace, key, group, rank) is held twice.
 Any failure removes every pool file and starts cold, with one line saying why.
 
-On disk (normative; the journal's framing is in tierd.pool.journal):
+On disk (normative; file names in tierd.pool.pooldir, the journal's framing in tierd.pool.journal):
 - ``index``: 56-byte header: b"TIERDIX1", u32 FORMAT, u32 0, u64 body length, blake2b-256 of
   the first 24 bytes and the body; then the body, a msgpack map: generation (the journal that
-  follows it), settings (FORMAT, align, segment_bytes and the caller's meta), segments
+  follows it), settings (format, pool_dir, align, segment_bytes, and "meta.<key>" for each
+  key of the caller's meta; any difference is a cold start), segments
   ([nbytes] of segment-00000...), slabs ([segment, offset, slot_bytes, nslots]), namespaces
   ([bytes]), spans ([[group, shift, offset, ...]]), labels ([str]), objects ([ns index, key,
   span index, rank, nbytes, mask (bytes, little endian), label index, slab index, slot], least
@@ -22,6 +23,11 @@ On disk (normative; the journal's framing is in tierd.pool.journal):
   ["C", ns, key, [group, shift, offset, ...], rank, nbytes, mask, label, segment, slab offset,
   slot] committed; ["D", segment, slab offset, slot] dropped; ["X", extra]. Touches are not
   journaled: after a crash the LRU order is the index's, then commit order.
+- A checkpoint (``save``, a cold start, or the journal past COMPACT_MIN records and
+  COMPACT_PER_OBJECT per object) flushes the journal, writes ``index.tmp`` (generation g + 1)
+  and ``journal.tmp`` (its empty journal), then renames the index, then the journal. A journal
+  of an older generation than the index is ignored (a kill between the renames: the index
+  holds everything); a newer one is corruption.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ Objects with pins (being written, leased, being read) are never evicted.
 With ``pool_dir`` the segments are files that outlive the process (tierd.pool.persist): every
 change that a restart could serve is journaled before it can matter, and ``save`` writes the
 index at a planned stop. ``warm_restart`` says what the start recovered, or why it was cold.
+A caller commits an object only once every byte of it is in the pool (as without pool_dir);
+at a planned stop it waits for its copies, then calls ``save(extra)``, then ``close()``.
 """
 
 from __future__ import annotations
