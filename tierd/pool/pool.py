@@ -167,10 +167,10 @@ class Pool:
                 assert obj.pins >= 0
 
     # ---- housekeeping --------------------------------------------------------------------
-    def clear(self) -> int:
-        """Evict every object that is not pinned; returns how many went."""
+    def clear(self, ns: bytes | None = None) -> int:
+        """Evict every object (of namespace ``ns`` only, when given) that is not pinned; returns how many went."""
         with self.lock:
-            victims = [o for lru in self.lru.values() for o in lru if o.pins == 0]
+            victims = [o for lru in self.lru.values() for o in lru if o.pins == 0 and (ns is None or o.ns == ns)]
             for obj in victims:
                 self._drop(obj)
             self._flush()
