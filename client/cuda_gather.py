@@ -109,17 +109,28 @@ def layer_views(group: GroupLayout, flats: list) -> list:
     ]
 
 
-def torch_gather(views: list, staging, n_items: int, bpc: int, ids, item, pos) -> None:
+def staging_view(staging, n_items: int, layers: int, bpc: int, bb: int, base: int = 0, item_stride: int | None = None):
+    """``staging`` (flat uint8) as ``[n_items, layers, bpc, block]`` from ``base``, items ``item_stride``
+    bytes apart (default: back to back)."""
+    import torch
+
+    stride = item_stride if item_stride is not None else layers * bpc * bb
+    return torch.as_strided(staging, (n_items, layers, bpc, bb), (stride, bpc * bb, bb, 1), base)
+
+
+def torch_gather(views: list, staging, n_items: int, bpc: int, ids, item, pos, base: int = 0,
+                 item_stride: int | None = None) -> None:
     """Blocks ``ids`` of every layer into ``staging`` viewed as ``[n_items, layers, bpc, block]``."""
     bb = views[0].shape[1] * views[0].shape[2]
-    s = staging[: n_items * len(views) * bpc * bb].view(n_items, len(views), bpc, bb)
+    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride)
     for layer, v in enumerate(views):
         s[:, layer].index_put_((item, pos), v.index_select(0, ids).reshape(-1, bb))
 
 
-def torch_scatter(views: list, staging, n_items: int, bpc: int, ids, item, pos) -> None:
+def torch_scatter(views: list, staging, n_items: int, bpc: int, ids, item, pos, base: int = 0,
+                  item_stride: int | None = None) -> None:
     """The reverse of ``torch_gather``."""
     bb = views[0].shape[1] * views[0].shape[2]
-    s = staging[: n_items * len(views) * bpc * bb].view(n_items, len(views), bpc, bb)
+    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride)
     for layer, v in enumerate(views):
         v.index_put_((ids,), s[:, layer][item, pos].view(-1, v.shape[1], v.shape[2]))

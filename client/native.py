@@ -1,11 +1,12 @@
 """The native gather/scatter extension (native/tierd_copy.cu), built with torch's cpp_extension on
-first use and cached (``configure(cache)``, default ``~/.cache/tierd/native``; ``tierd serve
---native-cache``).
+first use and cached (``configure(cache)``, default ``~/.cache/tierd/native``; the connector's
+``tierd.native_cache``).
 
-The daemon starts the build in a background thread when it finds a GPU and copies with the
-pure-torch fallback (same bytes) until the module is ready, so a cold cache never blocks the
-main loop. ``configure(build=False)`` (``--no-native-build``) disables the extension (the
-fallback only). A CPU-only install never needs nvcc: nothing here runs without a usable GPU.
+The engine side (tierd_client.cuda_stage) starts the build in a background thread when it
+registers a GPU rank and copies with the pure-torch fallback (same bytes) until the module is
+ready, so a cold cache never stalls the engine. ``configure(build=False)`` disables the
+extension (the fallback only). A CPU-only install never needs nvcc: nothing here runs without
+a usable GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def source_path() -> Path:
             return p
     except ImportError:
         pass
-    return Path(__file__).resolve().parents[2] / "native" / SOURCE
+    return Path(__file__).resolve().parents[1] / "native" / SOURCE  # client/ -> the checkout
 
 
 def cache_dir() -> Path:

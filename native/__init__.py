@@ -1,1 +1,1 @@
-"""CUDA/HIP sources of tierd's batched gather/scatter kernels (built by tierd.transfer.native)."""
+"""CUDA/HIP sources of tierd's batched gather/scatter kernels (built by tierd_client.native)."""

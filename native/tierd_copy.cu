@@ -1,7 +1,7 @@
 // tierd native copies: batched block gather (engine KV -> staging) and scatter (staging -> engine KV)
 // over every layer of a group at once, plus a host-side loop of async DMAs.
 //
-// Built by tierd/transfer/native.py through torch.utils.cpp_extension (on first use, cached).
+// Built by client/native.py (tierd_client.native) through torch.utils.cpp_extension (on first use, cached).
 // HIP-portable on purpose: only the runtime API subset hipify maps one to one (cudaMemcpyAsync,
 // cudaGetLastError, streams), no inline PTX, no Hopper-only instructions, plain vector types.
 // The module holds no torch objects: every pointer and stream arrives as an integer, so it

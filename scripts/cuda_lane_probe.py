@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tierd.transfer import cuda as tc
-from tierd.transfer import native
+from tierd_client import native
 from tierd.transfer.items import CopyItem
 from tierd_client.layouts import block_span, group
 from tierd.protocol.layout import GroupLayout

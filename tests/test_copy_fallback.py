@@ -6,7 +6,7 @@ describe."""
 import numpy as np
 import pytest
 
-from tierd.transfer import gather
+from tierd_client import cuda_gather as gather
 
 torch = pytest.importorskip("torch")
 

@@ -1,7 +1,10 @@
-"""The CUDA data path through a real daemon: this test process is the engine, registering CUDA
-tensors over IPC with a ``tierd serve`` subprocess. Round trips per layout and implementation, no
-CUDA context before a registration, pinned pool, typed errors for bad handles, both directions
-at once, and the STORE fence (negative control: without the event a store reads stale bytes)."""
+"""The CUDA data path through a real daemon: this test process is the engine. It gathers and
+scatters in its own context (tierd_client.cuda_stage) and the ``tierd serve`` subprocess only
+DMAs whole objects between the engine's staging buffer (CUDA IPC) and its pinned pool. Round
+trips per layout and implementation, no daemon CUDA context before a registration, pinned pool,
+typed errors for bad handles, both directions at once, and the two fences, each with its
+negative control: a store gathers only once the forward's writes are done, and a forward reads
+restored blocks only once their scatter is done."""
 
 import copy
 import time
@@ -13,28 +16,30 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tierd.transfer import native  # noqa: E402
-from tierd_client import TierdError  # noqa: E402
-from tierd_client.cuda_ipc import StoreFence, share_cuda_tensors  # noqa: E402
+from tierd.protocol.layout import PageLayout  # noqa: E402
+from tierd_client import TierdError, native  # noqa: E402
+from tierd_client.cuda_ipc import share_cuda_tensors  # noqa: E402
+from tierd_client.cuda_stage import Stager  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
+from tierd_client.staged_rank import StagedRank  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = 0
 CHUNK = 64  # tokens per chunk
 BLOCK = 16  # tokens per block
 BPC = CHUNK // BLOCK
+SPIN = 1_000_000_000  # torch.cuda._sleep cycles: about 0.5 s at 1.98 GHz
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    """Build the extension once here so every daemon loads it from the cache."""
     assert native.load(timeout=900) is not None, native.state()
 
 
 class Engine:
     """vLLM 0.33-style KV: one buffer, per-layer [B, H, N, C] views in physical order ``kind``."""
 
-    def __init__(self, kind="LBNHC", layers=4, blocks=64, heads=2, c=64, r=1):
+    def __init__(self, kind="LBNHC", layers=4, blocks=64, heads=2, c=64, r=1, impl="auto", staging_mb=64):
         dims = {"L": layers, "B": blocks * r, "H": heads, "N": BLOCK // r, "C": c}
         phys = [dims[ch] for ch in kind]
         n = 1
@@ -49,6 +54,12 @@ class Engine:
         self.r = r
         self.layout = layout(namespace("gpu-test", uuid.uuid4().hex), 0, CHUNK, refs, [group("full", BLOCK, spans)],
                              device="cuda")
+        self.stager = Stager(PageLayout.from_wire(self.layout), [self.buf], staging_mb << 20, impl)
+        self.layout["staging"] = self.stager.ref
+
+    def rank(self, client, instance="r0", **kw) -> StagedRank:
+        client.register(instance, self.layout)
+        return StagedRank(client, instance, self.stager, timeout_s=60, **kw)
 
     def blocks(self, ids):
         """[layers, len(ids)] manager blocks as bytes (kernel blocks folded)."""
@@ -71,14 +82,10 @@ def keys(n):
     return [uuid.uuid4().bytes[:16] for _ in range(n)]
 
 
-def wait_native(d, timeout=300):
-    t = time.monotonic()
-    while time.monotonic() - t < timeout:
-        st = d.status()["cuda_detail"]["native"]["state"]
-        if st != "building":
-            return st
-        time.sleep(0.2)
-    return "building"
+def after_now():
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(DEV))
+    return ev
 
 
 def test_no_context_before_registration_then_pinned_pool(daemon_factory, client_factory):
@@ -87,56 +94,66 @@ def test_no_context_before_registration_then_pinned_pool(daemon_factory, client_
     assert st["cuda"] is True
     assert st["cuda_detail"]["contexts"] == [], "the daemon made a CUDA context before anyone registered"
     assert st["memory_pinned_bytes"] == 0 and st["cuda_detail"]["pin_pending_bytes"] == st["memory_total_bytes"] > 0
-    wait_native(d)
-    assert d.status()["cuda_detail"]["contexts"] == [], "building/loading the extension made a context"
     c = client_factory(d)
-    eng = Engine()
-    c.register("r0", eng.layout)
+    Engine().rank(c)
     st = d.status()
     assert st["cuda_detail"]["contexts"] == [DEV] and st["cuda_detail"]["devices_open"] == [DEV]
     assert st["memory_pinned_bytes"] == st["memory_total_bytes"]
-    assert st["memory_configured_bytes"] == 256 << 20 and st["memory_total_bytes"] > 0
 
 
 @pytest.mark.parametrize("impl", ["kernel", "torch"])
 @pytest.mark.parametrize("kind,r", [("LBNHC", 1), ("LHBNC", 1), ("BHLNC", 2), ("BLNHC", 1)])
-def test_round_trip_through_the_daemon(daemon_factory, client_factory, monkeypatch, impl, kind, r):
-    monkeypatch.setenv("TIERD_CUDA_IMPL", impl)
+def test_round_trip_through_the_daemon(daemon_factory, client_factory, impl, kind, r):
     d = daemon_factory(pool_mb=256)
-    assert wait_native(d) == "ready"
     c = client_factory(d, timeout_s=60)
-    eng = Engine(kind, r=r)
-    c.register("r0", eng.layout)
+    eng = Engine(kind, r=r, impl=impl)
+    rank = eng.rank(c, request_bytes=2 * eng.stager.chunk_bytes)  # several requests per job
     ks = keys(6)
-    src = list(range(0, 6 * BPC))
-    dst = list(range(32, 32 + 6 * BPC))
-    fence = StoreFence(DEV)
-    assert c.store("r0", chunks(ks, src), event=fence.mark())["results"] == ["stored"] * 6
+    src, dst = list(range(0, 6 * BPC)), list(range(32, 32 + 6 * BPC))
+    assert rank.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * 6
     expect = eng.blocks(src)
     eng.zero(dst)
-    torch.cuda.synchronize()
-    got = c.retrieve("r0", chunks(ks, dst))
-    assert got == {"ok": [True] * 6, "failed": []}
-    assert torch.equal(eng.blocks(dst), expect)  # on the device once RETRIEVE answered: no sync here
+    got = rank.retrieve(chunks(ks, dst)).result()
+    assert (got["ok"], got["failed"]) == ([True] * 6, [])
+    torch.cuda.current_stream(DEV).wait_event(got["done"])
+    assert torch.equal(eng.blocks(dst), expect)
+    lanes = d.status()["cuda_detail"]["lanes"]
+    assert lanes["store"]["bytes"] > 0 and lanes["retrieve"]["bytes"] > 0
 
 
 def test_store_and_retrieve_of_one_rank_run_at_once(daemon_factory, client_factory):
     d = daemon_factory(pool_mb=512)
-    wait_native(d)
     c = client_factory(d, timeout_s=60)
     eng = Engine(layers=8, blocks=256, heads=4, c=128)
-    c.register("r0", eng.layout)
+    rank = eng.rank(c, request_bytes=4 * eng.stager.chunk_bytes)
     ka, kb = keys(20), keys(20)
     a, b, into = list(range(0, 80)), list(range(80, 160)), list(range(160, 240))
-    assert all(x == "stored" for x in c.store("r0", chunks(ka, a))["results"])
-    futs = [c.store_async("r0", chunks(kb[i : i + 4], b[i * BPC : (i + 4) * BPC])) for i in range(0, 20, 4)]
-    futs += [c.retrieve_async("r0", chunks(ka[i : i + 4], into[i * BPC : (i + 4) * BPC])) for i in range(0, 20, 4)]
-    for f in futs:
-        res = f.result()
-        assert all(x == "stored" for x in res.get("results", [])) and all(res.get("ok", []))
+    assert all(x == "stored" for x in rank.store(chunks(ka, a), after=after_now()).result()["results"])
+    fs = rank.store(chunks(kb, b), after=after_now())
+    fr = rank.retrieve(chunks(ka, into))
+    assert all(x == "stored" for x in fs.result()["results"]) and all(fr.result()["ok"])
+    fr.result()["done"].synchronize()
     assert torch.equal(eng.blocks(into), eng.blocks(a))
-    c.retrieve("r0", chunks(kb, into))
+    got = rank.retrieve(chunks(kb, into)).result()
+    got["done"].synchronize()
     assert torch.equal(eng.blocks(into), eng.blocks(b))
+
+
+def test_a_missing_chunk_fails_exactly_its_blocks_and_leaves_them_untouched(daemon_factory, client_factory):
+    d = daemon_factory(pool_mb=128)
+    c = client_factory(d, timeout_s=60)
+    eng = Engine()
+    rank = eng.rank(c)
+    ks = keys(2)
+    rank.store(chunks(ks[:1], list(range(BPC))), after=after_now()).result()
+    dst = list(range(40, 40 + 2 * BPC))
+    eng.zero(dst)
+    before = eng.blocks(dst)
+    got = rank.retrieve(chunks(ks, dst)).result()
+    got["done"].synchronize()
+    assert got["ok"] == [True, False] and got["failed"] == [[0, b] for b in dst[BPC:]]
+    assert torch.equal(eng.blocks(dst[BPC:]), before[:, BPC:])  # not scattered over
+    assert torch.equal(eng.blocks(dst[:BPC]), eng.blocks(list(range(BPC))))
 
 
 def test_bad_handles_are_layout_invalid(daemon_factory, client_factory):
@@ -153,67 +170,105 @@ def test_bad_handles_are_layout_invalid(daemon_factory, client_factory):
         assert match in err.value.message, err.value.message
 
     def corrupt(lay):
-        h = lay["tensors"][0]["handle"]["ipc"]
-        h[1] = bytes(len(h[1]))
-
-    def flip(lay):
-        h = lay["tensors"][0]["handle"]["ipc"]
-        h[1] = bytes(x ^ 0x5A for x in h[1])
+        lay["staging"]["handle"]["ipc"][1] = bytes(len(lay["staging"]["handle"]["ipc"][1]))
 
     bad(corrupt, "cannot open the CUDA IPC handle")
-    bad(flip, "cannot open the CUDA IPC handle")
-    bad(lambda lay: lay["tensors"][0]["handle"].update(device_uuid="GPU-00000000-0000-0000-0000-000000000000"),
+    bad(lambda lay: lay["staging"]["handle"].update(device_uuid="GPU-00000000-0000-0000-0000-000000000000"),
         "not visible")
-    bad(lambda lay: lay["tensors"][0]["handle"]["ipc"].pop(), "ipc must be")
-    bad(lambda lay: lay["tensors"][0]["handle"]["ipc"].__setitem__(2, "big"), "ipc.storage_bytes")
-    bad(lambda lay: lay["tensors"][0].update(nbytes=lay["tensors"][0]["nbytes"] * 2), "bytes")
-    bad(lambda lay: lay["tensors"][0].update(handle={"kind": "shm", "path": "/dev/shm/x", "offset": 0}), "cuda_ipc")
-    c.register("good", eng.layout)  # the daemon is fine after all that
-    assert d.status()["errors_by_code"]["LAYOUT_INVALID"] == 7
+    bad(lambda lay: lay["staging"]["handle"]["ipc"].pop(), "ipc")
+    bad(lambda lay: lay.pop("staging"), "staging buffer")
+    bad(lambda lay: lay["staging"].update(handle={"kind": "shm", "path": "/dev/shm/x", "offset": 0}), "cuda_ipc")
+    eng.rank(c, "good")  # the daemon is fine after all that
+    assert d.status()["errors_by_code"]["LAYOUT_INVALID"] == 5
 
 
-def test_store_fence_negative_control(daemon_factory, client_factory):
-    """The engine rewrites blocks behind a long kernel on its stream. A STORE sent right after,
-    without the event, copies the old bytes; with the event it always copies the new ones."""
-    d = daemon_factory(pool_mb=256)
-    wait_native(d)
-    c = client_factory(d, timeout_s=60)
-    eng = Engine(layers=4, blocks=64)
-    c.register("r0", eng.layout)
-    src, dst = list(range(0, 4 * BPC)), list(range(32, 32 + 4 * BPC))
-    warm = keys(4)
-    c.store("r0", chunks(warm, src))
-    c.retrieve("r0", chunks(warm, dst))
-    fence = StoreFence(DEV)
-    side = torch.cuda.Stream(DEV)
+def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(daemon_factory, client_factory):
+    """The engine rewrites blocks behind a long kernel on its forward stream. A store without the
+    forward's event gathers the old bytes; with it, always the new ones."""
     if not hasattr(torch.cuda, "_sleep"):
         pytest.skip("torch.cuda._sleep is gone")
-    spin = 1_000_000_000  # cycles: about 0.5 s at the H200's 1.98 GHz, longer when clocked lower
+    d = daemon_factory(pool_mb=256)
+    c = client_factory(d, timeout_s=60)
+    eng = Engine(layers=4, blocks=64)
+    rank = eng.rank(c)
+    src, dst = list(range(0, 4 * BPC)), list(range(32, 32 + 4 * BPC))
+    forward = torch.cuda.Stream(DEV)
     outcome = {}
     for fenced in (False, True):
         stale = []
-        for trial in range(3):
+        for _ in range(3):
             old = eng.blocks(src)
             torch.cuda.synchronize()
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(spin)  # the "forward pass" still running
+            with torch.cuda.stream(forward):
+                torch.cuda._sleep(SPIN)  # the forward pass still running
                 for v in eng.views:
                     v[: 4 * BPC].random_(0, 127)  # the new KV it writes
-            handle = fence.mark(side) if fenced else None
+                ev = torch.cuda.Event()
+                ev.record(forward)
             ks = keys(4)
-            t = time.perf_counter()
-            assert c.store("r0", chunks(ks, src), event=handle)["results"] == ["stored"] * 4
-            waited = time.perf_counter() - t
-            side.synchronize()
+            assert rank.store(chunks(ks, src), after=ev if fenced else None).result()["results"] == ["stored"] * 4
+            forward.synchronize()
             new = eng.blocks(src)
-            assert not torch.equal(old, new)
-            c.retrieve("r0", chunks(ks, dst))
-            got = eng.blocks(dst)
-            stale.append(torch.equal(got, old))
+            got = rank.retrieve(chunks(ks, dst)).result()
+            got["done"].synchronize()
+            stale.append(torch.equal(eng.blocks(dst), old))
             if fenced:
-                assert torch.equal(got, new), f"fenced store copied stale bytes (trial {trial})"
-                assert waited > 0.2, "the fenced store did not wait for the engine's kernel"
-            print(f"fenced={fenced} trial {trial}: store answered in {waited * 1e3:.1f} ms, stale={stale[-1]}")
+                assert torch.equal(eng.blocks(dst), new), "a fenced store gathered stale bytes"
         outcome[fenced] = stale
-    assert any(outcome[False]), "control: without the event the store should have read the old bytes"
+    assert any(outcome[False]), "control: without the forward's event the store should gather the old bytes"
     assert not any(outcome[True])
+
+
+def test_forward_reads_restored_blocks_only_after_their_scatter_negative_control(daemon_factory, client_factory):
+    """The staging stream is busy (a long kernel) when the daemon answers: the scatter is queued
+    behind it. A reader that does not wait for ``done`` sees the old bytes; one that waits
+    (on the GPU) sees the restored ones."""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is gone")
+    d = daemon_factory(pool_mb=256)
+    c = client_factory(d, timeout_s=60)
+    eng = Engine(layers=4, blocks=64)
+    rank = eng.rank(c)
+    src, dst = list(range(0, 4 * BPC)), list(range(32, 32 + 4 * BPC))
+    ks = keys(4)
+    rank.store(chunks(ks, src), after=after_now()).result()
+    scatter = eng.stager.scatter
+
+    def late_scatter(*args, **kw):  # the scatter stream is busy when the reply comes: the scatter queues behind
+        with torch.cuda.stream(eng.stager.scatter_stream):
+            torch.cuda._sleep(SPIN)
+        return scatter(*args, **kw)
+
+    eng.stager.scatter = late_scatter
+    seen = {}
+    for fenced in (False, True):
+        eng.zero(dst)
+        torch.cuda.synchronize()
+        got = rank.retrieve(chunks(ks, dst)).result()
+        reader = torch.cuda.current_stream(DEV)
+        if fenced:
+            reader.wait_event(got["done"])
+        snapshot = eng.blocks(dst)  # what a forward launched now reads
+        torch.cuda.synchronize()
+        seen[fenced] = torch.equal(snapshot, eng.blocks(src))
+    assert not seen[False], "control: without waiting for the scatter the reader should see the old bytes"
+    assert seen[True]
+
+
+def test_two_ranks_on_one_gpu_copy_through_one_daemon(daemon_factory, client_factory):
+    """Two engine ranks (two staging buffers, two instances) on one daemon, at once, byte-exact."""
+    d = daemon_factory(pool_mb=512)
+    c = client_factory(d, timeout_s=60)
+    engines = [Engine(layers=4, blocks=128) for _ in range(2)]
+    ranks = [e.rank(c, f"r{i}") for i, e in enumerate(engines)]
+    ks = [keys(16), keys(16)]
+    src, dst = list(range(0, 64)), list(range(64, 128))
+    futs = [r.store(chunks(k, src), after=after_now()) for r, k in zip(ranks, ks)]
+    assert all(all(x == "stored" for x in f.result()["results"]) for f in futs)
+    t = time.perf_counter()
+    got = [r.retrieve(chunks(k, dst)) for r, k in zip(ranks, ks)]
+    for g in got:
+        g.result()["done"].synchronize()
+    print(f"\ntwo ranks restored {2 * 16} chunks in {(time.perf_counter() - t) * 1e3:.1f} ms")
+    for e in engines:
+        assert torch.equal(e.blocks(dst), e.blocks(src))

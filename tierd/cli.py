@@ -133,6 +133,11 @@ def _status_socket(socket: str) -> dict:
 @click.option("--batch", default=8, show_default=True, help="Chunks per STORE/RETRIEVE request.")
 @click.option("--rounds", default=3, show_default=True, help="Timed rounds (best is reported).")
 @click.option("--pool-gb", default=None, type=float, help="Pool ceiling of the private daemon. [default: sized to fit]")
+@click.option("--interference", is_flag=True,
+              help="CUDA: time a bf16 matmul and an HBM-bound copy alone, while tierd copies, and while raw DMA runs.")
+@click.option("--staging-mb", default=1024, show_default=True, help="CUDA: the engine's staging buffer, MiB.")
+@click.option("--impl", type=click.Choice(["auto", "kernel", "torch"]), default="auto", show_default=True,
+              help="CUDA: engine-side gather/scatter: native kernels, the torch fallback, or kernels once built.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object of figures.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench(as_json, quiet, **opts):

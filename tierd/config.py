@@ -40,13 +40,6 @@ class Settings:
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     cuda: str = _opt("auto", "GPU data path: auto (when torch sees a GPU) or off (CPU layouts only).",
                      choices=("auto", "off"))
-    cuda_impl: str = _opt("auto", "Device copies: kernel (native gather/scatter), torch (index_select fallback) "
-                                  "or auto (kernel once built, torch meanwhile).", choices=("auto", "kernel", "torch"))
-    cuda_staging_mb: int = _opt(64, "Device staging slot per copy lane, in MiB.", min=1, max=4096)
-    cuda_staging_slots: int = _opt(3, "Staging slots per copy lane (at least 2: one fills while one drains).",
-                                   min=2, max=64)
-    native_cache: str = _opt("~/.cache/tierd/native", "Folder where the native kernels are built and cached.")
-    native_build: bool = _opt(True, "Build the native gather/scatter kernels on first use (off: torch fallback only).")
 
     def __post_init__(self):
         if self.socket is None:

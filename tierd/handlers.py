@@ -26,7 +26,7 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.keys import namespace_id
 from tierd.registry import Instance, Registry, Session
 from tierd.stats import Stats
-from tierd.transfer.engine import READ_LANE, Pending, pending
+from tierd.transfer.engine import READ_LANE, DeviceWork, device_work
 
 log = logging.getLogger("tierd")
 
@@ -67,15 +67,19 @@ class Job:
     def __init__(self, tier: Tier, call: Call, inst: Instance, plan: CopyPlan, deadline: float):
         self.call, self.instance, self.plan, self.deadline = call, inst, plan, deadline
         self.lane = inst.id
+        self.replied = False  # an early reply went out when the copy was queued (``queued``)
 
     @property
     def nbytes(self) -> int:
         return self.plan.nbytes
 
-    def run(self) -> Pending | None:  # on the transfer thread
+    def run(self) -> DeviceWork | None:  # on the transfer thread
         raise NotImplementedError
 
     def finish(self, tier: Tier, exc: BaseException | None):  # on the main loop
+        raise NotImplementedError
+
+    def queued(self, tier: Tier):  # on the main loop: the reply of a job whose copy is queued
         raise NotImplementedError
 
 
@@ -87,11 +91,11 @@ class StoreJob(Job):
         self.touch = touch
         self.event = event
 
-    def run(self) -> Pending | None:
+    def run(self) -> DeviceWork | None:
         memory = self.instance.memory
         if self.event is not None and hasattr(memory, "wait_event"):
-            memory.wait_event(self.event)  # the gathers start only once the engine's writes are done
-        return pending([memory.store(g, items) for g, items in self.plan.copies.items()])
+            memory.wait_event(self.event, store=True)  # the DMA starts only once the engine's gather is done
+        return device_work([memory.store(g, items) for g, items in self.plan.copies.items()])
 
     def finish(self, tier: Tier, exc: BaseException | None) -> m.StoreReply:
         pool = tier.pool
@@ -111,20 +115,38 @@ class StoreJob(Job):
 class RetrieveJob(Job):
     op = "RETRIEVE"
 
-    def __init__(self, tier, call, inst, plan, deadline, lease: int):
+    def __init__(self, tier, call, inst, plan, deadline, lease: int, event: bytes | None):
         super().__init__(tier, call, inst, plan, deadline)
         self.lease = lease
+        self.event = event
+        self.signal: bytes | None = None  # the daemon's event the engine waits on (staged ranks)
         if getattr(inst.memory, "duplex", False):
             self.lane += READ_LANE
 
-    def run(self) -> Pending | None:
+    def run(self) -> DeviceWork | None:
         if self.deadline and time.time() > self.deadline:
             raise Expired()
         memory = self.instance.memory
-        return pending([memory.retrieve(g, items) for g, items in self.plan.copies.items()])
+        if self.event is not None and hasattr(memory, "wait_event"):
+            memory.wait_event(self.event, store=False)  # the engine is done with these staging bytes
+        work = device_work([memory.retrieve(g, items) for g, items in self.plan.copies.items()])
+        if work is not None and hasattr(memory, "signal"):
+            # Staged (cuda): answer once the DMA is queued; the engine's scatter waits on the GPU for
+            # this event, so the reply does not wait for the copy and a host round trip.
+            work.early = {"event": memory.signal()}
+            self.signal = work.early["event"]
+        return work
+
+    def queued(self, tier: Tier) -> m.RetrieveReply:
+        return m.RetrieveReply(self.plan.results, self.plan.failed, self.signal)
 
     def finish(self, tier: Tier, exc: BaseException | None) -> m.RetrieveReply:
-        tier.pool.unpin(self.plan.objs)
+        tier.pool.unpin(self.plan.objs)  # the bytes have been read: the objects may go
+        if self.replied and exc is not None:
+            # The engine was told to wait for a copy that then failed: it must not use those blocks.
+            # Drop the rank, so its next request fails and the client re-registers (the load is lost).
+            log.error("retrieve DMA for %s failed after its reply: unregistering it (%r)", self.instance.id, exc)
+            tier.registry.unregister(self.instance.id)
         return _retrieved(tier, self.instance, self.plan, self.lease, exc)
 
 
@@ -140,7 +162,7 @@ def _retrieved(tier: Tier, inst: Instance, plan: CopyPlan, lease: int, exc: Base
     stats.add("retrieved_chunks", sum(plan.results))
     stats.add("retrieved_bytes", plan.nbytes)
     stats.add("retrieve_failed_blocks", len(plan.failed))
-    return m.RetrieveReply(plan.results, plan.failed)
+    return m.RetrieveReply(plan.results, plan.failed, None)
 
 
 def _count_store(stats: Stats, plan: CopyPlan) -> None:
@@ -240,13 +262,14 @@ def store(tier: Tier, call: Call, msg: m.Store):
     inst = tier.registry.instance(msg.instance)
     geo = _geometry(tier, inst)
     geo.check(msg.chunks)
+    geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
     if msg.touch:
         tier.pool.touch(inst.ns, msg.touch)  # keep the head from being evicted by this store's allocations
     if inst.layout.replicated and inst.layout.rank != 0:
         tier.stats.add("stores")
         return m.StoreReply(["exists"] * len(msg.chunks))  # rank 0's copy serves every rank
-    plan = plan_store(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key)
+    plan = plan_store(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at)
     if not plan.objs:
         _count_store(tier.stats, plan)
         return m.StoreReply(plan.results)
@@ -257,12 +280,13 @@ def retrieve(tier: Tier, call: Call, msg: m.Retrieve):
     inst = tier.registry.instance(msg.instance)
     geo = _geometry(tier, inst)
     geo.check(msg.chunks)
+    geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
-    plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key)
+    plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at)
     if not plan.objs:
         return _retrieved(tier, inst, plan, msg.lease, None)
     tier.pool.pin(plan.objs)  # no eviction while the bytes are read
-    return RetrieveJob(tier, call, inst, plan, msg.deadline, msg.lease)
+    return RetrieveJob(tier, call, inst, plan, msg.deadline, msg.lease, msg.event)
 
 
 HANDLERS: dict[str, Callable] = {

@@ -56,6 +56,10 @@ class Geometry:
         for p in self.positions:
             p.flags.writeable = False
         self.has_full = any(g.kind is GroupKind.FULL for g in groups)
+        # a chunk in a staging buffer (cuda): its groups' parts back to back, the combined object layout
+        self.group_offsets = [sum(self.group_bytes[:g]) for g in range(len(groups))]
+        self.chunk_bytes = sum(self.group_bytes)
+        self.staging_bytes = layout.staging.nbytes if layout.staging is not None else 0
         if separate_objects:
             self.objects = [ObjectShape(((g, 0, 0),), self.group_bytes[g], f"g{g}/{groups[g].kind.value}")
                             for g in range(len(groups))]
@@ -67,6 +71,22 @@ class Geometry:
                 off += self.group_bytes[g]
             self.objects = [ObjectShape(tuple(parts), off, "all")]
         self.spans = [o.span for o in self.objects]
+
+    def check_staging(self, staged_at: int | None, n_chunks: int) -> None:
+        """A staged layout (cuda) names where its chunks lie in staging, and they fit; others name nothing."""
+        if not self.staging_bytes:
+            if staged_at is not None:
+                raise _bad("staged_at", "only a cuda instance with a staging buffer copies through staging")
+            return
+        if staged_at is None:
+            raise _bad("staged_at", "this instance copies through its staging buffer: say where the chunks lie")
+        end = staged_at + n_chunks * self.chunk_bytes
+        if end > self.staging_bytes:
+            raise _bad("staged_at", f"{n_chunks} chunks of {self.chunk_bytes} bytes from {staged_at} end at {end}, "
+                                    f"past the staging buffer's {self.staging_bytes} bytes")
+
+    def staged(self, staged_at: int | None, chunk: int, group: int) -> int:
+        return -1 if staged_at is None else staged_at + chunk * self.chunk_bytes + self.group_offsets[group]
 
     def check(self, chunks: list[Chunk]) -> None:
         """Every chunk names one block list per group, of the group's length, each id null or in
@@ -105,11 +125,12 @@ class CopyPlan:
         self.nbytes += nbytes
 
 
-def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int) -> CopyPlan:
+def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int,
+               staged_at: int | None = None) -> CopyPlan:
     """Reserve room for the chunks' objects; the plan's objects are pinned and not yet visible
     (``pool.commit`` once copied, ``pool.abort`` otherwise)."""
     plan = CopyPlan()
-    for c in chunks:
+    for i, c in enumerate(chunks):
         if geo.has_full and "rejected" in plan.results:
             plan.results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
             continue
@@ -144,8 +165,8 @@ def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: 
             for g, _, off in present:
                 ids, pos = split[g]
                 bpc = geo.blocks_per_chunk[g]
-                items.append((g, CopyItem(ids, pos, bpc, view[off: off + geo.group_bytes[g]]),
-                              geo.group_bytes[g] * len(ids) // bpc))
+                items.append((g, CopyItem(ids, pos, bpc, view[off: off + geo.group_bytes[g]],
+                                          geo.staged(staged_at, i, g)), geo.group_bytes[g] * len(ids) // bpc))
         if status == "rejected":
             pool.abort(new)  # all groups of a chunk or none
         else:
@@ -156,11 +177,12 @@ def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: 
     return plan
 
 
-def plan_retrieve(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int) -> CopyPlan:
+def plan_retrieve(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int,
+                  staged_at: int | None = None) -> CopyPlan:
     """Find each chunk's objects; the caller pins ``plan.objs`` for the copy."""
     plan = CopyPlan()
     reads: dict[Obj, None] = {}
-    for c in chunks:
+    for i, c in enumerate(chunks):
         ok = True
         for g, ids in enumerate(c.blocks):
             ids_arr, pos = split_nulls(ids, geo.null, geo.positions[g])
@@ -181,7 +203,8 @@ def plan_retrieve(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, ran
             _, off = obj.span[g]
             gbytes, bpc = geo.group_bytes[g], geo.blocks_per_chunk[g]
             reads[obj] = None
-            plan.add(g, CopyItem(ids_arr, pos, bpc, obj.view()[off: off + gbytes]), gbytes * len(ids_arr) // bpc)
+            plan.add(g, CopyItem(ids_arr, pos, bpc, obj.view()[off: off + gbytes], geo.staged(staged_at, i, g)),
+                     gbytes * len(ids_arr) // bpc)
         plan.results.append(ok)
     plan.objs = list(reads)
     return plan

@@ -74,6 +74,7 @@ class Registry:
         self.namespaces: dict[bytes, Namespace] = {}  # namespace id -> Namespace, as named by REGISTER/LOOKUP
         self.leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
+        self._by_ns: dict[bytes, set[str]] = {}  # namespace id -> its registered instance ids
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, identity: bytes, name: str, pid: int) -> Session:
@@ -111,8 +112,7 @@ class Registry:
                 reaped += 1
                 dead_leases.extend(session.leases)
                 self.close_session(identity, reason=f"no message for {self.heartbeat_timeout_s:g} s")
-        live = {inst.ns for inst in self.instances.values()}
-        for ns_id in [n for n in self.namespaces if n not in live and not self.pool.per_ns.get(n)]:
+        for ns_id in [n for n in self.namespaces if n not in self._by_ns and not self.pool.per_ns.get(n)]:
             del self.namespaces[ns_id]
         return reaped, len(dead_leases)
 
@@ -136,6 +136,7 @@ class Registry:
         inst = Instance(inst_id, session.identity, layout, namespace_id(layout.namespace), memory)
         self.namespaces[inst.ns] = layout.namespace
         self.instances[inst_id] = inst
+        self._by_ns.setdefault(inst.ns, set()).add(inst_id)
         session.instances.add(inst_id)
         self.lanes.attach(inst_id, duplex=getattr(memory, "duplex", False))
         log.info("registered %s: model=%s rank=%d/%d groups=%d device=%s", inst_id, layout.namespace.model,
@@ -153,6 +154,11 @@ class Registry:
         if inst is None:
             return False
         inst.closed = True
+        same = self._by_ns.get(inst.ns)
+        if same is not None:
+            same.discard(inst_id)
+            if not same:
+                del self._by_ns[inst.ns]
         session = self.sessions.get(inst.session)
         if session is not None:
             session.instances.discard(inst_id)
@@ -162,10 +168,11 @@ class Registry:
 
     def registered_layout(self, ns_id: bytes) -> tuple[str, PageLayout] | None:
         """(instance id, layout) of some rank registered in namespace ``ns_id``."""
-        for inst in self.instances.values():
-            if inst.ns == ns_id:
-                return inst.id, inst.layout
-        return None
+        ids = self._by_ns.get(ns_id)
+        if not ids:
+            return None
+        inst = self.instances[next(iter(ids))]
+        return inst.id, inst.layout
 
     def name_namespace(self, ns_id: bytes, ns: Namespace) -> None:
         self.namespaces.setdefault(ns_id, ns)

@@ -60,12 +60,16 @@ def bench_table(r: dict) -> str:
         rows.append(("per-block memcpy baseline", f"{r['per_block_gbps']:.2f} GB/s"))
     if "baseline_d2h_gbps" in r:
         rows.append(("raw pinned copy", f"D2H {r['baseline_d2h_gbps']:.2f} GB/s, H2D {r['baseline_h2d_gbps']:.2f} GB/s"))
-    if "chunk_latency_ms" in r:
-        lat = r["chunk_latency_ms"]
-        rows.append((f"one {r.get('chunk_tokens', '')}-token chunk", f"store {lat['store']:.2f} ms, retrieve {lat['retrieve']:.2f} ms (median)"))
+    for n, lat in (r.get("latency_ms") or {}).items():
+        rows.append((f"latency, {n.replace('_', ' ')}", f"store {lat['store']:.2f} ms (raw {lat['raw_d2h']:.2f}, goal "
+                     f"{lat['store_goal']:.2f}), retrieve {lat['retrieve']:.2f} ms (raw {lat['raw_h2d']:.2f}, goal "
+                     f"{lat['retrieve_goal']:.2f})"))
     if "lookups_per_s" in r:
-        rows.append(("lookups", f"{r['lookups_per_s']:.0f}/s one at a time, {r['lookups_per_s_pipelined']:.0f}/s pipelined "
-                                f"({r['lookup_keys']} keys each)"))
+        rows.append(("lookups", f"{r['lookups_per_s']:.0f}/s one at a time ({r['lookup_keys']} keys each)"))
+    for step, row in (r.get("interference") or {}).items():
+        rows.append((f"interference, {step}", f"alone {row['alone_ms']:.2f} ms; with tierd {row['tierd_slowdown']:.3f}x "
+                     f"(copying {row['tierd_copy_gbps']:.1f} GB/s); with raw DMA {row['raw_dma_slowdown']:.3f}x "
+                     f"({row['raw_dma_copy_gbps']:.1f} GB/s)"))
     rows.append(("baseline", f"{r['baseline_gbps']:.2f} GB/s  ({r.get('baseline', 'memcpy of the same bytes')})"))
     rows.append(("verified", "yes, every byte" if r["verified"] else "NO: restored bytes differ"))
     return _rows(rows)

@@ -28,7 +28,7 @@ from tierd.protocol.layout import PageLayout
 from tierd.registry import Registry
 from tierd.stats import Stats
 from tierd.status import StatusBoard, build_status
-from tierd.transfer.engine import TransferEngine
+from tierd.transfer.engine import QUEUED, TransferEngine
 
 log = logging.getLogger("tierd")
 
@@ -198,21 +198,29 @@ class Daemon:
             log.debug("reply dropped: %s", exc)
 
     def _finish_jobs(self) -> None:
-        for job, _result, exc in self.xfer.drain():
+        for job, result, exc in self.xfer.drain():
             call = job.call
+            if result is QUEUED:  # its copy is queued: the reply goes now, the completion later
+                job.replied = True
+                self._send(call.envelope, codec.encode_reply(call.req_id, job.queued(self.tier)))
+                self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
+                continue
             if exc is not None and not isinstance(exc, handlers.Expired):
                 log.error("%s copy for %s failed: %r", job.op, job.instance.id, exc)
             try:
                 body = job.finish(self.tier, exc)
             except ProtocolError as err:
-                self._error(call.envelope, call.req_id, err.code, err.message, job.op)
+                if not job.replied:
+                    self._error(call.envelope, call.req_id, err.code, err.message, job.op)
                 continue
             except Exception as e:  # noqa: BLE001 - still answer
                 log.exception("finishing %s raised", job.op)
-                self._error(call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", job.op)
+                if not job.replied:
+                    self._error(call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", job.op)
                 continue
-            self._send(call.envelope, codec.encode_reply(call.req_id, body))
-            self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
+            if not job.replied:
+                self._send(call.envelope, codec.encode_reply(call.req_id, body))
+                self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
 
     def _housekeeping(self, now: float) -> None:
         if now >= self._next_freeze:

@@ -10,7 +10,8 @@ __all__ = ["BenchError", "run_bench"]
 
 
 def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
-              batch, rounds, pool_gb, progress: bool) -> dict:
+              batch, rounds, pool_gb, progress: bool, interference: bool = False, staging_mb: int = 1024,
+              impl: str = "auto") -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
     kw = dict(socket=socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_tokens=block_tokens,
@@ -27,7 +28,9 @@ def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk
                              "sees none)")
         from tierd.bench.cuda import run_cuda_bench
 
-        return run_cuda_bench(**kw)
+        return run_cuda_bench(**kw, interference=interference, staging_mb=staging_mb, impl=impl)
+    if interference:
+        raise BenchError("--interference measures GPU steps: it needs --device cuda")
     from tierd.bench.cpu import run_cpu_bench
 
     return run_cpu_bench(**kw)

@@ -29,9 +29,20 @@ def _digest(*parts: bytes) -> bytes:
     return h.digest()
 
 
+_NS_IDS: dict[Namespace, bytes] = {}
+_NS_IDS_MAX = 4096
+
+
 def namespace_id(ns: Namespace) -> bytes:
-    """The index's namespace key: model, layout fingerprint, world size and operator salt."""
-    return _digest(b"tierd/ns/v1", msgpack.packb(ns.to_wire(), use_bin_type=True))
+    """The index's namespace key: model, layout fingerprint, world size and operator salt
+    (memoised: every LOOKUP names its namespace)."""
+    got = _NS_IDS.get(ns)
+    if got is None:
+        got = _digest(b"tierd/ns/v1", msgpack.packb(ns.to_wire(), use_bin_type=True))
+        if len(_NS_IDS) >= _NS_IDS_MAX:
+            _NS_IDS.clear()
+        _NS_IDS[ns] = got
+    return got
 
 
 def root_hash(cache_salt: str | None = None, lora: str | None = None, extra: object = None) -> bytes:

@@ -225,10 +225,13 @@ class PageLayout(Wire, frozen=True):
     groups: Annotated[tuple[GroupLayout, ...], Meta(min_length=1, max_length=MAX_GROUPS)]
     replicated: bool = False  # one copy serves every rank (MLA); only rank 0's bytes are stored
     device: Literal["cpu", "cuda"] = "cpu"
+    staging: TensorRef | None = None  # cuda: the engine's staging buffer the daemon copies objects through
 
     def __post_init__(self):
         if self.rank >= self.namespace.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.namespace.world_size}")
+        if self.staging is not None and self.device != "cuda":
+            raise invalid("only a cuda layout has a staging buffer")
         self.check()
 
     def check(self, path: str = "layout") -> None:
@@ -256,4 +259,5 @@ class PageLayout(Wire, frozen=True):
             "device": self.device,
             "tensors": [t.to_wire() for t in self.tensors],
             "groups": [g.to_wire() for g in self.groups],
+            **({"staging": self.staging.to_wire()} if self.staging is not None else {}),
         }

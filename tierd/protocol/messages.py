@@ -83,11 +83,15 @@ class Chunk(msgspec.Struct, frozen=True):
 Chunks = Annotated[list[Chunk], Meta(max_length=MAX_CHUNKS)]
 
 
+Event = Annotated[bytes, Meta(min_length=IPC_EVENT_BYTES, max_length=IPC_EVENT_BYTES)]
+
+
 class Store(Message):
     instance: Name
     chunks: Chunks
     touch: Keys = msgspec.field(default_factory=list)
-    event: Annotated[bytes, Meta(min_length=IPC_EVENT_BYTES, max_length=IPC_EVENT_BYTES)] | None = None
+    event: Event | None = None  # cuda: wait for it (on the GPU) before reading the engine's bytes
+    staged_at: Count | None = None  # cuda: where in the rank's staging buffer the chunks lie
     deadline: Deadline = 0.0
 
 
@@ -95,6 +99,8 @@ class Retrieve(Message):
     instance: Name
     chunks: Chunks
     lease: Count = 0
+    event: Event | None = None  # cuda: wait for it before writing the staging bytes
+    staged_at: Count | None = None  # cuda: where in the rank's staging buffer to put the chunks
     deadline: Deadline = 0.0
 
 
@@ -153,9 +159,10 @@ class StoreReply(msgspec.Struct):
     results: list[str]  # per chunk: "stored" | "exists" | "empty" | "rejected"
 
 
-class RetrieveReply(msgspec.Struct):
+class RetrieveReply(msgspec.Struct, omit_defaults=True):
     ok: list[bool]
     failed: list[tuple[int, int]]  # [group, block id] not restored
+    event: bytes | None = None  # cuda: the engine waits for it (on the GPU) before reading staging
 
 
 class PingReply(msgspec.Struct):

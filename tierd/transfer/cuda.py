@@ -1,25 +1,27 @@
-"""CUDA data path: engine KV tensors opened over CUDA IPC, a pinned host pool, batched
-gather/scatter kernels (native/) with a pure-torch fallback that gives the same bytes.
+"""CUDA data path, daemon side: only DMA. The engine gathers its KV blocks into a staging buffer
+on its own GPU (tierd_client.cuda_stage), in its own CUDA context and on its own stream; the
+daemon moves whole objects between that staging buffer (opened over CUDA IPC) and its pinned
+host pool with cudaMemcpyAsync on two copy streams per rank (one each way), and never launches a
+kernel. Kernels of different processes time-slice on a GPU (no MPS): a gather launched from the
+daemon's context held a co-running engine's matmul off by 1.12-1.49x, where DMA from another
+process costs it 1.005-1.015x (H200, docs/protocol.md section 20).
+
+Staging layout: the chunks of one request lie back to back from the request's ``staged_at``
+offset, each chunk its groups' parts in layout order (``[group][layer][block][run]``, the
+combined object layout), so each object (or group part) is one contiguous DMA, and adjacent
+objects merge.
+
+Ordering. A STORE or RETRIEVE carries an interprocess event the engine recorded on its staging
+stream after its last use of those staging bytes (the gather, or the scatter of an earlier
+load): the daemon's copy stream waits for it on the GPU before the DMA. The reply is sent once
+the DMA is complete (a waiter thread per lane waits on an event, transfer/engine.py), so a
+STORE's staging bytes may be reused, and a RETRIEVE's scattered, as soon as its reply arrives.
 
 Contexts. The daemon creates a CUDA context only on a GPU some engine registered: ``detect()``
-counts devices (no context), the native build reads device properties (no context), and the
-pool's pinner defers ``cudaHostRegister`` until the first rank registers. cudaHostRegister needs
-a current context; it runs on the first registered GPU with ``cudaHostRegisterPortable``, so the
-pinned pages count as pinned for every context (all 64-bit CUDA is UVA), and later segments are
-pinned on that GPU as the pool grows.
-
-Copies. Each registered rank gets two *lanes* (``duplex``: the daemon runs stores and retrieves of
-one rank on two transfer threads, so both directions overlap on the link). A lane owns a kernel
-stream, a copy stream and a ring of device staging slots. STORE: gather kernel (all layers x all
-blocks of a batch of chunks) into a slot on the kernel stream, then one DMA per object (adjacent
-objects merged) into the pinned pool on the copy stream, slots double/triple-buffered so the
-gather of batch k+1 overlaps the DMA of batch k. A copy call returns as soon as its work is
-queued, with a Pending that the lane's waiter thread waits on (transfer/engine.py): the next
-request is planned and queued while the device still copies this one, so the link never idles
-between requests, and the reply still goes out only when the copy is complete: the last DMA for
-a STORE, the last scatter kernel for a RETRIEVE (the bytes are in the engine's blocks).
-A STORE may carry an interprocess event recorded on the engine's forward stream: the kernel
-stream waits on it (on the GPU) before its first gather.
+counts devices (no context), and the pool's pinner defers ``cudaHostRegister`` until the first
+rank registers. cudaHostRegister needs a current context; it runs on the first registered GPU
+with ``cudaHostRegisterPortable``, so the pinned pages count as pinned for every context (all
+64-bit CUDA is UVA), and later segments are pinned on that GPU as the pool grows.
 """
 
 from __future__ import annotations
@@ -34,25 +36,21 @@ import time
 import weakref
 from collections import OrderedDict
 
-import numpy as np
-
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.layout import CudaIpcHandle, GroupLayout, PageLayout, TensorRef
-from tierd.transfer import gather, native
-from tierd.transfer.engine import Pending
+from tierd.protocol.layout import CudaIpcHandle, PageLayout, TensorRef
+from tierd.transfer.engine import DeviceWork
 from tierd.transfer.items import CopyItem
 
 log = logging.getLogger("tierd.cuda")
 
-IPC_EVENT_BYTES = 64  # CUDA_IPC_HANDLE_SIZE
-MAX_EVENTS = 256
+MAX_EVENTS = 256  # engine events opened per rank, least recently used closed first
 
 
 def _driver_present() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
-def detect(settings):
+def detect(settings=None):
     """A CudaSupport when a GPU is usable from this process, else None. Creates no context."""
     if not _driver_present():
         return None
@@ -62,8 +60,7 @@ def detect(settings):
         return None
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
-    native.configure(settings.native_cache, settings.native_build)
-    return CudaSupport(settings.cuda_impl, settings.cuda_staging_mb << 20, settings.cuda_staging_slots)
+    return CudaSupport()
 
 
 def _invalid(msg: str) -> ProtocolError:
@@ -162,19 +159,15 @@ def _primary_contexts(count: int) -> list[int]:
 
 # ---- the support object the daemon holds -------------------------------------------------------------
 class CudaSupport:
-    def __init__(self, impl: str = "auto", slot_bytes: int = 64 << 20, slots: int = 3):
+    def __init__(self):
         import torch
 
         self.torch = torch
-        self.impl = impl  # auto | kernel | torch
-        self.slot_bytes = slot_bytes
-        self.slots = slots
         self.host = HostPinner()
         self.count = torch.cuda.device_count()
         self._uuids: dict[str, int] | None = None
         self.devices_open: set[int] = set()
         self.memories: weakref.WeakSet = weakref.WeakSet()
-        native.start()
 
     def pinner(self) -> HostPinner:
         return self.host
@@ -198,16 +191,16 @@ class CudaSupport:
         self.devices_open.add(index)
         log.info("CUDA device %d opened (%s)", index, self.torch.cuda.get_device_name(index))
 
-    def rank_memory(self, layout: PageLayout) -> "CudaRankMemory":
-        memory = CudaRankMemory(layout, self)
+    def rank_memory(self, layout: PageLayout) -> "StagedRankMemory":
+        memory = StagedRankMemory(layout, self)
         self.memories.add(memory)
         return memory
 
     def lane_stats(self) -> dict:
-        out = {}
+        out: dict = {}
         for memory in list(self.memories):
-            for name, lane in (("store", memory.store_lane), ("retrieve", memory.load_lane)):
-                acc = out.setdefault(name, {"impl": lane.impl})
+            for name, lane in (("store", memory.d2h), ("retrieve", memory.h2d)):
+                acc = out.setdefault(name, {})
                 for k, v in lane.stats.items():
                     acc[k] = round(acc.get(k, 0) + v, 6)
         return out
@@ -217,12 +210,9 @@ class CudaSupport:
             "devices": self.count,
             "devices_open": sorted(self.devices_open),
             "contexts": _primary_contexts(self.count),
-            "native": native.state(),
             "pinned_bytes": self.host.pinned_bytes,
             "pin_pending_bytes": sum(self.host.pending.values()),
             "pin_failed_bytes": self.host.failed_bytes,
-            "staging_slot_bytes": self.slot_bytes,
-            "staging_slots": self.slots,
             "lanes": self.lane_stats(),
         }
 
@@ -255,245 +245,178 @@ def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
     return storage, device
 
 
-class GroupCopy:
-    """What a group's copies need on the device: per-layer descriptor table and torch views."""
+class DmaLane:
+    """One direction of one rank: a copy stream, and the engine's events it waits on."""
 
-    def __init__(self, group: GroupLayout, flats: list, torch, device: int):
-        self.group = group
-        self.layers = len(group.layers)
-        self.block_bytes = group.block_bytes
-        self.views = gather.layer_views(group, flats)
-        bases = [flats[s.tensor].data_ptr() + s.offset for s in group.layers]
-        table = np.zeros((self.layers, 4), dtype=np.int64)
-        for i, (base, s) in enumerate(zip(bases, group.layers)):
-            table[i, :3] = (base, s.block_stride, s.run_stride)
-        self.table = torch.from_numpy(table).to(device)
-        self.kernel_ok = gather.uniform_runs(group)
-        self.runs, self.run_bytes = group.layers[0].runs, group.layers[0].run_bytes
-        self.vec = gather.vector_width(group, bases)
+    def __init__(self, torch, device: int, pinner: HostPinner, d2h: bool):
+        self.torch, self.device, self.pinner, self.d2h = torch, device, pinner, d2h
+        self.stream = torch.cuda.Stream(device=device)
+        self._events: OrderedDict[bytes, object] = OrderedDict()
+        self.stats = {"calls": 0, "bytes": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
+        self._signal = None  # interprocess event the engine's stream waits on (RETRIEVE)
+        self._signal_handle = b""
 
+    def signal(self) -> bytes:
+        """Record an interprocess event after everything queued on this lane; its 64-byte handle."""
+        if self._signal is None:
+            self._signal = self.torch.cuda.Event(interprocess=True)
+        self._signal.record(self.stream)
+        if not self._signal_handle:
+            self._signal_handle = bytes(self._signal.ipc_handle())
+        return self._signal_handle
 
-class Lane:
-    """One direction of one rank: kernel stream, copy stream, staging ring, descriptor buffers."""
+    def wait(self, handle: bytes) -> None:
+        """The next copies wait (on the GPU) for the engine's interprocess event ``handle``."""
+        torch = self.torch
+        ev = self._events.get(handle)
+        if ev is None:
+            ev = torch.cuda.Event.from_ipc_handle(torch.device("cuda", self.device), handle)
+            self._events[handle] = ev
+            while len(self._events) > MAX_EVENTS:
+                self._events.popitem(last=False)
+        else:
+            self._events.move_to_end(handle)
+        self.stream.wait_event(ev)
 
-    def __init__(self, torch, device: int, pinner: HostPinner, slot_bytes: int, slots: int):
-        self.torch = torch
-        self.device = device
-        self.pinner = pinner
-        self.kernel = torch.cuda.Stream(device=device)
-        self.copy = torch.cuda.Stream(device=device)
-        self.slot_bytes = slot_bytes
-        self.slots = slots
-        self.staging = None
-        self.ready = [torch.cuda.Event() for _ in range(slots)]
-        self.free = [torch.cuda.Event() for _ in range(slots)]
-        self.used = [False] * slots
-        self.cursor = 0  # the ring turns across calls, so back-to-back calls overlap too
-        self.sm = torch.cuda.get_device_properties(device).multi_processor_count
-        self.impl = "none"
-        self.stats = {"calls": 0, "bytes": 0, "batches": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
-
-    def _account(self, plan: gather.Plan, t0: float, t1: float) -> None:
+    def copy(self, staging, items: list[CopyItem]) -> DeviceWork:
+        """Each item's whole group part between the pool and ``staging`` at ``item.staged``."""
+        torch = self.torch
+        t0 = time.perf_counter()
+        base = staging.data_ptr()
+        hosts = [it.view.ctypes.data for it in items]
+        devs = [base + it.staged for it in items]
+        sizes = [it.view.nbytes for it in items]
+        runs = _coalesce(hosts, devs, sizes, self.pinner.same_range)
+        stream = self.stream.cuda_stream
+        if _DRIVER.ok:
+            _DRIVER.current(self.device)
+            for h, d, n in runs:
+                _DRIVER.copy(h, d, n, self.d2h, stream)
+        else:  # torch's own path: the same DMA, more Python per copy
+            with torch.cuda.stream(self.stream):
+                for h, d, n in runs:
+                    host = torch.from_numpy(_host_bytes(h, n))
+                    dev = staging[d - base : d - base + n]
+                    (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
+        done = torch.cuda.Event()
+        done.record(self.stream)
         st = self.stats
         st["calls"] += 1
-        st["bytes"] += plan.obj * len(plan.items)
-        st["batches"] += len(plan.batches)
-        st["host_s"] += t1 - t0  # planning, uploads, launches: the Python side of a copy
-
-    def _slots(self, obj: int):
-        if self.staging is None or obj > self.slot_bytes:
-            if obj > self.slot_bytes:
-                self.slot_bytes = -(-obj // (1 << 20)) << 20
-            self.kernel.synchronize()  # earlier calls may still use the old ring
-            self.copy.synchronize()
-            self.staging = None
-            self.staging = self.torch.empty(self.slots * self.slot_bytes, dtype=self.torch.uint8, device=self.device)
-            self.used = [False] * self.slots
-        return self.staging
-
-    def _upload(self, desc: np.ndarray):
-        """Descriptors to the device on the kernel stream. Calls overlap (a call returns before its
-        copies finish), so each gets its own pinned buffer: torch's caching host allocator reuses
-        it only after the copy recorded on it has run; the device buffer is stream-ordered."""
-        torch = self.torch
-        host = torch.from_numpy(np.ascontiguousarray(desc).ravel()).pin_memory()
-        with torch.cuda.stream(self.kernel):
-            dev = torch.empty(desc.size, dtype=torch.int64, device=self.device)
-            dev.copy_(host, non_blocking=True)
-        return dev.view(desc.shape)
-
-    def _ticket(self, plan: gather.Plan, stream, t0: float) -> Pending:
-        """The call's completion: an event after its last device op, waited for by the lane's waiter."""
-        done = self.torch.cuda.Event()
-        done.record(stream)
-        t1 = time.perf_counter()
-        self._account(plan, t0, t1)
+        st["bytes"] += sum(sizes)
+        st["dmas"] += len(runs)
+        st["host_s"] += time.perf_counter() - t0
 
         def wait() -> None:
             t = time.perf_counter()
             done.synchronize()
-            self.stats["sync_s"] += time.perf_counter() - t
+            st["sync_s"] += time.perf_counter() - t
 
-        return Pending([wait])
-
-    def _host_copies(self, mod, plan: gather.Plan, b: gather.Batch, slot_ptr: int, d2h: bool, stream) -> None:
-        items = plan.items[b.i0 : b.i1]
-        hosts = [it.view.ctypes.data for it in items]
-        devs = [slot_ptr + k * plan.obj for k in range(len(items))]
-        if mod is not None:
-            hs, ds, ns = gather.coalesce(hosts, devs, plan.obj, self.pinner.same_range)
-            self.stats["dmas"] += len(hs)
-            if d2h:
-                mod.memcpy_many(hs, ds, ns, True, stream.cuda_stream)
-            else:
-                mod.memcpy_many(ds, hs, ns, False, stream.cuda_stream)
-            return
-        torch = self.torch
-        slot = self.staging
-        base = slot_ptr - slot.data_ptr()
-        with torch.cuda.stream(stream):
-            for k, it in enumerate(items):
-                host = torch.from_numpy(it.view)
-                dev = slot[base + k * plan.obj : base + (k + 1) * plan.obj]
-                if d2h:
-                    host.copy_(dev, non_blocking=True)
-                else:
-                    dev.copy_(host, non_blocking=True)
-
-    def _device_copy(self, mod, g: GroupCopy, plan: gather.Plan, b: gather.Batch, desc, slot_ptr: int, scatter: bool):
-        torch = self.torch
-        n_jobs = b.j1 - b.j0
-        if n_jobs == 0:
-            return
-        bpc = plan.items[0].bpc
-        if mod is not None and g.kernel_ok:
-            fn = mod.scatter if scatter else mod.gather
-            row = desc.stride(0) * 8
-            fn(g.table.data_ptr(), g.layers, desc.data_ptr() + b.j0 * 8, desc.data_ptr() + row + b.j0 * 8, n_jobs,
-               slot_ptr, bpc * g.block_bytes, g.block_bytes, g.run_bytes, g.runs, g.vec, self.sm * 8,
-               self.kernel.cuda_stream)
-            return
-        base = slot_ptr - self.staging.data_ptr()
-        staging = self.staging[base : base + plan.obj * (b.i1 - b.i0)]
-        args = (g.views, staging, b.i1 - b.i0, bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1])
-        with torch.cuda.stream(self.kernel):
-            (gather.torch_scatter if scatter else gather.torch_gather)(*args)
-
-    def store(self, g: GroupCopy, items: list[CopyItem], mod) -> Pending:
-        t0 = time.perf_counter()
-        plan = gather.make_plan(g.group, items, self.slot_bytes)
-        staging = self._slots(plan.obj)
-        desc = self._upload(plan.desc)
-        self.impl = "kernel" if mod is not None and g.kernel_ok else "torch"
-        for n, b in enumerate(plan.batches, self.cursor):
-            s = n % self.slots
-            slot_ptr = staging.data_ptr() + s * self.slot_bytes
-            if self.used[s]:
-                self.kernel.wait_event(self.free[s])
-            self._device_copy(mod, g, plan, b, desc, slot_ptr, scatter=False)
-            self.ready[s].record(self.kernel)
-            self.copy.wait_event(self.ready[s])
-            self._host_copies(mod, plan, b, slot_ptr, True, self.copy)
-            self.free[s].record(self.copy)
-            self.used[s] = True
-        self.cursor += len(plan.batches)
-        return self._ticket(plan, self.copy, t0)
-
-    def retrieve(self, g: GroupCopy, items: list[CopyItem], mod) -> Pending:
-        t0 = time.perf_counter()
-        plan = gather.make_plan(g.group, items, self.slot_bytes)
-        staging = self._slots(plan.obj)
-        desc = self._upload(plan.desc)
-        self.impl = "kernel" if mod is not None and g.kernel_ok else "torch"
-        for n, b in enumerate(plan.batches, self.cursor):
-            s = n % self.slots
-            slot_ptr = staging.data_ptr() + s * self.slot_bytes
-            if self.used[s]:
-                self.copy.wait_event(self.free[s])
-            self._host_copies(mod, plan, b, slot_ptr, False, self.copy)
-            self.ready[s].record(self.copy)
-            self.kernel.wait_event(self.ready[s])
-            self._device_copy(mod, g, plan, b, desc, slot_ptr, scatter=True)
-            self.free[s].record(self.kernel)
-            self.used[s] = True
-        self.cursor += len(plan.batches)
-        return self._ticket(plan, self.kernel, t0)  # the reply waits for it: bytes in the engine's blocks
+        return DeviceWork([wait])
 
     def close(self) -> None:
-        self.kernel.synchronize()
-        self.copy.synchronize()
-        self.staging = None
+        self.stream.synchronize()
+        self._events.clear()
 
 
-class CudaRankMemory:
-    """One registered rank's KV on a GPU: same interface as CpuRankMemory, plus ``wait_event``."""
+class _Driver:
+    """cuMemcpyAsync through the driver API (libcuda is there wherever a GPU is): a few
+    microseconds per DMA from Python, where torch's copy_ costs tens. Unified addressing: one call
+    for either direction; the thread's current context is the one torch made current."""
+
+    def __init__(self):
+        self.ok = False
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+            self.fn = self.lib.cuMemcpyAsync
+            self.fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+            self.fn.restype = ctypes.c_int
+            self.ok = True
+        except (OSError, AttributeError):
+            pass
+
+    def current(self, device: int) -> None:
+        """Make ``device``'s primary context current on this thread if no context is."""
+        ctx = ctypes.c_void_p()
+        if self.lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+            return
+        dev = ctypes.c_int()
+        if self.lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
+            raise RuntimeError(f"cuDeviceGet({device}) failed")
+        if self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0 or self.lib.cuCtxSetCurrent(ctx) != 0:
+            raise RuntimeError(f"cannot make GPU {device}'s primary context current")
+
+    def copy(self, host: int, dev: int, nbytes: int, d2h: bool, stream: int) -> None:
+        err = self.fn(host, dev, nbytes, stream) if d2h else self.fn(dev, host, nbytes, stream)
+        if err:
+            raise RuntimeError(f"cuMemcpyAsync failed: CUDA driver error {err}")
+
+
+_DRIVER = _Driver()
+
+
+def _host_bytes(addr: int, nbytes: int):
+    """A numpy uint8 view of ``nbytes`` of host memory at ``addr`` (inside the pool)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _coalesce(hosts: list[int], devs: list[int], sizes: list[int], same_range) -> list[tuple[int, int, int]]:
+    """Merge copies contiguous on both sides and inside one pinned registration."""
+    out: list[list[int]] = []
+    for h, d, n in zip(hosts, devs, sizes):
+        if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d and same_range(out[-1][0], h):
+            out[-1][2] += n
+        else:
+            out.append([h, d, n])
+    return [tuple(x) for x in out]
+
+
+class StagedRankMemory:
+    """One registered rank's GPU: its staging buffer opened over IPC, and a DMA lane each way.
+    The daemon never maps the rank's KV tensors themselves: only the engine touches its blocks."""
 
     duplex = True  # stores and retrieves run on separate transfer threads
 
-    def __init__(self, layout: PageLayout, support: CudaSupport, impl: str | None = None):
+    def __init__(self, layout: PageLayout, support: CudaSupport):
+        if layout.staging is None:
+            raise _invalid("a cuda layout needs a staging buffer (layout.staging): the engine gathers its blocks "
+                           "there (tierd_client.cuda_stage) and the daemon only copies whole objects")
         torch = support.torch
-        self.layout = layout
-        self.torch = torch
-        self.support = support
-        self.impl = impl or support.impl
-        self.storages = []
-        device = None
-        for i, ref in enumerate(layout.tensors):
-            storage, dev = open_ipc(ref, f"layout.tensors[{i}]", support)
-            if device is not None and dev != device:
-                raise _invalid(f"layout.tensors[{i}]: on GPU {dev}, the rank's other tensors on GPU {device}")
-            device = dev
-            self.storages.append(storage)
-        self.device = device
-        with torch.cuda.device(device):
-            flats = [torch.empty(0, dtype=torch.uint8, device=device).set_(s, 0, (s.nbytes(),), (1,)) for s in self.storages]
-            self.groups = [GroupCopy(g, flats, torch, device) for g in layout.groups]
-            self.store_lane = Lane(torch, device, support.host, support.slot_bytes, support.slots)
-            self.load_lane = Lane(torch, device, support.host, support.slot_bytes, support.slots)
-        self._events: OrderedDict[bytes, object] = OrderedDict()
-
-    def _module(self):
-        if self.impl == "torch":
-            return None
-        mod = native.get()
-        if mod is None and self.impl == "kernel":
-            mod = native.load()
-            if mod is None:
-                raise RuntimeError(f"native kernels unavailable: {native.state()['error']}")
-        return mod
-
-    def wait_event(self, handle: bytes) -> None:
-        """Make the next store's gather wait (on the GPU) for the engine's interprocess event."""
-        torch = self.torch
+        self.torch, self.layout = torch, layout
+        self.storage, self.device = open_ipc(layout.staging, "layout.staging", support)
         with torch.cuda.device(self.device):
-            ev = self._events.get(handle)
-            if ev is None:
-                ev = torch.cuda.Event.from_ipc_handle(torch.device("cuda", self.device), handle)
-                self._events[handle] = ev
-                while len(self._events) > MAX_EVENTS:
-                    self._events.popitem(last=False)
-            else:
-                self._events.move_to_end(handle)
-            self.store_lane.kernel.wait_event(ev)
+            self.staging = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
+                self.storage, 0, (layout.staging.nbytes,), (1,))
+            self.d2h = DmaLane(torch, self.device, support.host, d2h=True)
+            self.h2d = DmaLane(torch, self.device, support.host, d2h=False)
 
-    def store(self, group: int, items: list[CopyItem]) -> Pending | None:
-        """Queue the copies; the returned Pending finishes when the bytes are in the pool."""
-        if items:
-            with self.torch.cuda.device(self.device):
-                return self.store_lane.store(self.groups[group], items, self._module())
-        return None
+    def wait_event(self, handle: bytes, store: bool = True) -> None:
+        with self.torch.cuda.device(self.device):
+            (self.d2h if store else self.h2d).wait(handle)
 
-    def retrieve(self, group: int, items: list[CopyItem]) -> Pending | None:
-        """Queue the copies; the returned Pending finishes when the scatter is done on the GPU."""
-        if items:
-            with self.torch.cuda.device(self.device):
-                return self.load_lane.retrieve(self.groups[group], items, self._module())
-        return None
+    def store(self, group: int, items: list[CopyItem]) -> DeviceWork | None:
+        """Queue the DMAs staging -> pool; the DeviceWork finishes when the bytes are in the pool."""
+        if not items:
+            return None
+        with self.torch.cuda.device(self.device):
+            return self.d2h.copy(self.staging, items)
+
+    def retrieve(self, group: int, items: list[CopyItem]) -> DeviceWork | None:
+        """Queue the DMAs pool -> staging; the DeviceWork finishes when the bytes are in staging."""
+        if not items:
+            return None
+        with self.torch.cuda.device(self.device):
+            return self.h2d.copy(self.staging, items)
+
+    def signal(self) -> bytes:
+        """The event the engine's scatter waits for (on the GPU): after every retrieve DMA queued so far."""
+        with self.torch.cuda.device(self.device):
+            return self.h2d.signal()
 
     def close(self) -> None:
         with self.torch.cuda.device(self.device):
-            self.store_lane.close()
-            self.load_lane.close()
-        self.groups = []
-        self._events.clear()
-        self.storages = []  # drops the IPC mappings (torch closes them with the last reference)
+            self.d2h.close()
+            self.h2d.close()
+        self.staging = None
+        self.storage = None  # drops the IPC mapping (torch closes it with the last reference)

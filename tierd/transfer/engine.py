@@ -17,25 +17,31 @@ from typing import Any
 READ_LANE = "\x00read"  # suffix of a duplex rank's retrieve lane
 
 
-class Pending:
+class DeviceWork:
     """What a copy returns when its device work is queued but not yet finished. The lane starts
     the next job at once (so the device gets back-to-back work) and a waiter thread per lane
-    calls ``wait()`` and completes the jobs in order; the reply still means "done"."""
+    calls ``wait()`` and completes the jobs in order. A job whose reply may go out as soon as its
+    work is queued (``early``: what the reply carries, e.g. the event to wait on) is handed to
+    the main loop at once too, as QUEUED."""
 
-    __slots__ = ("waits",)
+    __slots__ = ("waits", "early")
 
-    def __init__(self, waits: list[Callable[[], None]]):
+    def __init__(self, waits: list[Callable[[], None]], early: dict | None = None):
         self.waits = waits
+        self.early = early
 
     def wait(self) -> None:
         for w in self.waits:
             w()
 
 
-def pending(results) -> Pending | None:
-    """One Pending for the results of several copy calls (None when all finished in the call)."""
-    waits = [w for r in results if isinstance(r, Pending) for w in r.waits]
-    return Pending(waits) if waits else None
+def device_work(results) -> DeviceWork | None:
+    """One DeviceWork for the results of several copy calls (None when all finished in the call)."""
+    waits = [w for r in results if isinstance(r, DeviceWork) for w in r.waits]
+    return DeviceWork(waits) if waits else None
+
+
+QUEUED = object()  # drain() result of a job whose device work is queued and whose reply may go now
 
 
 class TransferEngine:
@@ -101,12 +107,15 @@ class TransferEngine:
             result, exc = fn(), None
         except BaseException as e:  # reported to the client as DEVICE_ERROR, never lost
             result, exc = None, e
-        if exc is None and isinstance(result, Pending) and pool is not None:
+        if exc is None and isinstance(result, DeviceWork) and pool is not None:
+            if result.early is not None:
+                self._done.put((job, QUEUED, None))  # reply now; the waiter completes the job later
+                self._wake()
             self._waiter(pool).submit(self._settle, job, result)
             return
         self._finish(job, result, exc)
 
-    def _settle(self, job: Any, result: Pending) -> None:
+    def _settle(self, job: Any, result: DeviceWork) -> None:
         try:
             result.wait()
             exc = None
@@ -138,12 +147,15 @@ class TransferEngine:
             pool = self._retiring.pop(waiter, None)
             self._every.discard(pool)
 
-    def _finish(self, job: Any, result: Any, exc: BaseException | None) -> None:
-        self._done.put((job, result, exc))
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
+
+    def _finish(self, job: Any, result: Any, exc: BaseException | None) -> None:
+        self._done.put((job, result, exc))
+        self._wake()
         with self._lock:
             self._inflight -= 1
             self._idle.notify_all()

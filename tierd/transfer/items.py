@@ -13,6 +13,7 @@ class CopyItem:
     pos: np.ndarray  # their positions inside the chunk (0..bpc-1)
     bpc: int  # blocks per chunk of the group
     view: np.ndarray  # uint8 bytes of this group's part of the object, laid out [layer][block][run]
+    staged: int = -1  # cuda: byte offset of this part in the rank's staging buffer
 
     @property
     def complete(self) -> bool:

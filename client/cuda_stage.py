@@ -1,0 +1,187 @@
+"""Engine-side GPU copies: the engine's own CUDA context does the SM work of the tier.
+
+Kernels of different processes time-slice on a GPU (no MPS): a gather launched from the daemon's
+context holds the engine's kernels off (a co-running matmul 1.12-1.49x slower on an H200), while
+the same gather in the engine's context on a side stream, or DMA from any process, costs about
+1.02x. So the engine gathers the blocks of a STORE into its *staging buffer* on its own stream,
+and scatters a RETRIEVE's bytes out of it; the daemon only DMAs whole objects between that
+buffer (opened over CUDA IPC at REGISTER) and its pinned pool.
+
+Staging layout of a request: its chunks back to back from ``staged_at``, each chunk its groups'
+parts in layout order, each part ``[layer][block of the chunk][block bytes]`` (the daemon's
+combined object layout), so an object is one contiguous DMA.
+
+Ordering, all on the GPU (no host wait on the engine's forward thread):
+- a gather waits for the event the caller recorded after the forward's KV writes;
+- the daemon's DMA waits for the staging stream's IPC event recorded after the gather (STORE) or
+  after the last use of those staging bytes (RETRIEVE);
+- a forward that overwrites blocks a queued gather still reads first waits for the staging stream
+  (``Stager.fence_into``);
+- a RETRIEVE's scatter is launched when the daemon answers (its DMA is done); the blocks may be
+  read once ``done`` (a CUDA event) completes, or after the reader's stream waits on it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from tierd.protocol.layout import GroupKind, PageLayout
+from tierd_client import cuda_gather, native
+from tierd_client.cuda_ipc import StoreFence, share_cuda_tensors
+
+GRID_PER_SM = 8  # CTAs per multiprocessor for the gather/scatter kernels
+MAX_PEER_EVENTS = 64  # daemon events opened (one per daemon lane; a restarted daemon brings new ones)
+
+
+class GroupCopy:
+    """One group's layers as the kernels see them: a device descriptor table and torch views."""
+
+    def __init__(self, torch, group, flats, device):
+        self.layers = len(group.layers)
+        self.block_bytes = group.block_bytes
+        self.runs, self.run_bytes = group.layers[0].runs, group.layers[0].run_bytes
+        bases = [flats[s.tensor].data_ptr() + s.offset for s in group.layers]
+        table = np.zeros((self.layers, 4), dtype=np.int64)
+        for i, (base, s) in enumerate(zip(bases, group.layers)):
+            table[i, :3] = (base, s.block_stride, s.run_stride)
+        self.table = torch.from_numpy(table).to(device)
+        self.kernel_ok = cuda_gather.uniform_runs(group)
+        self.vec = cuda_gather.vector_width(group, bases)
+        self.views = cuda_gather.layer_views(group, flats)
+
+
+class Stager:
+    """A rank's staging buffer, its stream and its fence; gathers and scatters by block id."""
+
+    def __init__(self, layout: PageLayout, tensors, staging_bytes: int, impl: str = "auto"):
+        import torch
+
+        self.torch = torch
+        self.device = tensors[0].device
+        self.impl = impl  # auto | kernel | torch
+        if impl != "torch":
+            native.start()
+        chunk = layout.chunk_tokens
+        self.blocks_per_chunk = [1 if g.kind is GroupKind.STATE else chunk // g.block_tokens for g in layout.groups]
+        part = [len(g.layers) * n * g.block_bytes for g, n in zip(layout.groups, self.blocks_per_chunk)]
+        self.part_bytes = part
+        self.group_offsets = [sum(part[:g]) for g in range(len(part))]
+        self.chunk_bytes = sum(part)
+        if staging_bytes < self.chunk_bytes:
+            raise ValueError(f"a staging buffer of {staging_bytes} bytes holds no chunk of {self.chunk_bytes} bytes")
+        with torch.cuda.device(self.device):
+            flats = [t.view(-1).view(torch.uint8) if t.dim() else t for t in tensors]
+            self.groups = [GroupCopy(torch, g, flats, self.device) for g in layout.groups]
+            # gathers (STOREs) and scatters (RETRIEVEs) on their own streams: a scatter waits on the GPU for
+            # the daemon's DMA, and a store's gather must not queue behind that wait
+            self.stream = torch.cuda.Stream(self.device)  # gathers
+            self.scatter_stream = torch.cuda.Stream(self.device)
+            self.buf = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
+            self.fence = StoreFence(self.device)
+            self.scatter_fence = StoreFence(self.device)
+        refs, _ = share_cuda_tensors([self.buf])
+        self.ref = refs[0]
+        self.sm = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.lock = threading.Lock()  # the stream is fed from the engine's thread and the client's I/O thread
+        self._peers: dict[bytes, object] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    # ---- copies -------------------------------------------------------------------------------
+    def gather(self, chunks: list[list[list[int]]], at: int, after=None, null: int = -1) -> bytes:
+        """Blocks of ``chunks`` (per chunk, per group, ids; ``null`` = none) into staging from ``at``,
+        after the event ``after``; returns the IPC event handle the daemon's DMA waits for."""
+        with self.lock, self.torch.cuda.device(self.device):
+            if after is not None:
+                self.stream.wait_event(after)
+            self._copy(chunks, at, null, scatter=False, skip=None)
+            return self.fence.mark(self.stream)
+
+    def scatter(self, chunks: list[list[list[int]]], at: int, null: int = -1, skip=None, after: bytes | None = None):
+        """Staging from ``at`` into the blocks of ``chunks``, except ``skip`` ((group, id) pairs not
+        restored), once the daemon's interprocess event ``after`` (its DMA) is done; returns a CUDA
+        event done when the blocks may be read."""
+        with self.lock, self.torch.cuda.device(self.device):
+            if after:
+                self.scatter_stream.wait_event(self._peer_event(after))
+            self._copy(chunks, at, null, scatter=True, skip=skip)
+            done = self.torch.cuda.Event()
+            done.record(self.scatter_stream)
+            return done
+
+    def _peer_event(self, handle: bytes):
+        """The daemon's interprocess event ``handle``, opened once (it records the same one again)."""
+        ev = self._peers.get(handle)
+        if ev is None:
+            if len(self._peers) >= MAX_PEER_EVENTS:
+                self._peers.clear()
+            ev = self._peers[handle] = self.torch.cuda.Event.from_ipc_handle(self.device, handle)
+        return ev
+
+    def mark(self) -> bytes:
+        """The IPC event after every scatter queued so far: a RETRIEVE's ``event`` (the daemon may
+        then overwrite the retrieve half of staging)."""
+        with self.lock, self.torch.cuda.device(self.device):
+            return self.scatter_fence.mark(self.scatter_stream)
+
+    def fence_into(self, stream) -> None:
+        """``stream`` (the forward's) waits for every gather queued so far (they read KV blocks)."""
+        with self.lock:
+            stream.wait_stream(self.stream)
+
+    def _copy(self, chunks, at, null, scatter: bool, skip) -> None:
+        torch = self.torch
+        mod = None if self.impl == "torch" else native.get()
+        if mod is None and self.impl == "kernel":
+            mod = native.load()
+            if mod is None:
+                raise RuntimeError(f"native kernels unavailable: {native.state()['error']}")
+        stream = self.scatter_stream if scatter else self.stream
+        for g, gc in enumerate(self.groups):
+            ids, offs, item, pos = self._jobs(chunks, at, g, null, skip)
+            if not len(ids):
+                continue
+            bpc, bb = self.blocks_per_chunk[g], gc.block_bytes
+            if mod is not None and gc.kernel_ok:
+                desc = _upload(torch, np.stack([ids, offs]), stream, self.device)
+                fn = mod.scatter if scatter else mod.gather
+                fn(gc.table.data_ptr(), gc.layers, desc[0].data_ptr(), desc[1].data_ptr(), len(ids),
+                   self.buf.data_ptr(), bpc * bb, bb, gc.run_bytes, gc.runs, gc.vec, self.sm * GRID_PER_SM,
+                   stream.cuda_stream)
+                continue
+            dev = _upload(torch, np.stack([ids, item, pos]), stream, self.device)
+            fn = cuda_gather.torch_scatter if scatter else cuda_gather.torch_gather
+            with torch.cuda.stream(stream):
+                fn(gc.views, self.buf, len(chunks), bpc, dev[0], dev[1], dev[2], base=at + self.group_offsets[g],
+                   item_stride=self.chunk_bytes)
+
+    def _jobs(self, chunks, at, g, null, skip):
+        """For group ``g``: non-null (and not skipped) block ids, their staging offsets, chunk and position."""
+        bb, bpc = self.groups[g].block_bytes, self.blocks_per_chunk[g]
+        ids, offs, item, pos = [], [], [], []
+        base = at + self.group_offsets[g]
+        for i, c in enumerate(chunks):
+            for p, b in enumerate(c[g]):
+                if b == null or (skip and (g, b) in skip):
+                    continue
+                ids.append(b)
+                offs.append(base + i * self.chunk_bytes + p * bb)
+                item.append(i)
+                pos.append(p)
+        assert all(0 <= p < bpc for p in pos)
+        return (np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64),
+                np.asarray(item, dtype=np.int64), np.asarray(pos, dtype=np.int64))
+
+
+def _upload(torch, desc: np.ndarray, stream, device):
+    """Descriptors to the device on ``stream``: a pinned host copy per call (torch's caching host
+    allocator reuses it only once the copy recorded on it has run); device memory stream-ordered."""
+    host = torch.from_numpy(np.ascontiguousarray(desc)).pin_memory()
+    with torch.cuda.stream(stream):
+        dev = torch.empty(desc.shape, dtype=torch.int64, device=device)
+        dev.copy_(host, non_blocking=True)
+    return dev
