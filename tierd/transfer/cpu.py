@@ -50,7 +50,7 @@ class HostTensor:
 
 
 class CpuRankMemory:
-    def __init__(self, layout: PageLayout):
+    def __init__(self, layout: PageLayout, peer=None, refuse=None):
         self.layout = layout
         self.tensors: list[HostTensor] = []
         try:
