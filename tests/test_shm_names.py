@@ -102,9 +102,17 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
 
 
-def daemon_shm_maps(daemon) -> list[str]:
-    with open(f"/proc/{daemon.proc.pid}/maps") as f:
-        return sorted({line.split(maxsplit=5)[5].strip() for line in f if "/dev/shm/" in line})
+def daemon_shm_files(daemon) -> list[str]:
+    """The /dev/shm files the daemon holds open (it copies with preadv/pwritev on fds, no mapping)."""
+    out = set()
+    for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{daemon.proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/"):
+            out.add(target)
+    return sorted(out)
 
 
 def test_registered_kv_memory_has_no_name_and_the_daemon_still_copies_it(tiny_model, daemon):
@@ -114,7 +122,7 @@ def test_registered_kv_memory_has_no_name_and_the_daemon_still_copies_it(tiny_mo
     try:
         assert len(daemon.status()["instances"]) == 1  # registered
         assert our_shm_names() == [], "the KV cache has a /dev/shm name after REGISTER"
-        assert any(m.endswith("(deleted)") for m in daemon_shm_maps(daemon))  # mapped, by no name
+        assert any(m.endswith("(deleted)") for m in daemon_shm_files(daemon))  # held open, by no name
         a.add("a", tokens)
         a.run()
         b = SimEngine(tiny_model, daemon.endpoint, [GroupDef("full")], chunk_tokens=CHUNK)

@@ -1,100 +1,243 @@
-"""CPU data path: the engine's KV tensors live in shared memory; the daemon maps them and copies
-blocks with numpy gathers (memcpy per block run, GIL released) on the rank's transfer thread."""
+"""CPU data path: the engine's KV tensors live in shared-memory files; the daemon copies blocks
+between them and its pool with preadv/pwritev on the rank's transfer thread (GIL released in
+the syscall).
+
+Hazards, and why it is not an mmap of the engine's file: the file belongs to the client, which
+can truncate it at any time; a mapping of a truncated file raises SIGBUS in the daemon at the
+next copy and every client loses every object. A read past the end of a file is only a short
+read: the copy fails with ShmCopyError (naming the tensor and the sizes), the request is
+answered DEVICE_ERROR and the daemon goes on. A write past the end would grow the client's file,
+so before a write the file's size is checked (a file truncated between that check and the write
+is grown back, at most to what it had at REGISTER: it is the client's own race, and costs the
+daemon nothing it did not already hold).
+
+Files are opened as the client may (tierd.transfer.shm), each distinct file (st_dev, st_ino)
+once per rank however many tensors name it (``files``: the count the daemon caps per client).
+
+Syscalls are coalesced: a layer's blocks are described as file ranges ``(file offset, object
+offset, run_bytes)``, ordered by file offset, and each contiguous file range is one
+preadv/pwritev with one iovec per contiguous object range (at most IOV_MAX). Consecutive block
+ids of a layer (and the chunks of one request) are usually one range, so a typical call costs
+one syscall per layer per run. Overlapping file ranges in a retrieve (repeated block ids) are
+written in the old order (item, layer, block, run), so the last one wins as before.
+"""
 
 from __future__ import annotations
 
-import mmap
+import itertools
 import os
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.layout import PageLayout, ShmHandle, TensorRef
+from tierd.protocol.layout import GroupLayout, PageLayout, ShmHandle
 from tierd.transfer.items import CopyItem
+from tierd.transfer.shm import Opener, Refused
+
+IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
+_ORDERS = [p for p in itertools.permutations(range(3))]  # axes of (layer, block, run) to try, natural first
 
 
-class HostTensor:
-    """A shared-memory file mapped read-write: ``{"kind": "shm", "path": ..., "offset": ...}``."""
+class ShmCopyError(RuntimeError):
+    """A copy could not reach an engine's file (it shrank after REGISTER, or I/O failed); the
+    instance's memory is not usable any more."""
 
-    def __init__(self, ref: TensorRef, where: str):
-        if not isinstance(ref.handle, ShmHandle):
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm tensor handles")
-        path, offset = ref.handle.path, ref.handle.offset
-        if not path.startswith("/dev/shm/") or ".." in path:
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: shm path must be a file under /dev/shm/, got {path!r}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_INVALID,
-                f"{where}: cannot open {path}: {exc.strerror} (the daemon must run as the engine's user)",
-            ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if offset + ref.nbytes > size:
-                raise ProtocolError(
-                    ErrorCode.LAYOUT_INVALID, f"{where}: {path} has {size} bytes, the tensor needs {offset + ref.nbytes}"
-                )
-            self._map = mmap.mmap(fd, offset + ref.nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        self.view = np.frombuffer(self._map, dtype=np.uint8)[offset : offset + ref.nbytes]
 
-    def close(self) -> None:
-        self.view = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a copy still holds a view; the mapping is released with it
+class SharedFile:
+    """One open engine file, shared by every tensor that names it."""
+
+    __slots__ = ("fd", "path", "tensors")
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path, self.tensors = fd, path, []
+
+
+class _Layers:
+    """Layers of one group in one file with one run geometry, as arrays (one entry per layer)."""
+
+    __slots__ = ("file", "index", "base", "block_stride", "run_stride", "tensor", "runs", "run_bytes")
+
+    def __init__(self, file: SharedFile, runs: int, run_bytes: int):
+        self.file, self.runs, self.run_bytes = file, runs, run_bytes
+        self.index, self.base, self.block_stride, self.run_stride, self.tensor = [], [], [], [], []
+
+    def freeze(self) -> None:
+        for name in ("index", "base", "block_stride", "run_stride", "tensor"):
+            setattr(self, name, np.array(getattr(self, name), dtype=np.int64))
 
 
 class CpuRankMemory:
     def __init__(self, layout: PageLayout, peer=None, refuse=None):
+        """``peer``: the client's kernel credentials (tierd.peer.Peer); None or a tcp:// peer
+        (no credentials): the daemon's own uid, and no connector links. ``refuse(stat)``: the
+        reason a file may not be used (the daemon's own pool files), or None."""
         self.layout = layout
-        self.tensors: list[HostTensor] = []
+        self._files: dict[tuple[int, int], SharedFile] = {}
+        self.tensors: list[tuple[SharedFile, int]] = []  # (file, byte offset of the tensor in it)
+        if peer is not None and peer.local:
+            uid, gid, pid = peer.uid, peer.gid, peer.pid or None
+        else:
+            uid, gid, pid = os.geteuid(), os.getegid(), None
+        try:
+            opener = Opener(uid, gid, pid, refuse)
+        except Refused as exc:
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"layout.tensors: {exc}") from None
         try:
             for i, ref in enumerate(layout.tensors):
-                self.tensors.append(HostTensor(ref, f"layout.tensors[{i}]"))
+                self.tensors.append(self._open(opener, i, ref))
         except BaseException:
             self.close()
             raise
-        # per group, per layer: a [num_blocks, runs, run_bytes] byte view of the engine's tensor
-        self.blocks = [
-            [
-                as_strided(
-                    self.tensors[s.tensor].view[s.offset :],
-                    shape=(s.num_blocks, s.runs, s.run_bytes),
-                    strides=(s.block_stride, s.run_stride, 1),
-                    writeable=True,
-                )
-                for s in group.layers
-            ]
-            for group in layout.groups
-        ]
+        finally:
+            opener.close()
+        self.groups = [self._layers(g) for g in layout.groups]
 
+    @property
+    def files(self) -> int:
+        """Distinct files (and fds) this rank holds."""
+        return len(self._files)
+
+    def _open(self, opener: Opener, i: int, ref) -> tuple[SharedFile, int]:
+        where = f"layout.tensors[{i}]"
+        if not isinstance(ref.handle, ShmHandle):
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm tensor handles")
+        path, offset = ref.handle.path, ref.handle.offset
+        try:
+            fd, st = opener.open(path)
+            try:
+                if offset + ref.nbytes > st.st_size:
+                    raise Refused(f"the file has {st.st_size} bytes, the tensor needs {offset + ref.nbytes}")
+                file = self._files.get((st.st_dev, st.st_ino))
+                if file is None:
+                    file = SharedFile(opener.reopen(fd, st), path)
+                    self._files[(st.st_dev, st.st_ino)] = file
+            finally:
+                os.close(fd)
+        except Refused as exc:
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where} {path!r}: {exc}") from None
+        file.tensors.append(i)
+        return file, offset
+
+    def _layers(self, group: GroupLayout) -> list[_Layers]:
+        parts: dict[tuple[int, int, int], _Layers] = {}
+        for li, s in enumerate(group.layers):
+            file, offset = self.tensors[s.tensor]
+            part = parts.get((id(file), s.runs, s.run_bytes))
+            if part is None:
+                part = parts[(id(file), s.runs, s.run_bytes)] = _Layers(file, s.runs, s.run_bytes)
+            part.index.append(li)
+            part.base.append(offset + s.offset)
+            part.block_stride.append(s.block_stride)
+            part.run_stride.append(s.run_stride)
+            part.tensor.append(s.tensor)
+        for part in parts.values():
+            part.freeze()
+        return list(parts.values())
+
+    # ---- copies ----------------------------------------------------------------------------------
     def store(self, group: int, items: list[CopyItem]) -> None:
-        layers = self.blocks[group]
-        nl = len(layers)
-        for it in items:
-            dst = it.view.reshape(nl, it.bpc, *layers[0].shape[1:])
-            if it.complete:
-                for layer, src in enumerate(layers):
-                    np.take(src, it.ids, axis=0, out=dst[layer], mode="clip")  # ids validated; "raise" would buffer
-            else:
-                for layer, src in enumerate(layers):
-                    dst[layer, it.pos] = src[it.ids]
+        """Engine file -> pool objects."""
+        self._copy(group, items, write=False)
 
     def retrieve(self, group: int, items: list[CopyItem]) -> None:
-        layers = self.blocks[group]
-        nl = len(layers)
-        for it in items:
-            src = it.view.reshape(nl, it.bpc, *layers[0].shape[1:])
-            for layer, dst in enumerate(layers):
-                dst[it.ids] = src[layer] if it.complete else src[layer, it.pos]
+        """Pool objects -> engine file."""
+        self._copy(group, items, write=True)
+
+    def _copy(self, group: int, items: list[CopyItem], write: bool) -> None:
+        items = [it for it in items if len(it.ids)]
+        if not items:
+            return
+        block_bytes = self.layout.groups[group].block_bytes
+        ids = np.concatenate([it.ids for it in items])
+        pos = np.concatenate([it.pos for it in items])
+        which = np.repeat(np.arange(len(items)), [len(it.ids) for it in items])
+        views = [memoryview(it.view) for it in items]
+        for part in self.groups[group]:
+            self._copy_part(part, ids, pos, which, items[0].bpc, block_bytes, views, write)
+
+    def _copy_part(self, part: _Layers, ids, pos, which, bpc, block_bytes, views, write: bool) -> None:
+        rb, runs = part.run_bytes, part.runs
+        r = np.arange(runs, dtype=np.int64)
+        shape = (len(part.index), len(ids), runs)  # (layer, block, run)
+        file_at = (part.base[:, None, None] + ids[None, :, None] * part.block_stride[:, None, None]
+                   + (r[None, :] * part.run_stride[:, None])[:, None, :])
+        block_at = (part.index[:, None] * bpc + pos[None, :]) * block_bytes
+        obj_at = block_at[:, :, None] + (r * rb)[None, None, :]
+        item = np.broadcast_to(which[None, :, None], shape)
+        self._check_size(part, file_at, rb)
+        for axes in _ORDERS:
+            f = file_at.transpose(axes).ravel()
+            if len(f) < 2 or bool(np.all(f[1:] >= f[:-1] + rb)):  # disjoint and ascending in this order
+                self._io(part, f, obj_at.transpose(axes).ravel(), item.transpose(axes).ravel(), views, write)
+                return
+        f, o, w = file_at.ravel(), obj_at.ravel(), item.ravel()
+        order = np.argsort(f, kind="stable")
+        if write and not bool(np.all(f[order][1:] >= f[order][:-1] + rb)):
+            # overlapping writes: the order of the old gather (item, layer, block, run), last one wins
+            layer = np.broadcast_to(np.arange(shape[0])[:, None, None], shape).ravel()
+            block = np.broadcast_to(np.arange(shape[1])[None, :, None], shape).ravel()
+            order = np.lexsort((np.broadcast_to(r, shape).ravel(), block, layer, w))
+        self._io(part, f[order], o[order], w[order], views, write)
+
+    def _check_size(self, part: _Layers, file_at: np.ndarray, rb: int) -> None:
+        need = int(file_at.max()) + rb
+        size = os.fstat(part.file.fd).st_size
+        if size < need:
+            layer = int(np.unravel_index(int(file_at.argmax()), file_at.shape)[0])
+            self._shrunk(part, int(part.tensor[layer]), size, need)
+
+    def _shrunk(self, part: _Layers, tensor: int, size: int, need: int):
+        ref = self.layout.tensors[tensor]
+        raise ShmCopyError(
+            f"layout.tensors[{tensor}] {part.file.path}: the file has {size} bytes, the copy needs {need} "
+            f"(the tensor ends at {ref.handle.offset + ref.nbytes}): it shrank after REGISTER")
+
+    def _io(self, part: _Layers, f: np.ndarray, o: np.ndarray, w: np.ndarray, views, write: bool) -> None:
+        rb, n = part.run_bytes, len(f)
+        fcont = np.zeros(n, dtype=bool)
+        fcont[1:] = f[1:] == f[:-1] + rb  # continues the previous file range
+        ocont = fcont.copy()
+        ocont[1:] &= (w[1:] == w[:-1]) & (o[1:] == o[:-1] + rb)  # ... and the previous object range
+        starts = np.flatnonzero(~ocont)
+        lengths = (np.diff(starts, append=n) * rb).tolist()
+        first = (~fcont[starts]).tolist()
+        fs, os_, ws = f[starts].tolist(), o[starts].tolist(), w[starts].tolist()
+        fd = part.file.fd
+        call = os.pwritev if write else os.preadv
+        bufs: list[memoryview] = []
+        at = want = 0
+        for k in range(len(starts)):
+            if first[k] or len(bufs) == IOV_MAX:
+                if bufs:
+                    self._call(call, part, fd, bufs, at, want)
+                bufs, at, want = [], fs[k], 0
+            o0 = os_[k]
+            bufs.append(views[ws[k]][o0:o0 + lengths[k]])
+            want += lengths[k]
+        self._call(call, part, fd, bufs, at, want)
+
+    def _call(self, call, part: _Layers, fd: int, bufs: list, at: int, want: int) -> None:
+        while True:
+            try:
+                done = call(fd, bufs, at)
+            except OSError as exc:
+                raise ShmCopyError(f"{part.file.path} (tensors {part.file.tensors[:8]}): {exc.strerror} "
+                                   f"at byte {at}") from None
+            if done == want:
+                return
+            size = os.fstat(fd).st_size
+            if done <= 0 or size < at + want:
+                self._shrunk(part, int(part.tensor[0]), size, at + want)
+            at, want = at + done, want - done  # a partial transfer of a file still long enough: go on
+            while done >= len(bufs[0]):
+                done -= len(bufs[0])
+                bufs = bufs[1:]
+            bufs[0] = bufs[0][done:]
 
     def close(self) -> None:
-        self.blocks = []
-        for t in self.tensors:
-            t.close()
+        self.groups = []
+        for file in self._files.values():
+            os.close(file.fd)
+            file.fd = -1
+        self._files.clear()
         self.tensors = []
