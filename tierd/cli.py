@@ -51,10 +51,13 @@ def serve(**kwargs):
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     _check_ceiling(settings)
+    from tierd.endpoint import EndpointError
     from tierd.server import Daemon
 
     try:
         daemon = Daemon(settings)
+    except EndpointError as exc:
+        raise click.UsageError(f"{exc} [--socket {settings.socket}]") from None
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot start: {exc}") from None
     daemon.install_signals()

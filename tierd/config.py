@@ -29,6 +29,12 @@ class Settings:
     socket_mode: str = _opt("0600", "File mode of the ipc:// socket file, octal.")
     http_host: str = _opt("127.0.0.1", "Address the HTTP endpoints (/status, /metrics, /healthz) listen on.")
     http_port: int = _opt(9800, "Port of the HTTP endpoints; 0 picks a free port (logged), -1 disables HTTP.", min=-1, max=65535)
+    http_timeout_s: float = _opt(5.0, "Seconds an HTTP connection has to send its request line and "
+                                 "headers (idle and slow ones are closed); also the most one write of a "
+                                 "reply may block.", min=0.1)
+    http_max_connections: int = _opt(64, "HTTP connections open at once (each a file descriptor; 4 threads "
+                                     "answer them); when full, the oldest still sending its request is "
+                                     "closed.", min=1)
     null_block_id: int = _opt(-1, "Block id meaning 'no data for this group in this chunk'.")
     separate_object_groups: bool = _opt(
         True, "Store each engine group of a chunk as its own object (on), or all groups of a rank as one object (off)."

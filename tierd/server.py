@@ -12,13 +12,12 @@ import gc
 import logging
 import os
 import signal
-import stat
 import time
 import uuid
 
 import zmq
 
-from tierd import __version__, handlers
+from tierd import __version__, endpoint, handlers
 from tierd.config import Settings
 from tierd.handlers import Call, Job, Tier
 from tierd.pool.pool import Pool
@@ -79,17 +78,8 @@ class Daemon:
 
     # ---- setup ----------------------------------------------------------------------------
     def _bind(self) -> None:
-        path = self.settings.socket_file
-        if path:
-            folder = os.path.dirname(path) or "."
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if os.path.exists(path):
-                if _endpoint_alive(self.ctx, self.settings.socket):
-                    raise RuntimeError(f"another tierd is already serving {self.settings.socket}")
-                os.unlink(path)  # stale file from a crashed daemon
-        self.router.bind(self.settings.socket)
-        if path:
-            os.chmod(path, int(self.settings.socket_mode, 8))
+        # ipc://: a safe folder, the endpoint's lock held for our life, then the socket (tierd.endpoint)
+        self.endpoint = endpoint.bind(self.router, self.settings.socket, self.settings.socket_mode)
 
     def start_http(self) -> None:
         if self.settings.http_port < 0:
@@ -98,7 +88,8 @@ class Daemon:
 
         self.board.publish(self.status())
         self.http = start_http_server(self.board, self.stats.registry, self.settings.http_host,
-                                      self.settings.http_port)
+                                      self.settings.http_port, self.settings.http_timeout_s,
+                                      self.settings.http_max_connections)
         self.http_port = self.http.server_address[1]
 
     def _open_memory(self, layout: PageLayout):
@@ -249,25 +240,11 @@ class Daemon:
             self.http.shutdown()
             self.http.server_close()
         self.router.close(linger=500)
-        path = self.settings.socket_file
-        if path and os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
+        self.endpoint.close()  # our socket file goes, then the lock
         self.pool.close()
         os.close(self._stop_r)
         os.close(self._stop_w)
         log.info("stopped")
-
-
-def _endpoint_alive(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:
-    """Whether a tierd answers on ``endpoint`` (any reply to a PING within the deadline)."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(codec.encode_request("PING", 1, {}))
-        return bool(sock.poll(timeout_ms))
-    finally:
-        sock.close()
 
 
 def _cuda_support(settings: Settings):

@@ -1,0 +1,109 @@
+"""One daemon per endpoint, decided by the flock on ``<socket>.lock`` (tierd.endpoint), not by a
+probe: a second daemon on a busy socket refuses naming the lock and its holder's pid, a SIGKILLed
+daemon's lock is free at once, the lock file outlives a clean stop, and only a socket is ever
+unlinked at the socket's path."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, DaemonProcess
+
+REFUSE_WAIT_S = 20  # a second daemon that refuses exits long before; one that serves never does
+
+
+def second_serve(endpoint: str, *args: str) -> subprocess.CompletedProcess:
+    """``tierd serve`` on ``endpoint``, expected to refuse; fails the test if it serves instead."""
+    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1",
+           "--l1-size-gb", "0.01", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        out, err = proc.communicate(timeout=REFUSE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the second daemon served {endpoint} instead of refusing:\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def sock_id(path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+def test_second_daemon_refuses_while_the_first_is_busy(daemon, client_factory):
+    """The old probe took a daemon that did not answer a PING within 0.5 s for a dead one,
+    unlinked its socket and served: a stopped (SIGSTOP) first daemon stands for a busy one."""
+    before = sock_id(daemon.socket_file)
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        res = second_serve(daemon.endpoint)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert res.returncode == 2, res.stderr
+    lock = f"{daemon.socket_file}.lock"
+    assert f"pid {daemon.proc.pid}" in res.stderr and lock in res.stderr, res.stderr
+    assert sock_id(daemon.socket_file) == before, "the live socket was replaced"
+    assert client_factory(daemon).status()["pid"] == daemon.proc.pid, "the first daemon still serves"
+
+
+def test_sigkilled_daemon_restarts_at_once(tmp_path):
+    d = DaemonProcess(tmp_path)
+    try:
+        d.proc.kill()
+        d.proc.wait(10)
+        assert d.socket_file.is_socket(), "SIGKILL leaves the socket file behind"
+        t0 = time.monotonic()
+        d.start()  # the kernel dropped the flock with the process: no wait, no probe
+        assert time.monotonic() - t0 < 15
+        assert (tmp_path / "tierd.sock.lock").read_text().strip() == str(d.proc.pid)
+        assert d.status()["pid"] == d.proc.pid
+    finally:
+        d.kill()
+
+
+def test_lock_file_stays_after_a_clean_stop(tmp_path):
+    """Removing the lock at exit would race a daemon that just opened it: it stays, unlocked."""
+    d = DaemonProcess(tmp_path)
+    try:
+        assert d.stop() == 0
+        assert not d.socket_file.exists(), "a clean stop removes the socket"
+        lock = tmp_path / "tierd.sock.lock"
+        assert lock.is_file() and oct(lock.stat().st_mode & 0o777) == "0o600"
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free
+        d.start()
+        assert d.status()["pid"] == d.proc.pid
+    finally:
+        d.kill()
+
+
+def test_any_holder_of_the_lock_keeps_a_daemon_out(tmp_path):
+    """The lock alone decides (no socket file at all here), and the refusal names its pid."""
+    folder = tmp_path / "s"
+    folder.mkdir(mode=0o700)
+    with open(folder / "tierd.sock.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        res = second_serve(f"ipc://{folder}/tierd.sock")
+    assert res.returncode == 2 and f"pid {os.getpid()}" in res.stderr, res.stderr
+    assert not (folder / "tierd.sock").exists()
+
+
+def test_a_file_that_is_not_a_socket_is_left_alone(tmp_path):
+    """Only a socket (or a symlink) at the socket's path is a dead daemon's; the old code unlinked
+    whatever lay there."""
+    folder = tmp_path / "s"
+    folder.mkdir(mode=0o700)
+    victim = folder / "tierd.sock"
+    victim.write_text("not a socket\n")
+    res = second_serve(f"ipc://{victim}")
+    assert res.returncode == 2 and "is not a socket" in res.stderr, res.stderr
+    assert victim.read_text() == "not a socket\n"
