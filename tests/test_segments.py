@@ -125,3 +125,19 @@ def test_allocations_are_aligned():
             assert got[1] % (8 * KIB) == 0
     finally:
         s.close()
+
+
+def test_initial_backing_is_what_was_asked_not_a_whole_segment():
+    """Regression: --l1-init-size-gb 0.25 with 1 GiB segments backed a whole 1 GiB segment (the
+    initial backing was rounded up to a segment). Here: 300 KiB asked of 1 MiB segments."""
+    s = SegmentSet(ceiling=4 << 20, initial=300 * KIB + 1, segment_bytes=1 << 20, align=4 * KIB)
+    try:
+        assert s.backed == 304 * KIB and [g.nbytes for g in s.segments] == [304 * KIB]  # up to the alignment
+    finally:
+        s.close()
+    s = SegmentSet(ceiling=4 << 20, initial=(1 << 20) + 8 * KIB, segment_bytes=1 << 20, align=4 * KIB)
+    try:
+        assert [g.nbytes for g in s.segments] == [1 << 20, 8 * KIB]  # whole segments, then the rest
+        assert s.alloc(64 * KIB) is not None and s.backed == (1 << 20) + 8 * KIB  # served from what is backed
+    finally:
+        s.close()

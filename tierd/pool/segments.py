@@ -139,9 +139,11 @@ class SegmentSet:
             raise
 
     def grow_to(self, initial: int) -> None:
-        """Back at least ``initial`` bytes (up to the ceiling) now."""
-        while self.backed < min(initial, self.ceiling):
-            self._grow(min(self.segment_bytes, self.ceiling - self.backed))
+        """Back ``initial`` bytes (rounded up to the grain, at most the ceiling) now: whole
+        segments, then a last one of what is left (not a whole segment more)."""
+        target = min(_round_up(initial, self.grain), self.ceiling)
+        while self.backed < target:
+            self._grow(min(self.segment_bytes, target - self.backed))
 
     def _grow(self, nbytes: int) -> Segment:
         seg = self._add(_round_up(nbytes, self.grain), create=True)
