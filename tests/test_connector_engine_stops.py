@@ -37,6 +37,22 @@ def shm_files() -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "tierd-kv-")))
 
 
+def vllm_shm_files() -> set[str]:
+    """vLLM's own shared memory (Python SharedMemory rings, semaphores): not tierd's, recorded."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+def unmapped(names: set[str]) -> set[str]:
+    maps = ""
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps += f.read()
+        except OSError:
+            pass
+    return {n for n in names if n not in maps}
+
+
 def shmem_mib() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) // 1024 for line in f if line.startswith("Shmem:"))
@@ -110,7 +126,20 @@ STOPS = ["SIGTERM", "SIGINT-group", "SIGKILL", "SIGKILL-group", "SIGKILL-EngineC
 @pytest.mark.parametrize("stop", STOPS)
 def test_no_file_session_or_mapping_outlives_an_engine_process(daemon, tmp_path, stop):
     before = figures(daemon)
+    vllm_before = vllm_shm_files()
     proc, log = start_server(daemon, tmp_path)
+    try:
+        stop_and_check(daemon, proc, log, stop, before, vllm_before)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        # vLLM 0.32 leaves its own rings behind when SIGKILLed; remove those (nobody maps them)
+        for name in unmapped(vllm_shm_files() - vllm_before):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def stop_and_check(daemon, proc, log, stop, before, vllm_before) -> None:
     helpers = psutil.Process(proc.pid).children(recursive=True)
     core = [p for p in helpers if "EngineCore" in p.name()]
     time.sleep(0.5)
@@ -143,6 +172,7 @@ def test_no_file_session_or_mapping_outlives_an_engine_process(daemon, tmp_path,
     assert wait_for(lambda: daemon.status()["sessions"] == before["sessions"], settle)
     assert wait_for(lambda: daemon_shm_fds(daemon) == before["daemon_shm_fds"], 2.0)
     final = figures(daemon)
+    vllm_left = sorted(unmapped(vllm_shm_files() - vllm_before))
     assert final["shm_files"] == before["shm_files"] and at_exit["shm_files"] == before["shm_files"]
     if stop == "SIGINT-group":  # every process saw the signal: every session said BYE
         assert at_exit["sessions"] == before["sessions"], "a stop every process saw left a session behind"
@@ -152,5 +182,6 @@ def test_no_file_session_or_mapping_outlives_an_engine_process(daemon, tmp_path,
     record = os.environ.get("TIERD_RECORD_STOPS")
     if record:
         with open(record, "a") as f:
-            f.write(json.dumps({"stop": stop, "exit_s": round(exit_s, 2), "orphans": orphans, "before": before,
+            f.write(json.dumps({"stop": stop, "exit_s": round(exit_s, 2), "orphans": orphans, "vllm_shm_left": vllm_left,
+                                "before": before,
                                 "during": during, "at_exit": at_exit, "settled": settled, "final": final}) + "\n")
