@@ -75,11 +75,12 @@ class CpuRankMemory:
         self._files: dict[tuple[int, int], SharedFile] = {}
         self.tensors: list[tuple[SharedFile, int]] = []  # (file, byte offset of the tensor in it)
         if peer is not None and peer.local:
-            uid, gid, pid = peer.uid, peer.gid, peer.pid or None
-        else:
+            uid, gid, pid, whose = peer.uid, peer.gid, peer.pid or None, "the client's"
+        else:  # a tcp:// client has no kernel credentials: only the daemon's own files, no connector links
             uid, gid, pid = os.geteuid(), os.getegid(), None
+            whose = "the daemon's" if peer is None else "the daemon's (a tcp:// client has no credentials)"
         try:
-            opener = Opener(uid, gid, pid, refuse)
+            opener = Opener(uid, gid, pid, refuse, whose)
         except Refused as exc:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"layout.tensors: {exc}") from None
         try:

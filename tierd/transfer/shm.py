@@ -54,8 +54,9 @@ class Opener:
     """Opens files under /dev/shm as ``uid`` (gid ``gid``, process ``pid``; None: no process)
     may. One per REGISTER: holds a directory fd of /dev/shm and the mount table until closed."""
 
-    def __init__(self, uid: int, gid: int, pid: int | None = None, refuse=None):
-        self.uid, self.gid, self.pid, self.refuse = uid, gid, pid, refuse
+    def __init__(self, uid: int, gid: int, pid: int | None = None, refuse=None, whose: str = "the client's"):
+        """``whose``: how refusals name ``uid`` (a tcp:// client's files are the daemon's uid's)."""
+        self.uid, self.gid, self.pid, self.refuse, self.whose = uid, gid, pid, refuse, whose
         self._root = -1
         self._mounts: dict[int, tuple[str, str]] = {}
         try:
@@ -198,7 +199,7 @@ class Opener:
         if not stat.S_ISREG(st.st_mode):
             raise Refused(f"not a regular file (it is {kind(st)})")
         if st.st_uid != self.uid:
-            raise Refused(f"owned by uid {st.st_uid}, not the client's uid {self.uid}")
+            raise Refused(f"owned by uid {st.st_uid}, not {self.whose} uid {self.uid}")
         if st.st_mode & 0o600 != 0o600:
             raise Refused(f"permission: mode {st.st_mode & 0o7777:04o}, its owner (uid {self.uid}) cannot "
                           f"read and write it")
