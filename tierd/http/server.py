@@ -64,6 +64,7 @@ class BoundedHTTPServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._stopping = False
         self._stopped = threading.Event()
+        self._warned = 0.0
 
     # ---- the accepting thread ---------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -84,8 +85,12 @@ class BoundedHTTPServer:
                 sock, address = self.socket.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: try again on the next tick
-                log.warning("HTTP accept failed: %s", exc)
+            except OSError as exc:  # e.g. out of file descriptors: the listener stays readable
+                now = time.monotonic()
+                if now - self._warned >= 60:
+                    self._warned = now
+                    log.warning("HTTP accept failed: %s", exc)
+                time.sleep(0.5)  # no busy loop; only HTTP waits
                 return
             with self._lock:
                 full = len(self.pending) + self.active >= self.max_connections
