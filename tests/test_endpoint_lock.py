@@ -13,7 +13,10 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, DaemonProcess
+import zmq
+from conftest import ROOT, DaemonProcess, free_port
+
+from tierd.endpoint import EndpointError, bind
 
 REFUSE_WAIT_S = 20  # a second daemon that refuses exits long before; one that serves never does
 
@@ -107,3 +110,21 @@ def test_a_file_that_is_not_a_socket_is_left_alone(tmp_path):
     res = second_serve(f"ipc://{victim}")
     assert res.returncode == 2 and "is not a socket" in res.stderr, res.stderr
     assert victim.read_text() == "not a socket\n"
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:{port}", "ipc://@tierd-test-{port}"])
+def test_file_less_endpoints_are_held_by_the_kernel(url):
+    """tcp:// and abstract ipc:// names have no file to lock or unlink: a second bind fails (a
+    usage error in ``tierd serve``) and the first keeps serving."""
+    url = url.format(port=free_port())
+    ctx = zmq.Context()
+    first, second = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    try:
+        held = bind(first, url, "0600")
+        with pytest.raises(EndpointError, match="Address already in use"):
+            bind(second, url, "0600")
+        held.close()
+    finally:
+        first.close(0)
+        second.close(0)
+        ctx.term()

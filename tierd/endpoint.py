@@ -69,7 +69,9 @@ def bind(router: zmq.Socket, url: str, socket_mode: str) -> Endpoint:
     """Bind ``router`` to ``url``. For ipc://PATH: check PATH's folder (creating it if missing),
     take the lock, remove a stale socket file, bind with the file at most ``socket_mode`` from the
     start, then set exactly that mode."""
-    if not url.startswith("ipc://"):
+    if not url.startswith("ipc://") or url.startswith("ipc://@"):
+        # tcp://, or an abstract ipc:// name (no file: the kernel refuses a second bind itself, and
+        # any local user may connect; peer credentials still come with every message)
         _zmq_bind(router, url)
         return Endpoint(url, None, None, None)
     path = os.path.abspath(url[len("ipc://"):])
