@@ -342,6 +342,24 @@ def test_a_thousand_tensors_in_one_file_hold_one_fd(daemon, raw, shm):
     wait_for(lambda: path not in daemon_fds(daemon).values(), 5, what="the file closed after UNREGISTER")
 
 
+def test_refusals_leave_no_descriptor_behind(daemon, raw, shm):
+    """Nor does a layout whose first tensor opened and whose second was refused."""
+    folder = shm.folder(shm.name("dir"))
+    bad = [shm.link(shm.name("link"), "/etc/hostname"), f"{shm.link(shm.name('dl'), folder)}/x", folder,
+           shm.file(shm.name("ro"), mode=0o400), shm.file(shm.name("short"), nbytes=100),
+           "/dev/shm/tierd-test-none"]
+    good = shm.file(shm.name("good"))
+    r = raw(daemon)
+    r.hello()
+    before = len(daemon_fds(daemon))
+    for _ in range(20):
+        for path in bad:
+            lay = kv_layout(good)
+            lay["tensors"].append(kv_layout(path)["tensors"][0])
+            assert r.error("REGISTER", {"instance": "x", "layout": lay}) == "LAYOUT_INVALID", path
+    assert len(daemon_fds(daemon)) == before
+
+
 class TcpDaemon(DaemonProcess):
     def __init__(self, tmp: Path, *args: str):
         self.port = free_port()

@@ -63,12 +63,15 @@ class Opener:
             self._root = os.open(SHM, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise Refused(f"{SHM} is not a real directory ({exc.strerror}): is it a symlink?") from None
-        self._mounts = mount_table()
-        point, fstype = self._mount(self._root)
-        if fstype != "tmpfs":
+        try:
+            self._mounts = mount_table()
+            self._root_mount = mount_id(self._root)
+            point, fstype = self._mounts.get(self._root_mount, ("?", "an unlisted mount"))
+            if fstype != "tmpfs":
+                raise Refused(f"{SHM} is on {fstype} (mounted at {point}), not tmpfs")
+        except BaseException:
             self.close()
-            raise Refused(f"{SHM} is on {fstype} (mounted at {point}), not tmpfs")
-        self._root_mount = mount_id(self._root)
+            raise
 
     def open(self, path: str) -> tuple[int, os.stat_result]:
         """An ``O_PATH`` fd of the checked file and its stat; ``reopen`` makes it read-write."""
@@ -95,18 +98,14 @@ class Opener:
                     raise Refused(f"permission: folder {where} (uid {st.st_uid}, mode "
                                   f"{st.st_mode & 0o7777:04o}) is not searchable by uid {self.uid}")
             where += "/" + names[-1]
-            fd = self._step(cur, names[-1], where)
-            st = os.fstat(fd)
+            fds.append(self._step(cur, names[-1], where))
+            st = os.fstat(fds[-1])
             if stat.S_ISLNK(st.st_mode):
-                try:
-                    fd, st = self._link(fd, st, cur, names[-1], where, top=len(names) == 1)
-                except BaseException:
-                    os.close(fd)
-                    raise
-            fds.append(fd)
+                held, st = self._link(st, cur, names[-1], where, top=len(names) == 1)
+                os.close(fds.pop())
+                fds.append(held)
             self._check_file(st)
-            fds.pop()
-            return fd, st
+            return fds.pop(), st
         finally:
             for f in fds:
                 os.close(f)
@@ -156,9 +155,6 @@ class Opener:
         if fstype != "tmpfs" or not (point == SHM or point.startswith(SHM + "/")):
             raise Refused(f"{where} is not on tmpfs under {SHM} (it is on {fstype} at {point})")
 
-    def _mount(self, fd: int) -> tuple[str, str]:
-        return self._mounts.get(mount_id(fd), ("?", "an unlisted mount"))
-
     def _searchable(self, st: os.stat_result) -> bool:
         if st.st_uid == self.uid:
             bit = stat.S_IXUSR
@@ -166,7 +162,7 @@ class Opener:
             bit = stat.S_IXGRP if st.st_gid == self.gid else stat.S_IXOTH
         return self.uid == 0 or bool(st.st_mode & bit)
 
-    def _link(self, fd: int, st: os.stat_result, cur: int, name: str, where: str, top: bool):
+    def _link(self, st: os.stat_result, cur: int, name: str, where: str, top: bool):
         """The connector's publication link: /dev/shm/<name> -> /proc/<client pid>/fd/<n>."""
         try:
             target = os.readlink(name, dir_fd=cur)
@@ -188,12 +184,10 @@ class Opener:
             raise Refused(f"cannot open {target} (linked from {where}): {exc.strerror}{fix}") from None
         try:
             self._on_shm(held, f"{target} (linked from {where})")
-            held_st = os.fstat(held)
+            return held, os.fstat(held)
         except BaseException:
             os.close(held)
             raise
-        os.close(fd)
-        return held, held_st
 
     def _check_file(self, st: os.stat_result) -> None:
         if not stat.S_ISREG(st.st_mode):
