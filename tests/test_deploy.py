@@ -78,8 +78,20 @@ def test_unit_has_the_required_keys():
     assert svc["LimitMEMLOCK"] == "infinity", "CUDA host registration pins the pool"
     assert int(svc["LimitNOFILE"]) >= 65536
     assert svc["KillSignal"] == "SIGTERM"
-    assert int(svc["TimeoutStopSec"]) == 15 > SHUTDOWN_GRACE_S
+    assert int(svc["TimeoutStopSec"]) == 30 > SHUTDOWN_GRACE_S + 10  # the grace, then the pool's index
     assert unit()["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_unit_keeps_a_pool_dir_across_restarts_and_says_how_to_drop_it():
+    svc = unit()["Service"]
+    assert svc["KillMode"] == "control-group"
+    for key in ("DynamicUser", "RemoveIPC", "PrivateDevices"):  # each would remove or hide /dev/shm files
+        assert key not in svc, key
+    exec_start = svc["ExecStart"].split()
+    pool_dir = exec_start[exec_start.index("--pool-dir") + 1]
+    assert pool_dir.startswith("/dev/shm/") and not pool_dir.startswith(f"/run/{svc['RuntimeDirectory']}")
+    assert f"rm -rf {pool_dir}" in UNIT.read_text() and "rm -rf DIR" in ENV.read_text()
+    assert "--pool-dir" not in tierd_args(), "the pool folder is the unit's"
 
 
 def test_unit_runs_as_the_tierd_system_user_not_root():

@@ -52,10 +52,15 @@ def serve(**kwargs):
     )
     _check_ceiling(settings)
     from tierd.endpoint import EndpointError
+    from tierd.pool.pooldir import PoolDirError
     from tierd.server import Daemon
 
     try:
         daemon = Daemon(settings)
+    except PoolDirError as exc:
+        raise click.UsageError(f"{exc} [--pool-dir {settings.pool_dir}"
+                               + (f" --pool-index-dir {settings.pool_index_dir}]" if settings.pool_index_dir else "]")
+                               ) from None
     except EndpointError as exc:
         raise click.UsageError(f"{exc} [--socket {settings.socket}]") from None
     except (RuntimeError, OSError) as exc:

@@ -46,6 +46,10 @@ class Settings:
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     cuda: str = _opt("auto", "GPU data path: auto (when torch sees a GPU) or off (CPU layouts only).",
                      choices=("auto", "off"))
+    pool_dir: str = _opt(None, "Folder on tmpfs or hugetlbfs whose files hold the pool, so that a restarted daemon "
+                         "serves what the last one held (warm restart); default: process memory, lost at exit.")
+    pool_index_dir: str = _opt(None, "Folder on tmpfs for the pool's index and commit journal (default: --pool-dir); "
+                               "required when --pool-dir is on hugetlbfs.")
 
     def __post_init__(self):
         if self.socket is None:
@@ -66,6 +70,11 @@ class Settings:
             raise ValueError(
                 f"--l1-init-size-gb ({self.l1_init_size_gb}) cannot exceed --l1-size-gb ({self.l1_size_gb})"
             )
+        for name in ("pool_dir", "pool_index_dir"):
+            if getattr(self, name) == "":
+                raise ValueError(f"--{_flag(name)} must name a path, got ''")
+        if self.pool_index_dir is not None and self.pool_dir is None:
+            raise ValueError("--pool-index-dir needs --pool-dir (it holds the index of a pool kept in files)")
         if not (self.socket.startswith("ipc://") or self.socket.startswith("tcp://")):
             raise ValueError(f"--socket must start with ipc:// or tcp://, got {self.socket!r}")
         try:

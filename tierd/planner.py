@@ -28,6 +28,10 @@ from tierd.protocol.layout import GroupKind, PageLayout
 from tierd.protocol.messages import Chunk
 from tierd.transfer.items import CopyItem, split_nulls
 
+# Bump with any change to the bytes of an object: the order of groups, layers, blocks and runs in
+# it, its size or its mask bits. A warm restart (--pool-dir) compares it and starts cold on a change.
+OBJECT_LAYOUT_VERSION = 1
+
 
 @dataclass(frozen=True)
 class ObjectShape:

@@ -75,6 +75,8 @@ class Registry:
         self.leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._by_ns: dict[bytes, set[str]] = {}  # namespace id -> its registered instance ids
+        self._noted: set[bytes] = set()  # namespace ids in the pool's extra blob (warm restart)
+        self._restore_namespaces(pool.extra)
 
     # ---- sessions -----------------------------------------------------------------------------
     def open_session(self, identity: bytes, name: str, pid: int) -> Session:
@@ -137,6 +139,8 @@ class Registry:
         self.namespaces[inst.ns] = layout.namespace
         self.instances[inst_id] = inst
         self._by_ns.setdefault(inst.ns, set()).add(inst_id)
+        if inst.ns not in self._noted:  # journaled before any of its objects can be committed
+            self.pool.note_extra(self.persisted())
         session.instances.add(inst_id)
         self.lanes.attach(inst_id, duplex=getattr(memory, "duplex", False))
         log.info("registered %s: model=%s rank=%d/%d groups=%d device=%s", inst_id, layout.namespace.model,
@@ -176,6 +180,30 @@ class Registry:
 
     def name_namespace(self, ns_id: bytes, ns: Namespace) -> None:
         self.namespaces.setdefault(ns_id, ns)
+
+    # ---- warm restart -------------------------------------------------------------------------
+    def persisted(self) -> dict:
+        """What a restart needs to name the pool's namespaces again (the pool's extra blob): every
+        namespace holding objects or registered ranks. Only REGISTER can bring objects into a
+        namespace, so LOOKUPs of unknown namespaces never grow it or the journal."""
+        keep = [n for n in self.namespaces if n in self._by_ns or self.pool.per_ns.get(n)]
+        self._noted = set(keep)
+        return {"namespaces": [self.namespaces[n].to_wire() for n in keep]}
+
+    def _restore_namespaces(self, extra) -> None:
+        """Name again the namespaces of the objects a warm restart recovered (for /status); an
+        entry that does not decode is skipped: the objects stay servable by id either way."""
+        entries = extra.get("namespaces") if isinstance(extra, dict) else None
+        for wire in entries if isinstance(entries, list) else ():
+            try:
+                ns = Namespace.from_wire(wire, "namespaces[]")
+            except ProtocolError as exc:
+                log.warning("a recovered namespace is unreadable, skipped: %s", exc.message)
+                continue
+            ns_id = namespace_id(ns)
+            if self.pool.per_ns.get(ns_id):
+                self.namespaces[ns_id] = ns
+        self._noted = set(self.namespaces)
 
     # ---- leases -------------------------------------------------------------------------------
     def grant(self, session: Session, objs: list[Obj], world_size: int) -> int:

@@ -34,6 +34,10 @@ def status_table(s: dict) -> str:
         ("errors", f"{s['errors']}  " + "  ".join(f"{c}={n}" for c, n in sorted(s["errors_by_code"].items()))),
         ("sessions", s["sessions"]),
     ]
+    if s.get("warm_restart"):
+        rows.append(("warm restart", _warm(s["warm_restart"])))
+    if s.get("pool_grow_error"):
+        rows.append(("pool growth", f"stopped: {s['pool_grow_error']}"))
     out = [_rows(rows), "", f"instances ({len(s['instances'])})"]
     for inst in s["instances"]:
         ns = inst["namespace"]
@@ -43,6 +47,15 @@ def status_table(s: dict) -> str:
             f"groups {','.join(inst['groups'])}  heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
         )
     return "\n".join(out)
+
+
+def _warm(w: dict) -> str:
+    if w["warm"]:
+        text = (f"warm: {w['objects']} objects ({_bytes(w['bytes'])}) recovered in {w['seconds']:.3f} s "
+                f"from {w['pool_dir']}")
+    else:
+        text = f"cold: {w['reason']} ({w['pool_dir']})"
+    return text + (f"; NOT PERSISTING: {w['persist_error']}" if w.get("persist_error") else "")
 
 
 def bench_table(r: dict) -> str:

@@ -17,7 +17,7 @@ import uuid
 
 import zmq
 
-from tierd import __version__, endpoint, handlers
+from tierd import __version__, endpoint, handlers, warm
 from tierd.config import Settings
 from tierd.handlers import Call, Job, Tier
 from tierd.pool.pool import Pool
@@ -54,7 +54,11 @@ class Daemon:
             settings.l1_align_bytes,
             settings.l1_segment_mb << 20,
             pinner=self.cuda.pinner() if self.cuda else None,
+            pool_dir=settings.pool_dir,
+            meta=warm.pool_meta(settings),
+            index_dir=settings.pool_index_dir,
         )
+        warm.announce(settings, self.pool)
         self.xfer = TransferEngine(settings.workers)
         self.registry = Registry(self.pool, self.xfer, settings.lease_ttl_s, settings.heartbeat_timeout_s)
         self.boot_id = uuid.uuid4().hex
@@ -236,6 +240,7 @@ class Daemon:
         self.board.close()  # HTTP asks from here on get the last status
         for inst_id in list(self.registry.instances):
             self.registry.unregister(inst_id)  # lanes are gone: the memory is closed at once
+        warm.save(self.pool, self.registry)  # copies are done; the pool is still open
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()

@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from tierd import __version__
+from tierd import __version__, warm
 from tierd.stats import COUNTERS
 
 ASK_TIMEOUT_S = 5.0
@@ -105,6 +105,8 @@ def build_status(daemon) -> dict:
             "objects": pool.objects,
             "group_objects": dict(pool.per_group),
             "evictions": pool.evictions,
+            "pool_grow_error": pool.segments.grow_error,
+            "warm_restart": warm.status(pool),
             "namespaces": [{**ns.to_wire(), "objects": pool.per_ns[ns_id]}
                            for ns_id, ns in reg.namespaces.items() if pool.per_ns.get(ns_id)],
         }

@@ -19,6 +19,9 @@ KEY_BYTES = 16
 MIN_KEY_BYTES = 8
 MAX_KEY_BYTES = 64
 _ROOT = b"tierd/page/v1"
+# Bump with any change to how a PAGE hash or a namespace id is derived: a warm restart (--pool-dir)
+# then starts cold instead of serving objects under keys no client computes any more.
+KEY_VERSION = 1
 
 
 def _digest(*parts: bytes) -> bytes:
