@@ -1,5 +1,6 @@
-"""Host memory segments: first-fit extents that coalesce on free, a set grown on demand up to
-(never past) its ceiling, whole multiples of the alignment."""
+"""Host memory segments: buddy blocks (aligned powers of two, lowest of the smallest order first,
+merged with their buddy on free), a set grown on demand up to (never past) its ceiling, whole
+multiples of the alignment, and the initial backing what was asked."""
 
 import random
 
@@ -12,40 +13,75 @@ from tierd.pool.segments import Segment, SegmentSet
 KIB = 1 << 10
 
 
-def test_free_coalesces_with_both_neighbours():
+def blocks(seg: Segment) -> list[tuple[int, int]]:
+    """The free blocks as sorted (offset, bytes)."""
+    return sorted((off, 1 << k) for k, offs in enumerate(seg._free) for off in offs)
+
+
+def test_free_merges_buddies_back_into_larger_blocks():
     seg = Segment(0, 64 * KIB, None)
     try:
         a, b, c, d = (seg.alloc(4 * KIB) for _ in range(4))
-        assert (a, b, c, d) == (0, 4 * KIB, 8 * KIB, 12 * KIB)
-        seg.free(b, 4 * KIB)
-        assert seg._free == [[4 * KIB, 4 * KIB], [16 * KIB, 48 * KIB]]
-        seg.free(c, 4 * KIB)  # merges with the previous extent
-        assert seg._free == [[4 * KIB, 8 * KIB], [16 * KIB, 48 * KIB]]
-        seg.free(d, 4 * KIB)  # bridges both
-        assert seg._free == [[4 * KIB, 60 * KIB]]
-        seg.free(a, 4 * KIB)
-        assert seg._free == [[0, 64 * KIB]] and seg.free_bytes == 64 * KIB
+        assert (a, b, c, d) == (0, 4 * KIB, 8 * KIB, 12 * KIB)  # lowest first, split from the top
+        assert blocks(seg) == [(16 * KIB, 16 * KIB), (32 * KIB, 32 * KIB)]
+        seg.free(b, 4 * KIB)  # its buddy (a) is taken: no merge
+        assert blocks(seg) == [(4 * KIB, 4 * KIB), (16 * KIB, 16 * KIB), (32 * KIB, 32 * KIB)]
+        seg.free(c, 4 * KIB)  # c's buddy is d (taken); b and c are not buddies
+        assert blocks(seg)[:2] == [(4 * KIB, 4 * KIB), (8 * KIB, 4 * KIB)]
+        seg.free(d, 4 * KIB)  # c+d -> 8 KiB at 8 KiB
+        assert blocks(seg)[:2] == [(4 * KIB, 4 * KIB), (8 * KIB, 8 * KIB)]
+        seg.free(a, 4 * KIB)  # a+b -> 8 KiB, + its buddy -> 16 KiB, ... -> the whole segment
+        assert blocks(seg) == [(0, 64 * KIB)] and seg.free_bytes == 64 * KIB
     finally:
         seg.close(None)
 
 
-def test_first_fit_reuses_the_lowest_hole():
+def test_the_lowest_block_of_the_smallest_order_is_handed_out():
     seg = Segment(0, 64 * KIB, None)
     try:
         offs = [seg.alloc(8 * KIB) for _ in range(8)]
-        assert seg.alloc(1) is None
+        assert offs == [i * 8 * KIB for i in range(8)] and seg.alloc(1) is None
         seg.free(offs[5], 8 * KIB)
         seg.free(offs[2], 8 * KIB)
         assert seg.alloc(8 * KIB) == offs[2]
-        assert seg.alloc(16 * KIB) is None  # no hole that large
-        assert seg.alloc(8 * KIB) == offs[5]
+        assert seg.alloc(16 * KIB) is None  # no 16 KiB block: offs[5]'s buddy is taken
+        assert seg.alloc(5 * KIB) == offs[5]  # a request is rounded up to a power of two
+    finally:
+        seg.close(None)
+
+
+def test_a_segment_not_a_power_of_two_is_tiled_by_aligned_blocks():
+    seg = Segment(0, 28 * KIB, None)
+    try:
+        assert blocks(seg) == [(0, 16 * KIB), (16 * KIB, 8 * KIB), (24 * KIB, 4 * KIB)]
+        assert seg.top_order == 14 and seg.alloc(32 * KIB) is None
+        assert seg.alloc(4 * KIB) == 24 * KIB  # the smallest block that holds it
+        seg.free(24 * KIB, 4 * KIB)  # its buddy would lie past the end: it stays 4 KiB
+        assert blocks(seg)[-1] == (24 * KIB, 4 * KIB)
+    finally:
+        seg.close(None)
+
+
+def test_reserve_takes_exactly_a_free_aligned_block():
+    seg = Segment(0, 64 * KIB, None)
+    try:
+        seg.reserve(40 * KIB, 8 * KIB)
+        assert blocks(seg) == [(0, 32 * KIB), (32 * KIB, 8 * KIB), (48 * KIB, 16 * KIB)]
+        with pytest.raises(ValueError):
+            seg.reserve(40 * KIB, 8 * KIB)  # taken
+        with pytest.raises(ValueError):
+            seg.reserve(4 * KIB, 8 * KIB)  # not aligned to its size
+        with pytest.raises(ValueError):
+            seg.reserve(32 * KIB, 16 * KIB)  # half of it is taken
+        seg.free(40 * KIB, 8 * KIB)
+        assert blocks(seg) == [(0, 64 * KIB)]
     finally:
         seg.close(None)
 
 
 @settings(max_examples=60, deadline=None, database=None)
 @given(st.lists(st.integers(1, 8), min_size=1, max_size=24), st.randoms(use_true_random=False))
-def test_any_free_order_coalesces_back_to_one_extent(sizes, rnd):
+def test_any_free_order_merges_back_to_one_block(sizes, rnd):
     seg = Segment(0, 256 * KIB, None)
     try:
         held = []
@@ -53,13 +89,14 @@ def test_any_free_order_coalesces_back_to_one_extent(sizes, rnd):
             off = seg.alloc(s * KIB)
             if off is not None:
                 held.append((off, s * KIB))
-        spans = sorted(held)
+        spans = sorted((off, 1 << (n - 1).bit_length()) for off, n in held)
         for (o1, n1), (o2, _) in zip(spans, spans[1:]):
             assert o1 + n1 <= o2  # never overlapping
+        assert all(off % n == 0 for off, n in spans)  # every block aligned to its size
         rnd.shuffle(held)
         for off, n in held:
             seg.free(off, n)
-        assert seg._free == [[0, 256 * KIB]]
+        assert blocks(seg) == [(0, 256 * KIB)]
     finally:
         seg.close(None)
 

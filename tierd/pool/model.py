@@ -15,7 +15,7 @@ from hashlib import blake2b
 
 import msgpack
 
-FORMAT = 1
+FORMAT = 2  # 2: slabs are buddy blocks of their segment (tierd.pool.slabs); an older index starts cold
 MAGIC = b"TIERDIX1"
 _HEAD = struct.Struct("<8sIIQ")  # magic, FORMAT, 0, body length; then blake2b-256, then the body
 

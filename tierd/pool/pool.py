@@ -3,7 +3,11 @@
 Only the daemon's main loop calls into the pool (transfer threads touch object bytes, never
 metadata), and the HTTP thread reads counters under ``lock``. Eviction order is per size class
 LRU; callers touch a prefix tail-first so its head is the most recent and survives longest.
-Objects with pins (being written, leased, being read) are never evicted.
+Objects with pins (being written, leased, being read) are never evicted. What an allocation
+evicts is decided in full before anything is (tierd.pool.evict): a store that cannot fit is
+rejected with nothing evicted, and memory moves between size classes a small slab at a time.
+With ``ns_quota_bytes`` a namespace holds at most that many bytes: at its quota it makes room by
+evicting its own least recently used objects, never another namespace's.
 
 With ``pool_dir`` the segments are files that outlive the process (tierd.pool.persist): every
 change that a restart could serve is journaled before it can matter, and ``save`` writes the
@@ -18,6 +22,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
+from tierd.pool import evict
 from tierd.pool.index import Index, Obj
 from tierd.pool.persist import KEEP, Persist
 from tierd.pool.segments import Pinner, SegmentSet
@@ -35,12 +40,14 @@ EXISTS = Exists()
 class Pool:
     def __init__(self, ceiling: int, initial: int, align: int, segment_bytes: int = 1 << 30,
                  pinner: Pinner | None = None, pool_dir: str | None = None, meta: dict | None = None,
-                 index_dir: str | None = None):
+                 index_dir: str | None = None, ns_quota_bytes: int = 0):
         """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
         recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
         restart must find equal; ``index_dir``: a tmpfs folder for the index and journal
-        (default ``pool_dir``; required when that is hugetlbfs)."""
+        (default ``pool_dir``; required when that is hugetlbfs); ``ns_quota_bytes``: the bytes
+        (slots) one namespace may hold, 0 for no quota."""
         self.lock = threading.Lock()
+        self.ns_quota_bytes = ns_quota_bytes
         segment_bytes = min(segment_bytes, ceiling)
         self.persist = None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta)
         if self.persist is None:
@@ -58,7 +65,10 @@ class Pool:
         self.objects = 0
         self.used_bytes = 0
         self.per_group: Counter[str] = Counter()
-        self.per_ns: Counter[bytes] = Counter()
+        self.per_ns: Counter[bytes] = Counter()  # objects per namespace id
+        self.per_ns_bytes: Counter[bytes] = Counter()  # bytes (slots) per namespace id
+        # with a quota: per (namespace, size class), its objects least recent first
+        self.nslru: dict[tuple[bytes, SizeClass], OrderedDict[Obj, None]] = {}
         self._spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # objects per namespace id
         self.evictions = 0
         self.evicted_bytes = 0
@@ -78,7 +88,8 @@ class Pool:
             slab.settle()
 
     # ---- writing -------------------------------------------------------------------------
-    def begin_write(self, ns: bytes, key: bytes, span: dict[int, tuple[int, int]], rank: int, nbytes: int, mask: int, label: str):
+    def begin_write(self, ns: bytes, key: bytes, span: dict[int, tuple[int, int]], rank: int, nbytes: int,
+                    mask: int, label: str):
         """Reserve room for an object. Returns the (pinned, unready) Obj, EXISTS, or None when
         nothing evictable frees enough room."""
         with self.lock:
@@ -101,13 +112,15 @@ class Pool:
         cls = self.slabs.size_class(nbytes)
         if replace is not None:
             replace.pins += 1  # not its own eviction victim
-        got = self._alloc(cls)
-        if replace is not None:
-            replace.pins -= 1
-            if got is not None:
-                self._drop(replace)
+        try:
+            got = self._alloc(cls, ns, replace)
+        finally:
+            if replace is not None:
+                replace.pins -= 1
         if got is None:
             return None
+        if replace is not None:
+            self._drop(replace)
         span = self._spans.setdefault(tuple(span.items()), span)  # one dict per layout, shared
         obj = Obj(ns, key, span, rank, nbytes, mask, label)
         obj.slab, obj.slot = got
@@ -134,7 +147,8 @@ class Pool:
             self._flush()
 
     # ---- reading -------------------------------------------------------------------------
-    def lookup(self, ns: bytes, keys: Sequence[bytes], specs: Sequence[GroupSpec], chunk_tokens: int, ranks: Sequence[int]):
+    def lookup(self, ns: bytes, keys: Sequence[bytes], specs: Sequence[GroupSpec], chunk_tokens: int,
+               ranks: Sequence[int]):
         with self.lock:
             hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
             self._touch_prefix(objs)
@@ -168,9 +182,11 @@ class Pool:
 
     # ---- housekeeping --------------------------------------------------------------------
     def clear(self, ns: bytes | None = None) -> int:
-        """Evict every object (of namespace ``ns`` only, when given) that is not pinned; returns how many went."""
+        """Evict every object (of namespace ``ns`` only, when given) that is not pinned; returns
+        how many went."""
         with self.lock:
-            victims = [o for lru in self.lru.values() for o in lru if o.pins == 0 and (ns is None or o.ns == ns)]
+            victims = [o for lru in self.lru.values() for o in lru
+                       if o.pins == 0 and (ns is None or o.ns == ns)]
             for obj in victims:
                 self._drop(obj)
             self._flush()
@@ -218,6 +234,7 @@ class Pool:
         self.used_bytes += obj.slab.cls.slot_bytes
         self.per_group[obj.label] += 1
         self.per_ns[obj.ns] += 1
+        self.per_ns_bytes[obj.ns] += obj.slab.cls.slot_bytes
 
     def _flush(self) -> None:
         if self.persist is not None:
@@ -229,6 +246,10 @@ class Pool:
         lru = self.lru.setdefault(obj.slab.cls, OrderedDict())
         lru[obj] = None
         lru.move_to_end(obj)
+        if self.ns_quota_bytes:
+            lru = self.nslru.setdefault((obj.ns, obj.slab.cls), OrderedDict())
+            lru[obj] = None
+            lru.move_to_end(obj)
 
     def _touch_prefix(self, objs: Sequence[Obj]) -> None:
         """Touch ready objects tail first: the first one ends up most recent."""
@@ -237,38 +258,45 @@ class Pool:
             tick += 1
             obj.tick = tick
             lrus[obj.slab.cls].move_to_end(obj)  # a ready object is always in its class's LRU
+        if self.ns_quota_bytes:
+            for obj in reversed(objs):
+                self.nslru[obj.ns, obj.slab.cls].move_to_end(obj)
         self._tick = tick
 
-    def _alloc(self, cls: SizeClass):
-        got = self.slabs.alloc(cls)
-        if got is not None:
-            return got
-        victim = self._lru_victim(cls)
-        if victim is not None:
-            self._evict(victim)
-            return cls.take()
-        if self._reclaim_slab(cls):
-            return self.slabs.alloc(cls)
-        return None
-
-    def _lru_victim(self, cls: SizeClass) -> Obj | None:
-        for obj in self.lru.get(cls, ()):
-            if obj.pins == 0:
-                return obj
-        return None
-
-    def _reclaim_slab(self, cls: SizeClass) -> bool:
-        """Free a whole slab of another class (empty ones first, then the least recently used
-        slab whose objects are all unpinned) until a slab of ``cls`` fits."""
-        while True:
-            best = self.slabs.coldest_slab(cls)
-            if best is None:
-                return False
-            for obj in [o for o in best.owners if o is not None]:
+    def _alloc(self, cls: SizeClass, ns: bytes, replace: Obj | None = None):
+        """A slot of ``cls`` for an object of ``ns`` (replacing ``replace``), or None; evicts only
+        once the whole plan is known to succeed (tierd.pool.evict)."""
+        over = 0
+        if self.ns_quota_bytes:
+            held = self.per_ns_bytes.get(ns, 0) - (replace.slab.cls.slot_bytes if replace is not None else 0)
+            over = held + cls.slot_bytes - self.ns_quota_bytes
+            if cls.slot_bytes > self.ns_quota_bytes:
+                return None
+        for _ in range(2):  # twice: growing can fail (a full pool folder), then it is not tried again
+            plan = evict.plan(self, cls, ns if over > 0 else None)
+            if plan is None:
+                return None
+            extra = []
+            if over > 0:  # the namespace pays for its new object with its own least recent ones
+                left = over - sum(o.slab.cls.slot_bytes for o in plan.victims)
+                if left > 0:
+                    extra = evict.quota_victims(self, ns, left, set(plan.victims))
+                    if extra is None:
+                        return None
+            for obj in plan.victims:
                 self._evict(obj)
-            self.slabs.release_slab(best)
-            if self.slabs.add_slab(cls) is not None:
-                return True
+            if plan.window is not None:
+                for slab in plan.slabs:
+                    self.slabs.release_slab(slab)
+                self.slabs.carve_at(cls, *plan.window)
+            got = self.slabs.alloc(cls)
+            if got is None:
+                assert not plan.victims and self.segments.grow_error is not None, "a plan failed"
+                continue
+            for obj in extra:
+                self._evict(obj)
+            return got
+        return None
 
     def _evict(self, obj: Obj) -> None:
         self.evictions += 1
@@ -282,6 +310,11 @@ class Pool:
         lru = self.lru.get(obj.slab.cls)
         if lru is not None:
             lru.pop(obj, None)
+        lru = self.nslru.get((obj.ns, obj.slab.cls))
+        if lru is not None:
+            lru.pop(obj, None)
+            if not lru:
+                del self.nslru[obj.ns, obj.slab.cls]
         obj.slab.owners[obj.slot] = None
         obj.slab.cls.give(obj.slab, obj.slot)
         self.objects -= 1
@@ -290,6 +323,7 @@ class Pool:
         if not self.per_group[obj.label]:
             del self.per_group[obj.label]
         self.per_ns[obj.ns] -= 1
+        self.per_ns_bytes[obj.ns] -= obj.slab.cls.slot_bytes
         if not self.per_ns[obj.ns]:
-            del self.per_ns[obj.ns]
+            del self.per_ns[obj.ns], self.per_ns_bytes[obj.ns]
         obj.ready = False

@@ -8,11 +8,19 @@ never spans two segments, so every copy stays inside one pinned registration.
 With a pool folder (tierd.pool.pooldir) each segment is instead a file there, created, sized and
 populated the same way; a restarted pool maps the files it recovers (``restore``) without
 truncating them. On hugetlbfs every file is a whole number of huge pages (``grain``).
+
+Inside a segment, room is handed out as buddy blocks: a block is a power of two bytes at an
+offset that is a multiple of its size, and a freed block merges with its free buddy (the block
+it was split from with). So fragmentation stays bounded: any aligned window of 2^k bytes becomes
+one free block as soon as everything inside it is freed, whatever was carved there before, and
+freeing the slabs inside one window is always enough to make room for a slab of that size. A
+segment that is not a power of two is the maximal aligned blocks that tile it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
 import mmap
 import os
 from collections.abc import Sequence
@@ -28,10 +36,12 @@ class Pinner(Protocol):
 
 
 class Segment:
-    __slots__ = ("index", "nbytes", "_fd", "_map", "view", "addr", "_free", "pinned")
+    __slots__ = ("index", "nbytes", "_fd", "_map", "view", "addr", "_free", "_heaps", "_where", "pinned")
 
     def __init__(self, index: int, nbytes: int, pinner: Pinner | None, path: str | None = None,
-                 create: bool = True):
+                 create: bool = True, where: list[set[int]] | None = None):
+        """``where``: per order, the indexes of the segments with a free block of that order
+        (the SegmentSet's, kept up to date here)."""
         self.index = index
         self.nbytes = nbytes
         if path is None:
@@ -59,46 +69,103 @@ class Segment:
         if pinner is not None:
             pinner.pin(self.addr, nbytes)
             self.pinned = True
-        self._free: list[list[int]] = [[0, nbytes]]  # sorted [start, size] extents
+        self._free: list[set[int]] = [set() for _ in range(nbytes.bit_length())]  # order -> offsets
+        self._heaps: list[list[int]] = [[] for _ in self._free]  # the same, lowest first (lazily pruned)
+        self._where = where if where is not None else [set() for _ in range(64)]
+        off = 0
+        while off < nbytes:  # the maximal aligned blocks that tile [0, nbytes)
+            k = min((off & -off).bit_length() - 1 if off else 64, (nbytes - off).bit_length() - 1)
+            self._push(k, off)
+            off += 1 << k
+
+    @property
+    def top_order(self) -> int:
+        """The order of the largest block this segment can ever hand out."""
+        return self.nbytes.bit_length() - 1
+
+    def _push(self, k: int, off: int) -> None:
+        if not self._free[k]:
+            self._where[k].add(self.index)
+        self._free[k].add(off)
+        heapq.heappush(self._heaps[k], off)
+
+    def _take(self, k: int, off: int) -> None:
+        free = self._free[k]
+        free.remove(off)  # its heap entry is pruned when met
+        if not free:
+            self._where[k].discard(self.index)
+
+    def _pop(self, k: int) -> int | None:
+        free, heap = self._free[k], self._heaps[k]
+        while heap:
+            off = heapq.heappop(heap)
+            if off in free:
+                self._take(k, off)
+                return off
+        return None
+
+    def has_free(self, k: int) -> bool:
+        """Whether a block of order ``k`` (or larger, to split) is free."""
+        return any(self._free[j] for j in range(k, len(self._free)))
 
     def alloc(self, nbytes: int) -> int | None:
-        """First-fit extent allocation; returns the offset or None."""
-        for ext in self._free:
-            if ext[1] >= nbytes:
-                off = ext[0]
-                ext[0] += nbytes
-                ext[1] -= nbytes
-                if ext[1] == 0:
-                    self._free.remove(ext)
+        """The lowest free block of the smallest order that holds ``nbytes`` (split from a larger
+        one when none is free); its offset, or None."""
+        k = order_of(nbytes)
+        for j in range(k, len(self._free)):
+            if self._free[j]:
+                off = self._pop(j)
+                for i in range(j - 1, k - 1, -1):  # split: the upper halves stay free
+                    self._push(i, off + (1 << i))
                 return off
         return None
 
     def reserve(self, off: int, nbytes: int) -> None:
-        """Take exactly [off, off + nbytes) (a recovered slab); raises unless all of it is free."""
-        for i, (start, size) in enumerate(self._free):
-            if start <= off and off + nbytes <= start + size:
-                parts = [[start, off - start], [off + nbytes, start + size - off - nbytes]]
-                self._free[i : i + 1] = [e for e in parts if e[1]]
+        """Take exactly the block [off, off + 2^order) (a recovered slab); raises unless it is an
+        aligned block and all of it is free."""
+        k = order_of(nbytes)
+        if off % (1 << k) or off + (1 << k) > self.nbytes:
+            raise ValueError(f"segment {self.index}: [{off}, +{1 << k}) is not an aligned block of it")
+        for j in range(k, len(self._free)):
+            base = off & -(1 << j)
+            if base in self._free[j]:
+                self._take(j, base)
+                for i in range(j - 1, k - 1, -1):  # split down to the block, the other halves free
+                    half = 1 << i
+                    self._push(i, base + half if off - base < half else base)
+                    base = base if off - base < half else base + half
                 return
-        raise ValueError(f"segment {self.index}: [{off}, {off + nbytes}) is not free")
+        raise ValueError(f"segment {self.index}: [{off}, +{1 << k}) is not free")
 
     def free(self, off: int, nbytes: int) -> None:
-        exts = self._free
-        i = 0
-        while i < len(exts) and exts[i][0] < off:
-            i += 1
-        exts.insert(i, [off, nbytes])
-        # coalesce with the next, then with the previous extent
-        if i + 1 < len(exts) and exts[i][0] + exts[i][1] == exts[i + 1][0]:
-            exts[i][1] += exts.pop(i + 1)[1]
-        if i > 0 and exts[i - 1][0] + exts[i - 1][1] == exts[i][0]:
-            exts[i - 1][1] += exts.pop(i)[1]
+        """Give a block back; it merges with its free buddy, and so on up."""
+        k = order_of(nbytes)
+        while k + 1 < len(self._free):
+            buddy = off ^ (1 << k)
+            if buddy not in self._free[k]:
+                break
+            self._take(k, buddy)
+            off, k = min(off, buddy), k + 1
+        self._push(k, off)
+        heap = self._heaps[k]
+        if len(heap) > 2 * len(self._free[k]) + 64:  # prune the entries of merged blocks
+            self._heaps[k] = sorted(self._free[k])
+
+    def free_order_at(self, off: int, below: int) -> int | None:
+        """The order of the free block starting at ``off``, if one of order < ``below`` does."""
+        for k in range(min(below, len(self._free)) - 1, -1, -1):
+            if off in self._free[k]:
+                return k
+        return None
 
     @property
     def free_bytes(self) -> int:
-        return sum(e[1] for e in self._free)
+        return sum(len(offs) << k for k, offs in enumerate(self._free))
 
     def close(self, pinner: Pinner | None) -> None:
+        for k, offs in enumerate(self._free):
+            if offs:
+                self._where[k].discard(self.index)
         if self.pinned and pinner is not None:
             pinner.unpin(self.addr)
             self.pinned = False
@@ -127,6 +194,7 @@ class SegmentSet:
         self.pinner = pinner
         self.folder = folder
         self.segments: list[Segment] = []
+        self.where: list[set[int]] = [set() for _ in range(64)]  # order -> segments with such a free block
         self.backed = 0
         self.watch = None  # told of every segment grown (the pool's journal)
         self.grow_error: str | None = None  # why growing failed (then it is not tried again)
@@ -154,32 +222,47 @@ class SegmentSet:
     def _add(self, nbytes: int, create: bool) -> Segment:
         i = len(self.segments)
         path = None if self.folder is None else self.folder.segment(i)
-        seg = Segment(i, nbytes, self.pinner, path, create)
+        seg = Segment(i, nbytes, self.pinner, path, create, self.where)
         self.segments.append(seg)
         self.backed += nbytes
         return seg
 
     def alloc(self, nbytes: int) -> tuple[Segment, int] | None:
-        """Room for one slab: from a backed segment, else from a new one if the ceiling allows."""
-        nbytes = _round_up(nbytes, self.align)
-        for seg in self.segments:
-            off = seg.alloc(nbytes)
-            if off is not None:
-                return seg, off
-        room = self.ceiling - self.backed
-        if room >= nbytes and self.grow_error is None:
+        """A block of at least ``nbytes`` (a power of two, at least ``align``): from a backed
+        segment, else from a new one if the ceiling allows."""
+        k = order_of(max(nbytes, self.align))
+        for j in range(k, len(self.where)):
+            if self.where[j]:  # the lowest segment with a free block of the smallest order that holds it
+                seg = self.segments[min(self.where[j])]
+                return seg, seg.alloc(1 << k)
+        if self.can_grow(k):
             try:
-                seg = self._grow(min(room, max(nbytes, self.segment_bytes)))
+                seg = self._grow(min(self.ceiling - self.backed, max(1 << k, self.segment_bytes)))
             except OSError as exc:  # the pool folder's filesystem is full: serve from what is backed
                 self.grow_error = str(exc)
                 return None
-            off = seg.alloc(nbytes)
+            off = seg.alloc(1 << k)
             assert off is not None
             return seg, off
         return None
 
+    def can_grow(self, k: int) -> bool:
+        """Whether a new segment holding a block of order ``k`` fits under the ceiling."""
+        return self.grow_error is None and self.ceiling - self.backed >= 1 << k
+
+    def has_free(self, k: int) -> bool:
+        """Whether a block of order ``k`` is free in a backed segment or could be grown."""
+        return any(self.where[j] for j in range(k, len(self.where))) or self.can_grow(k)
+
+    @property
+    def top_order(self) -> int:
+        """The order of the largest block any segment holds or could hold (-1: none)."""
+        top = max((seg.top_order for seg in self.segments), default=-1)
+        room = self.ceiling - self.backed if self.grow_error is None else 0
+        return max(top, room.bit_length() - 1 if room >= self.align else -1)
+
     def free(self, seg: Segment, off: int, nbytes: int) -> None:
-        seg.free(off, _round_up(nbytes, self.align))
+        seg.free(off, max(nbytes, self.align))
 
     def close(self) -> None:
         for seg in self.segments:
@@ -197,3 +280,8 @@ def _fallocate(fd: int, nbytes: int, path: str) -> None:
 
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
+
+
+def order_of(nbytes: int) -> int:
+    """The smallest k with 2^k >= nbytes."""
+    return max(0, (nbytes - 1).bit_length())

@@ -1,28 +1,52 @@
 """Slab allocator: one size class per distinct object size, O(1) slot allocation and free.
 
-A slab is a run of equal slots carved from one segment. Slots never move and never split, so a
-class does not fragment; memory moves between classes a whole slab at a time (see Pool).
+A slab is one buddy block of a segment (tierd.pool.segments) cut into equal slots. Slots never
+move and never split, so a class does not fragment. A slab is sized to its class
+(``slab_order``): the smallest power of two that holds SLAB_SLOTS slots and wastes at most
+1/SLAB_WASTE of itself (fewer slots once it reaches SLAB_TARGET_BYTES), so it is at most ~32
+objects' worth of bytes. Hence a class that needs a slab under pressure takes little: the pool
+empties the slabs inside one aligned window of that size (``slabs_in``), which by the buddy rule
+is then one free block, and carves the new slab there (``carve_at``); the objects evicted number
+at most window / victim slot size, i.e. a small constant times the object's size over the
+victims'. Near the ceiling a class settles for a smaller slab rather than evict (``carve``).
 """
 
 from __future__ import annotations
 
-from tierd.pool.segments import Segment, SegmentSet
+from tierd.pool.segments import Segment, SegmentSet, order_of
 
-SLAB_TARGET_BYTES = 64 << 20  # a slab holds as many slots as fit in this, at least one
+SLAB_SLOTS = 8  # a slab holds at least this many slots...
+SLAB_WASTE = 16  # ...and wastes at most 1/16 of its bytes...
+SLAB_TARGET_BYTES = 64 << 20  # ...unless that needs more than this: then fewer slots
+
+
+def slab_order(slot_bytes: int, top: int) -> int:
+    """The order of a new slab of ``slot_bytes`` slots, in segments whose largest block is of order
+    ``top`` (the slot's own order when it is larger: such a slab needs a larger segment)."""
+    k = order_of(slot_bytes)
+    while k < top:
+        size = 1 << k
+        if (size % slot_bytes) * SLAB_WASTE <= size and (size // slot_bytes >= SLAB_SLOTS
+                                                          or size >= SLAB_TARGET_BYTES):
+            break
+        k += 1
+    return k
 
 
 class Slab:
-    __slots__ = ("cls", "segment", "offset", "nslots", "free", "fresh", "used", "owners")
+    __slots__ = ("cls", "segment", "offset", "order", "nslots", "free", "fresh", "used", "owners", "live")
 
-    def __init__(self, cls: "SizeClass", segment: Segment, offset: int, nslots: int):
+    def __init__(self, cls: SizeClass, segment: Segment, offset: int, order: int, nslots: int):
         self.cls = cls
         self.segment = segment
         self.offset = offset
+        self.order = order  # the buddy block: [offset, offset + 2^order)
         self.nslots = nslots
         self.free: list[int] = []  # slots given back (a stack)
         self.fresh = 0  # slots [fresh, nslots) were never handed out
         self.used = 0
         self.owners: list[object | None] = [None] * nslots  # slot -> its object (the pool's bookkeeping)
+        self.live = True  # False once released
 
     @property
     def has_room(self) -> bool:
@@ -41,10 +65,16 @@ class Slab:
         self.used = self.nslots - len(self.free)
         if self.free:
             self.cls.open_slabs.append(self)
+        if not self.used:
+            self.cls.empty[self] = None
 
     @property
     def nbytes(self) -> int:
         return self.nslots * self.cls.slot_bytes
+
+    @property
+    def block(self) -> int:
+        return 1 << self.order
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of ``slot`` inside its segment."""
@@ -52,19 +82,26 @@ class Slab:
 
 
 class SizeClass:
-    __slots__ = ("slot_bytes", "slabs", "open_slabs", "slots_per_slab")
+    __slots__ = ("slot_bytes", "order", "slabs", "open_slabs", "empty")
 
-    def __init__(self, slot_bytes: int):
+    def __init__(self, slot_bytes: int, order: int, empty: dict):
         self.slot_bytes = slot_bytes
-        self.slots_per_slab = max(1, SLAB_TARGET_BYTES // slot_bytes)
-        self.slabs: list[Slab] = []
-        self.open_slabs: list[Slab] = []  # slabs with at least one free slot
+        self.order = order  # of its new slabs
+        self.slabs: dict[Slab, None] = {}
+        self.open_slabs: list[Slab] = []  # slabs with at least one free slot (a stack)
+        self.empty = empty  # the allocator's slabs without objects, of every class
+
+    @property
+    def slots_per_slab(self) -> int:
+        return (1 << self.order) // self.slot_bytes
 
     def take(self) -> tuple[Slab, int] | None:
         while self.open_slabs:
             slab = self.open_slabs[-1]
             if slab.has_room:
                 slot = slab.pop()
+                if not slab.used:
+                    self.empty.pop(slab, None)
                 slab.used += 1
                 if not slab.has_room:
                     self.open_slabs.pop()
@@ -78,79 +115,126 @@ class SizeClass:
         slab.free.append(slot)
         slab.used -= 1
         assert slab.used >= 0
+        if not slab.used:
+            self.empty[slab] = None
 
 
 class SlabAllocator:
     def __init__(self, segments: SegmentSet):
         self.segments = segments
         self.classes: dict[int, SizeClass] = {}
+        self.empty: dict[Slab, None] = {}  # slabs without objects: free memory for any class
+        self._at: dict[tuple[int, int], Slab] = {}  # (segment, offset) -> the slab there
         self.watch = None  # told of every slab carved and released (the pool's journal)
 
     def size_class(self, nbytes: int) -> SizeClass:
         slot = -(-nbytes // self.segments.align) * self.segments.align
         cls = self.classes.get(slot)
         if cls is None:
-            cls = self.classes[slot] = SizeClass(slot)
+            top = order_of(self.segments.segment_bytes + 1) - 1  # the largest block of a whole segment
+            cls = self.classes[slot] = SizeClass(slot, slab_order(slot, top), self.empty)
         return cls
 
-    def alloc(self, cls: SizeClass) -> tuple[Slab, int] | None:
-        """A free slot of ``cls``; carves a new slab when backed or growable memory allows."""
-        got = cls.take()
-        if got is not None:
-            return got
-        if self.add_slab(cls) is None:
-            return None
-        return cls.take()
+    def fits(self, cls: SizeClass) -> bool:
+        """Whether one slot of ``cls`` fits in a segment that is or could be backed at all."""
+        return order_of(cls.slot_bytes) <= self.segments.top_order
 
-    def add_slab(self, cls: SizeClass) -> Slab | None:
-        nslots = cls.slots_per_slab
-        while nslots >= 1:
-            room = self.segments.alloc(nslots * cls.slot_bytes)
-            if room is not None:
-                slab = Slab(cls, room[0], room[1], nslots)
-                cls.slabs.append(slab)
-                cls.open_slabs.append(slab)
-                if self.watch is not None:
-                    self.watch.carved(slab)
-                return slab
-            nslots //= 2  # near the ceiling, settle for a smaller slab
+    def alloc(self, cls: SizeClass) -> tuple[Slab, int] | None:
+        """A free slot of ``cls``; carves a new slab when free or growable memory allows."""
+        got = cls.take()
+        if got is None and self.carve(cls) is not None:
+            got = cls.take()
+        return got
+
+    def can_carve(self, cls: SizeClass) -> bool:
+        """Whether ``carve`` would succeed (after giving back other classes' empty slabs)."""
+        k0 = order_of(cls.slot_bytes)
+        return self.segments.has_free(k0) or (self.release_empty(cls) and self.segments.has_free(k0))
+
+    def carve(self, cls: SizeClass) -> Slab | None:
+        """A new slab of ``cls`` from free (or growable) memory, no eviction: of the class's size,
+        else smaller down to one slot; other classes' empty slabs are given back if need be."""
+        k0 = order_of(cls.slot_bytes)
+        for attempt in range(2):
+            for k in range(cls.order, k0 - 1, -1):
+                if self.segments.has_free(k):
+                    room = self.segments.alloc(1 << k)
+                    if room is not None:
+                        return self._add(cls, room[0], room[1], k, (1 << k) // cls.slot_bytes)
+            if attempt or not self.release_empty(cls):
+                return None
         return None
 
-    def restore_slab(self, segment: Segment, offset: int, slot_bytes: int, nslots: int) -> Slab:
-        """A recovered slab at exactly its old place; ``Slab.settle`` once its objects are in."""
-        cls = self.size_class(slot_bytes)
-        assert cls.slot_bytes == slot_bytes
-        segment.reserve(offset, nslots * slot_bytes)
-        slab = Slab(cls, segment, offset, nslots)
-        cls.slabs.append(slab)
+    def carve_at(self, cls: SizeClass, seg: Segment, off: int, order: int) -> Slab:
+        """A new slab of ``cls`` exactly at the free block [off, off + 2^order)."""
+        seg.reserve(off, 1 << order)
+        return self._add(cls, seg, off, order, (1 << order) // cls.slot_bytes)
+
+    def _add(self, cls: SizeClass, seg: Segment, off: int, order: int, nslots: int) -> Slab:
+        slab = Slab(cls, seg, off, order, nslots)
+        cls.slabs[slab] = None
+        cls.open_slabs.append(slab)
+        self.empty[slab] = None
+        self._at[seg.index, off] = slab
+        if self.watch is not None:
+            self.watch.carved(slab)
         return slab
 
-    def coldest_slab(self, cls: SizeClass) -> Slab | None:
-        """The slab of another class to give up first: an empty one, else the one whose most
-        recent object is least recent; never one holding a pinned object."""
-        best, best_age = None, None
-        for other in self.classes.values():
-            if other is cls:
-                continue
-            for slab in other.slabs:
-                live = [o for o in slab.owners if o is not None]
-                if any(o.pins for o in live):
-                    continue
-                age = max((o.tick for o in live), default=-1)
-                if best is None or age < best_age:
-                    best, best_age = slab, age
-        return best
+    def restore_slab(self, segment: Segment, offset: int, slot_bytes: int, nslots: int) -> Slab:
+        """A recovered slab at exactly its old place; ``Slab.settle`` once its objects are in.
+        Raises ValueError unless it is a free buddy block of the segment."""
+        cls = self.size_class(slot_bytes)
+        assert cls.slot_bytes == slot_bytes
+        order = order_of(nslots * slot_bytes)
+        segment.reserve(offset, 1 << order)
+        slab = Slab(cls, segment, offset, order, nslots)
+        cls.slabs[slab] = None
+        self._at[segment.index, offset] = slab
+        return slab
 
     def release_slab(self, slab: Slab) -> None:
-        """Return an empty slab's memory to its segment."""
+        """Return an empty slab's block to its segment."""
         assert slab.used == 0, "only an empty slab can be released"
         cls = slab.cls
-        cls.slabs.remove(slab)
-        if slab in cls.open_slabs:
-            cls.open_slabs.remove(slab)
-        self.segments.free(slab.segment, slab.offset, slab.nbytes)
+        del cls.slabs[slab]
+        slab.live = False
+        for i in range(len(cls.open_slabs) - 1, -1, -1):  # an emptied slab was pushed lately: near the top
+            if cls.open_slabs[i] is slab:
+                del cls.open_slabs[i]
+                break
+        self.empty.pop(slab, None)
+        del self._at[slab.segment.index, slab.offset]
+        self.segments.free(slab.segment, slab.offset, slab.block)
         if self.watch is not None:
             self.watch.released(slab)
+
+    def release_empty(self, cls: SizeClass | None = None) -> bool:
+        """Give back the blocks of every empty slab of another class than ``cls``; any?"""
+        gone = [s for s in self.empty if s.cls is not cls]
+        for slab in gone:
+            self.release_slab(slab)
+        return bool(gone)
+
+    def slabs_in(self, seg: Segment, off: int, order: int) -> list[Slab]:
+        """The slabs that emptying the aligned window [off, off + 2^order) must empty: the one
+        slab holding it when a larger slab does, else every slab inside it."""
+        at = self._at
+        for k in range(order, seg.top_order + 1):
+            base = off & -(1 << k)
+            slab = at.get((seg.index, base))
+            if slab is not None and slab.order >= k:
+                return [slab]
+        out, pos, end = [], off, off + (1 << order)
+        while pos < end:
+            slab = at.get((seg.index, pos))
+            if slab is not None:
+                out.append(slab)
+                pos += slab.block
+                continue
+            k = seg.free_order_at(pos, order + 1)
+            assert k is not None, f"segment {seg.index}: nothing at {pos}"
+            pos += 1 << k
+        return out
 
     @property
     def used_bytes(self) -> int:

@@ -1,0 +1,142 @@
+"""Eviction: what one allocation evicts, decided in full before anything is evicted.
+
+Hazard: eviction cannot be undone. Evicting first and finding out afterwards that the object
+still does not fit wiped the cache for nothing (a 128 MiB object into a 64 MiB pool evicted all
+3000 others, then was rejected), and moving memory between size classes a 64 MiB slab at a time
+made one 8 KiB store evict 16,384 objects of 4 KiB. So ``plan`` returns every victim, or None,
+and only then does the pool evict (``Pool._alloc``).
+
+For a slot of class C, in order (each evicts no more than it must):
+1. a free slot of C; else a new slab of C from free or growable memory (smaller near the
+   ceiling), other classes' empty slabs given back first: nothing evicted;
+2. C's least recently used unpinned object; unless another class's coldest object is older:
+   then the aligned window of C's slab size around it (tierd.pool.slabs), if every object in it
+   is unpinned and older than C's victim, so memory follows use between classes;
+3. with no victim in C (a new class, or all of it pinned): the window around one of the
+   coldest objects of other classes whose objects are all unpinned.
+A window's objects number at most window / their slot size: a small constant times the
+allocation's size over theirs. With ``only`` (a namespace at its byte quota) every victim is
+that namespace's. The searches are bounded (SCAN objects per LRU, WINDOWS windows); when they
+find nothing the allocation fails with nothing evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+from tierd.pool.index import Obj
+from tierd.pool.slabs import SizeClass, Slab
+
+SCAN = 1024  # pinned objects skipped in one LRU before giving up
+WINDOWS = 64  # windows tried for a class with nothing of its own to evict
+
+
+class Plan:
+    """The victims of one allocation; with ``window`` (segment, offset, order), the slabs to
+    give back after them and where the new slab goes."""
+
+    __slots__ = ("victims", "slabs", "window")
+
+    def __init__(self, victims: list[Obj], slabs: list[Slab] = (), window=None):
+        self.victims, self.slabs, self.window = victims, list(slabs), window
+
+
+FREE = Plan([])
+
+
+def plan(pool, cls: SizeClass, only: bytes | None = None) -> Plan | None:
+    """How ``pool`` makes room for one slot of ``cls`` (victims only of namespace ``only`` when
+    given), or None when it cannot; nothing is evicted here."""
+    slabs = pool.slabs
+    if not slabs.fits(cls):
+        return None  # larger than any segment the ceiling allows: evicting cannot help
+    if cls.open_slabs or slabs.can_carve(cls):  # every slab in open_slabs has a free slot
+        return FREE
+    victim = next(_unpinned(_lru(pool, cls, only)), None)
+    coldest = _coldest_windows(pool, cls, only)
+    if victim is not None:  # rebalance: a colder window of another class, tried once
+        for anchor, window in coldest:
+            if anchor.tick < victim.tick:
+                got = _window_plan(slabs, window, only, below=victim.tick)
+                if got is not None:
+                    return got
+            break
+        return Plan([victim])
+    for i, (_, window) in enumerate(coldest):
+        if i >= WINDOWS:
+            break
+        got = _window_plan(slabs, window, only)
+        if got is not None:
+            return got
+    return None
+
+
+def quota_victims(pool, ns: bytes, nbytes: int, spare: set) -> list[Obj] | None:
+    """``ns``'s least recently used unpinned objects (not in ``spare``) whose slots add up to
+    ``nbytes``, or None when it does not hold that many evictable bytes."""
+    out, freed = [], 0
+    for o in _unpinned(heapq.merge(*(lru for (n, _), lru in pool.nslru.items() if n == ns), key=_tick)):
+        if freed >= nbytes:
+            break
+        if o not in spare:
+            out.append(o)
+            freed += o.slab.cls.slot_bytes
+    return out if freed >= nbytes else None
+
+
+# ---- internals -----------------------------------------------------------------------------
+def _tick(o: Obj) -> int:
+    return o.tick
+
+
+def _lru(pool, cls: SizeClass, only: bytes | None):
+    if only is None:
+        return pool.lru.get(cls, ())
+    return pool.nslru.get((only, cls), ())
+
+
+def _unpinned(objs) -> Iterator[Obj]:
+    skipped = 0
+    for o in objs:
+        if not o.pins:
+            yield o
+        else:
+            skipped += 1
+            if skipped > SCAN:
+                return
+
+
+def _coldest_windows(pool, cls: SizeClass, only: bytes | None) -> Iterator[tuple[Obj, tuple]]:
+    """(anchor, window) for the coldest unpinned objects of other classes, each window once."""
+    lrus = [_lru(pool, c, only) for c in pool.slabs.classes.values() if c is not cls]
+    seen = set()
+    for anchor in _unpinned(heapq.merge(*lrus, key=_tick)):
+        slab = anchor.slab
+        if slab.order >= cls.order:  # a slab at least as large: all of it
+            window = (slab.segment, slab.offset, cls.order)
+        else:
+            window = (slab.segment, slab.offset & -(1 << cls.order), cls.order)
+            if window[1] + (1 << cls.order) > slab.segment.nbytes:
+                continue  # past the end of a segment that is not a power of two
+        if (window[0].index, window[1]) not in seen:
+            seen.add((window[0].index, window[1]))
+            yield anchor, window
+
+
+def _window_plan(slabs, window: tuple, only: bytes | None, below: int | None = None) -> Plan | None:
+    """Every object of the slabs inside ``window``, if all may go: unpinned, of ``only`` when
+    given, and less recent than ``below`` when given."""
+    seg, off, order = window
+    inside = slabs.slabs_in(seg, off, order)
+    victims = []
+    for slab in inside:
+        for o in slab.owners:
+            if o is None:
+                continue
+            if o.pins or (only is not None and o.ns != only) or (below is not None and o.tick >= below):
+                return None
+            victims.append(o)
+    if len(inside) == 1 and inside[0].order > order:
+        off = inside[0].offset  # the new slab goes at the start of the larger one's block
+    return Plan(victims, inside, (seg, off, order))
