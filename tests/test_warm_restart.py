@@ -4,6 +4,7 @@ engines that reconnect by themselves, lists the namespaces again and says so in 
 and sessions do not survive; a crash keeps the namespaces it had journaled."""
 
 import json
+import os
 import signal
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 from kv import GroupGeom, keys
-from pool_dirs import shm_dir  # noqa: F401 - fixture
+from pool_dirs import huge_dir, shm_dir  # noqa: F401 - fixtures
 from util import NULL, chunk, grouping, ranks  # noqa: F401 - fixtures
 from wire import wait_for
 
@@ -92,6 +93,19 @@ def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(daemon_facto
                       lease=reply["lease"])
     assert out == {"ok": [True] * 3, "failed": []}
     np.testing.assert_array_equal(m1.kv[0][:, 40:52], mla_expect)  # rank 0's copy, through a restart
+
+
+def test_planned_restart_on_hugetlbfs_with_its_index_on_tmpfs(daemon_factory, client_factory, ranks, huge_dir,
+                                                              shm_dir):
+    d = daemon_factory("--pool-dir", huge_dir, "--pool-index-dir", shm_dir, "--l1-segment-mb", "8", pool_mb=16)
+    c = client_factory(d, timeout_s=15)
+    rank = ranks(*GROUPS)
+    ks, expect = hybrid(c, rank)
+    assert sorted(os.listdir(shm_dir)) == ["index", "journal", "lock"]  # nothing but the index on tmpfs
+    planned_restart(d)
+    assert d.status()["warm_restart"]["objects"] == 12
+    wait_for(lambda: names(d) == ["h0"], 10, what="re-registration")
+    restore_hybrid(c, rank, ks, expect)
 
 
 def test_leases_and_sessions_do_not_survive_a_restart(daemon_factory, client_factory, ranks, shm_dir):
