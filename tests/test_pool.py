@@ -101,6 +101,7 @@ def test_slab_reclaim_spares_slabs_with_pinned_objects(pool):
     pool.pin(small[:1])  # one pinned object keeps its whole (single) slab
     assert pool.begin_write(NS, key(500), {1: (0, 0)}, 0, 256 * KIB, 1, "g1") is None
     assert pool.find_ready(NS, key(0), 0, 0) is small[0]
+    assert pool.evictions == 0 and all(pool.find_ready(NS, o.key, 0, 0) is o for o in small)  # none went
 
 
 def test_slots_are_reused_after_eviction(pool):

@@ -29,7 +29,8 @@ from tierd.pool.index import Obj
 from tierd.pool.slabs import SizeClass, Slab
 
 SCAN = 1024  # pinned objects skipped in one LRU before giving up
-WINDOWS = 64  # windows tried for a class with nothing of its own to evict
+WINDOWS = 64  # windows tried for a class with nothing of its own to evict...
+WORK = 1 << 16  # ...and slabs plus objects looked at in them, at most
 
 
 class Plan:
@@ -63,10 +64,11 @@ def plan(pool, cls: SizeClass, only: bytes | None = None) -> Plan | None:
                     return got
             break
         return Plan([victim])
+    work = [WORK]
     for i, (_, window) in enumerate(coldest):
-        if i >= WINDOWS:
+        if i >= WINDOWS or work[0] <= 0:
             break
-        got = _window_plan(slabs, window, only)
+        got = _window_plan(slabs, window, only, work=work)
         if got is not None:
             return got
     return None
@@ -124,9 +126,10 @@ def _coldest_windows(pool, cls: SizeClass, only: bytes | None) -> Iterator[tuple
             yield anchor, window
 
 
-def _window_plan(slabs, window: tuple, only: bytes | None, below: int | None = None) -> Plan | None:
+def _window_plan(slabs, window: tuple, only: bytes | None, below: int | None = None,
+                 work: list[int] | None = None) -> Plan | None:
     """Every object of the slabs inside ``window``, if all may go: unpinned, of ``only`` when
-    given, and less recent than ``below`` when given."""
+    given, and less recent than ``below`` when given. ``work``: a budget, spent on what is seen."""
     seg, off, order = window
     inside = slabs.slabs_in(seg, off, order)
     victims = []
@@ -135,6 +138,8 @@ def _window_plan(slabs, window: tuple, only: bytes | None, below: int | None = N
             if o is None:
                 continue
             if o.pins or (only is not None and o.ns != only) or (below is not None and o.tick >= below):
+                if work is not None:
+                    work[0] -= len(inside) + len(victims)
                 return None
             victims.append(o)
     if len(inside) == 1 and inside[0].order > order:
