@@ -208,3 +208,58 @@ def test_iovecs_per_syscall_stay_within_iov_max(shm, monkeypatch):
     finally:
         mem.close()
     assert max(sizes) <= 3 and sum(sizes) == 4 * 8  # 4 heads x 8 blocks (one file range per head)
+
+
+def test_a_partial_transfer_goes_on_and_a_shrunk_file_is_an_error(shm, monkeypatch):
+    """preadv/pwritev may move fewer bytes than asked: the copy goes on from there while the file
+    is long enough; once it is shorter than the copy needs, ShmCopyError names the tensor and the
+    sizes, and a retrieve never grows the file."""
+    nbytes, tensors, spans = geometries()["kv halves"]
+    f = shm(nbytes)
+    engine = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
+    f.write(engine)
+    lay = PageLayout.from_wire(make_layout([f], tensors, spans))
+    shrink_next = []  # a size to truncate the file to just before the next transfer (after the size check)
+    for name in ("preadv", "pwritev"):  # at most 40 bytes per call: every iovec is cut somewhere
+        real = getattr(os, name)
+
+        def partial(fd, bufs, at, real=real):
+            if shrink_next:
+                os.truncate(f.path, shrink_next.pop())
+            out, left = [], 40
+            for b in bufs:
+                out.append(b[:left])
+                left -= len(out[-1])
+                if not left:
+                    break
+            return real(fd, out, at)
+
+        monkeypatch.setattr(cpu.os, name, partial)
+    mem = CpuRankMemory(lay)
+    try:
+        picks = [(np.arange(0, 4), np.arange(4)), (np.arange(4, 8), np.arange(4))]
+        got = [CopyItem(i, p, 4, np.zeros(2 * 4 * 96, np.uint8)) for i, p in picks]
+        want = [CopyItem(i, p, 4, np.zeros(2 * 4 * 96, np.uint8)) for i, p in picks]
+        mem.store(0, got)
+        ref_store(ref_views([engine.copy()], lay, 0), want)
+        assert all(np.array_equal(a.view, b.view) for a, b in zip(got, want))
+        mem.retrieve(0, [CopyItem(np.arange(8, 12), np.arange(4), 4, got[0].view)])
+        expect = engine.copy()
+        ref_retrieve(ref_views([expect], lay, 0), [CopyItem(np.arange(8, 12), np.arange(4), 4, got[0].view)])
+        assert np.array_equal(f.read(), expect)
+        for op in (mem.store, mem.retrieve):
+            for during in (False, True):  # before the copy (its size check) or during it (a short transfer)
+                os.truncate(f.path, nbytes)
+                if during:
+                    shrink_next.append(nbytes // 2)
+                else:
+                    os.truncate(f.path, nbytes // 2)  # layer 1 is gone
+                with pytest.raises(cpu.ShmCopyError, match=r"layout.tensors\[0\] .*has \d+ bytes") as err:
+                    op(0, [CopyItem(np.arange(0, 4), np.arange(4), 4, np.zeros(2 * 4 * 96, np.uint8))])
+                # a write racing a truncation grows the file by what that one transfer wrote (40 bytes
+                # here), never more: the size is checked before every further transfer
+                grown = 40 if during and op == mem.retrieve else 0
+                assert f"has {nbytes // 2 + grown} bytes" in str(err.value)
+                assert os.stat(f.path).st_size == nbytes // 2 + grown
+    finally:
+        mem.close()

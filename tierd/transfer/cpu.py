@@ -199,41 +199,47 @@ class CpuRankMemory:
         fcont[1:] = f[1:] == f[:-1] + rb  # continues the previous file range
         ocont = fcont.copy()
         ocont[1:] &= (w[1:] == w[:-1]) & (o[1:] == o[:-1] + rb)  # ... and the previous object range
-        starts = np.flatnonzero(~ocont)
-        lengths = (np.diff(starts, append=n) * rb).tolist()
-        first = (~fcont[starts]).tolist()
-        fs, os_, ws = f[starts].tolist(), o[starts].tolist(), w[starts].tolist()
+        starts = np.flatnonzero(~ocont)  # one iovec each
+        lengths = np.diff(starts, append=n) * rb
+        first = ~fcont[starts]  # an iovec that starts a file range starts a syscall, as does every IOV_MAX-th
+        call_of = np.cumsum(first) - 1
+        nth = np.arange(len(starts)) - np.flatnonzero(first)[call_of]
+        calls = np.flatnonzero(first | (nth % IOV_MAX == 0))
+        wants = np.add.reduceat(lengths, calls).tolist()
+        ats = f[starts[calls]].tolist()
+        ends = calls[1:].tolist() + [len(starts)]
+        bufs = [views[wi][oi:oi + li]
+                for wi, oi, li in zip(w[starts].tolist(), o[starts].tolist(), lengths.tolist())]
         fd = part.file.fd
         call = os.pwritev if write else os.preadv
-        bufs: list[memoryview] = []
-        at = want = 0
-        for k in range(len(starts)):
-            if first[k] or len(bufs) == IOV_MAX:
-                if bufs:
-                    self._call(call, part, fd, bufs, at, want)
-                bufs, at, want = [], fs[k], 0
-            o0 = os_[k]
-            bufs.append(views[ws[k]][o0:o0 + lengths[k]])
-            want += lengths[k]
-        self._call(call, part, fd, bufs, at, want)
+        try:
+            if len(calls) == len(bufs):  # one iovec per syscall: the sparse case, kept lean
+                for at, want, buf in zip(ats, wants, bufs):
+                    done = call(fd, [buf], at)
+                    if done != want:
+                        self._finish(call, part, fd, [buf], at, want, done)
+            else:
+                for at, want, k0, k1 in zip(ats, wants, calls.tolist(), ends):
+                    done = call(fd, bufs[k0:k1], at)
+                    if done != want:
+                        self._finish(call, part, fd, bufs[k0:k1], at, want, done)
+        except OSError as exc:
+            raise ShmCopyError(f"{part.file.path} (tensors {part.file.tensors[:8]}): {exc.strerror}") \
+                from None
 
-    def _call(self, call, part: _Layers, fd: int, bufs: list, at: int, want: int) -> None:
-        while True:
-            try:
-                done = call(fd, bufs, at)
-            except OSError as exc:
-                raise ShmCopyError(f"{part.file.path} (tensors {part.file.tensors[:8]}): {exc.strerror} "
-                                   f"at byte {at}") from None
-            if done == want:
-                return
+    def _finish(self, call, part: _Layers, fd: int, bufs: list, at: int, want: int, done: int) -> None:
+        """A transfer at ``at`` moved ``done`` of ``want`` bytes: the file shrank (ShmCopyError), or
+        (a partial transfer of a file still long enough) go on with the rest."""
+        while done != want:
             size = os.fstat(fd).st_size
             if done <= 0 or size < at + want:
                 self._shrunk(part, int(part.tensor[0]), size, at + want)
-            at, want = at + done, want - done  # a partial transfer of a file still long enough: go on
+            at, want = at + done, want - done
             while done >= len(bufs[0]):
                 done -= len(bufs[0])
                 bufs = bufs[1:]
-            bufs[0] = bufs[0][done:]
+            bufs = [bufs[0][done:], *bufs[1:]]
+            done = call(fd, bufs, at)
 
     def close(self) -> None:
         self.groups = []
