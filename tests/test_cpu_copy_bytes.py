@@ -130,9 +130,11 @@ def chunks(rng, n_blocks: int, bpc: int, case: str) -> list[tuple[np.ndarray, np
     raise AssertionError(case)
 
 
+@pytest.mark.parametrize("batch", [cpu.BATCH_SEGMENTS, 5], ids=["one-batch", "batches-of-5-ranges"])
 @pytest.mark.parametrize("case", ["consecutive", "random", "partial", "repeated"])
 @pytest.mark.parametrize("geometry", list(geometries()))
-def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case):
+def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch, monkeypatch):
+    monkeypatch.setattr(cpu, "BATCH_SEGMENTS", batch)
     nbytes, tensors, spans = geometries()[geometry]
     f = shm(nbytes)
     files = [f] * len(tensors)

@@ -35,7 +35,8 @@ from tierd.transfer.items import CopyItem
 from tierd.transfer.shm import Opener, Refused
 
 IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
-_ORDERS = [p for p in itertools.permutations(range(3))]  # axes of (layer, block, run) to try, natural first
+BATCH_SEGMENTS = 1 << 16  # (layer, block, run) ranges planned at once: bounds the planning arrays' memory
+_ORDERS = list(itertools.permutations(range(3)))  # axes of (layer, block, run) to try, natural first
 
 
 class ShmCopyError(RuntimeError):
@@ -154,18 +155,26 @@ class CpuRankMemory:
         which = np.repeat(np.arange(len(items)), [len(it.ids) for it in items])
         views = [memoryview(it.view) for it in items]
         for part in self.groups[group]:
-            self._copy_part(part, ids, pos, which, items[0].bpc, block_bytes, views, write)
+            # in batches of blocks (and layers) of at most BATCH_SEGMENTS ranges, in block order
+            nl = max(1, min(len(part.index), BATCH_SEGMENTS // part.runs))
+            nb = max(1, BATCH_SEGMENTS // (nl * part.runs))
+            for b in range(0, len(ids), nb):
+                for li in range(0, len(part.index), nl):
+                    self._copy_part(part, slice(li, li + nl), ids[b:b + nb], pos[b:b + nb], which[b:b + nb],
+                                    items[0].bpc, block_bytes, views, write)
 
-    def _copy_part(self, part: _Layers, ids, pos, which, bpc, block_bytes, views, write: bool) -> None:
+    def _copy_part(self, part: _Layers, li: slice, ids, pos, which, bpc, block_bytes, views, write: bool):
         rb, runs = part.run_bytes, part.runs
         r = np.arange(runs, dtype=np.int64)
-        shape = (len(part.index), len(ids), runs)  # (layer, block, run)
-        file_at = (part.base[:, None, None] + ids[None, :, None] * part.block_stride[:, None, None]
-                   + (r[None, :] * part.run_stride[:, None])[:, None, :])
-        block_at = (part.index[:, None] * bpc + pos[None, :]) * block_bytes
+        index, base = part.index[li], part.base[li]
+        block_stride, run_stride = part.block_stride[li], part.run_stride[li]
+        shape = (len(index), len(ids), runs)  # (layer, block, run)
+        file_at = (base[:, None, None] + ids[None, :, None] * block_stride[:, None, None]
+                   + (r[None, :] * run_stride[:, None])[:, None, :])
+        block_at = (index[:, None] * bpc + pos[None, :]) * block_bytes
         obj_at = block_at[:, :, None] + (r * rb)[None, None, :]
         item = np.broadcast_to(which[None, :, None], shape)
-        self._check_size(part, file_at, rb)
+        self._check_size(part, part.tensor[li], file_at, rb)
         for axes in _ORDERS:
             f = file_at.transpose(axes).ravel()
             if len(f) < 2 or bool(np.all(f[1:] >= f[:-1] + rb)):  # disjoint and ascending in this order
@@ -180,12 +189,12 @@ class CpuRankMemory:
             order = np.lexsort((np.broadcast_to(r, shape).ravel(), block, layer, w))
         self._io(part, f[order], o[order], w[order], views, write)
 
-    def _check_size(self, part: _Layers, file_at: np.ndarray, rb: int) -> None:
+    def _check_size(self, part: _Layers, tensors: np.ndarray, file_at: np.ndarray, rb: int) -> None:
         need = int(file_at.max()) + rb
         size = os.fstat(part.file.fd).st_size
         if size < need:
             layer = int(np.unravel_index(int(file_at.argmax()), file_at.shape)[0])
-            self._shrunk(part, int(part.tensor[layer]), size, need)
+            self._shrunk(part, int(tensors[layer]), size, need)
 
     def _shrunk(self, part: _Layers, tensor: int, size: int, need: int):
         ref = self.layout.tensors[tensor]
