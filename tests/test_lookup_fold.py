@@ -1,12 +1,13 @@
 """LOOKUP's fold is linear in the keys and answers exactly what the old quadratic fold answered.
 
-``old_lookup`` below is the fold as it was (tierd/pool/index.py before the linear one): it walked
-the boundary down from the full-attention hit and re-checked every chunk of each sliding or state
-group's lookback at every step, O(keys x lookback). The new one must give the same boundary and
-the same objects in the same order on every input: random presence patterns (absent keys, absent,
-unwritten or partly written parts), windows from 1 token to past the whole prompt, blocks that do
-or do not divide a chunk (or are larger than one), several ranks, several groups of each kind, and
-combined objects (one object spanning every group of a rank, --no-separate-object-groups)."""
+``old_lookup`` below is the fold as it was (in tierd/pool/index.py, before tierd/pool/fold.py):
+it walked the boundary down from the full-attention hit and re-checked every chunk of each
+sliding or state group's lookback at every step, O(keys x lookback). The new one must give the
+same boundary and the same objects in the same order on every input: random presence patterns
+(absent keys, absent, unwritten or partly written parts), windows from 1 token to past the whole
+prompt, blocks that do or do not divide a chunk (or are larger than one), several ranks, several
+groups of each kind, and combined objects (one object spanning every group of a rank,
+--no-separate-object-groups)"""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import random
 
 import pytest
 
-from tierd.pool import index as index_mod
+from tierd.pool import fold
 from tierd.pool.index import Index, Obj
 from tierd.protocol.layout import GroupKind, GroupSpec
 
@@ -148,6 +149,9 @@ def random_case(rnd: random.Random):
                     continue
                 mask = part_mask(rnd, bpc, p_partial)
                 index.insert(obj(k, {gi: (0, 0)}, r, mask, rnd.random() >= p_unready))
+    for i in range(n):  # an entry holding nothing (as tierd.tier2's overlay may pass): present, empty
+        if rnd.random() < 0.03:
+            index.spaces.setdefault(NS, {}).setdefault(key(i), {})
     keys = [key(i) for i in range(n)]
     return index, keys, specs, chunk, ranks
 
@@ -155,8 +159,8 @@ def random_case(rnd: random.Random):
 @pytest.mark.parametrize(("vector_min", "first_run"), [(1, 1), (48, 64), (1 << 30, 3)],
                          ids=["numpy", "default", "scalar"])
 def test_fold_equals_the_old_fold_on_random_indexes(monkeypatch, vector_min, first_run):
-    monkeypatch.setattr(index_mod, "VECTOR_MIN", vector_min)  # boundaries at once, or one by one
-    monkeypatch.setattr(index_mod, "FIRST_RUN", first_run)  # the full-attention walk's runs
+    monkeypatch.setattr(fold, "VECTOR_MIN", vector_min)  # boundaries at once, or one by one
+    monkeypatch.setattr(fold, "FIRST_RUN", first_run)  # the full-attention walk's runs
     rnd = random.Random(20261201 + vector_min)
     hits = 0
     for case in range(1500):

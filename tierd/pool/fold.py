@@ -1,0 +1,232 @@
+"""LOOKUP's fold: the longest boundary ``b`` (in chunks) such that every rank has, committed,
+every block every group needs at ``b`` (all chunks before ``b`` for full attention, the blocks
+inside the window for sliding groups, the state of chunk ``b - 1`` for recurrent groups), and
+the objects a retrieve at ``b`` reads.
+
+Hazard: a client picks the keys (up to MAX_CHUNKS) and the window (up to 2^30 tokens). Checking
+a window's chunks anew at every candidate boundary costs keys x window: it froze the daemon for
+32 s. Here the cost is linear in the keys (times groups and ranks): the full-attention prefix is
+walked once, in growing runs so a short hit costs little (``_full_prefix``); every other group's
+chunks are checked once (``_Fold``), first only those the longest boundary needs, and each
+boundary is then decided in O(1).
+
+The objects read are Obj of tierd.pool.index, or anything with their ``ready``, ``mask`` and
+``span`` (tierd.tier2 folds over L1 and L2 stand-ins together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain, repeat
+
+import numpy as np
+
+from tierd.protocol.layout import GroupKind, GroupSpec
+
+# A chunk entry is a plain dict: (engine group, rank) -> Obj (one object may fill several keys).
+ChunkEntry = dict
+
+EMPTY: ChunkEntry = {}  # the entry of a key not held (never written to)
+_PART_KEYS: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def part_key(group: int, rank: int) -> tuple[int, int]:
+    """The shared (group, rank) tuple: a million entries do not each need their own."""
+    key = (group, rank)
+    return _PART_KEYS.setdefault(key, key)
+
+
+def lookup(space: dict[bytes, ChunkEntry], keys: Sequence[bytes], specs: Sequence[GroupSpec],
+           chunk_tokens: int, ranks: Sequence[int]) -> tuple[int, list]:
+    """The longest servable boundary over ``keys`` in one namespace's entries, and what a retrieve
+    at that boundary reads, chunk by chunk (full-attention parts, then each other group's)."""
+    # full-attention parts, checked for every chunk: (group, rank, needed mask)
+    full = [(gi, r, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
+            for gi, s in enumerate(specs) if s.kind is GroupKind.FULL for r in ranks]
+    if full:
+        entries, objs = _full_prefix(space, keys, full)
+    else:
+        entries, objs = list(map(space.get, keys, repeat(EMPTY, len(keys)))), []
+    n = len(entries)
+    other = [(gi, spec) for gi, spec in enumerate(specs) if spec.kind is not GroupKind.FULL]
+    # first only what the longest boundary needs (a window's worth); every chunk only if it fails
+    folds = _folds(entries, other, chunk_tokens, ranks, top=True)
+    if all(f.top_ok(n) for f in folds):
+        boundary = n
+    else:
+        folds = _folds(entries, other, chunk_tokens, ranks)
+        boundary = _boundary(n, folds)
+    if boundary == 0:
+        return 0, []
+    del objs[boundary * len(full):]
+    for f in folds:
+        f.collect(boundary, objs)
+    if any(len(o.span) > 1 for o in objs[: len(full) + 1]):  # combined objects: once each
+        objs = list(dict.fromkeys(objs))
+    return boundary, objs
+
+
+VECTOR_MIN = 48  # from this many chunks a fold with misses is evaluated with numpy, all boundaries at once
+FIRST_RUN = 64  # keys of the full-attention walk's first run; each next run is twice as long
+
+
+def _folds(entries: list[ChunkEntry], other: list, chunk_tokens: int, ranks: Sequence[int],
+           top: bool = False) -> list[_Fold]:
+    folds = (_Fold(entries, gi, spec, chunk_tokens, ranks, top) for gi, spec in other)
+    return [f for f in folds if f.bpc]  # a sliding group of blocks larger than a chunk needs nothing
+
+
+def _complete(parts: list, gi: int, need: int) -> list[bool]:
+    """Per part: held, written, and holding every block of ``need`` in group ``gi``'s part."""
+    span = next((o.span for o in parts if o is not None), None)
+    if span is None:
+        return [False] * len(parts)
+    shifted = need << span[gi][0]  # objects of one layout share one span dict
+    return [o is not None and o.ready and (o.mask & shifted == shifted if o.span is span
+                                           else (o.mask >> o.span[gi][0]) & need == need) for o in parts]
+
+
+def _full_prefix(space: dict, keys: Sequence[bytes], full: list) -> tuple[list[ChunkEntry], list]:
+    """The entries of the longest prefix of ``keys`` whose full-attention parts are all there, and
+    those parts chunk by chunk in ``full``'s order."""
+    entries: list[ChunkEntry] = []
+    cols: list[list] = [[] for _ in full]
+    pos, run = 0, FIRST_RUN
+    while pos < len(keys):
+        got = list(map(space.get, keys[pos : pos + run], repeat(EMPTY, run)))
+        n = len(got)
+        parts = []
+        for gi, r, need in full:
+            col = list(map(dict.get, got[:n] if n < len(got) else got, repeat(part_key(gi, r), n)))
+            ok = _complete(col, gi, need)
+            if False in ok:
+                n = ok.index(False)
+            parts.append(col)
+        entries += got[:n]
+        for col, part in zip(cols, parts):
+            col += part[:n]
+        if n < len(got):
+            break
+        pos, run = pos + run, 2 * run
+    objs = cols[0] if len(cols) == 1 else list(chain.from_iterable(zip(*cols)))
+    return entries, objs
+
+
+class _Fold:
+    """One sliding-window or state group's chunks, checked once for every rank.
+
+    Sliding: a boundary ``b`` needs blocks ``[first(b), bpc)`` of chunk ``js(b)`` and every block of
+    the chunks after it up to ``b`` (GroupSpec.needed_mask, in closed form). Per chunk ``tail[j]``
+    is the lowest block from which every rank holds the chunk's blocks (0: all; bpc: absent), so
+    ``b`` is servable iff the last chunk before ``b`` with ``tail != 0`` comes before ``js(b)``, or
+    is ``js(b)`` itself with ``tail <= first(b)``: O(1) per boundary once the nearest such chunk
+    is known. State: ``b`` needs bit 0 of chunk ``b - 1`` (``tail`` 0 or 1). With ``top`` only the
+    chunks the longest boundary needs are checked (``lo`` on; lists are indexed from there)."""
+
+    def __init__(self, entries: list[ChunkEntry], gi: int, spec: GroupSpec, chunk_tokens: int,
+                 ranks: Sequence[int], top: bool = False):
+        self.state = spec.kind is GroupKind.STATE
+        self.chunk, self.block = chunk_tokens, spec.block_tokens
+        self.bpc = bpc = spec.blocks_per_chunk(chunk_tokens)
+        self.before = spec.window_tokens - 1  # tokens before the next one that it attends to
+        self.tail: list[int] = []
+        self.clean = True
+        self.lo = 0
+        if not bpc:
+            return
+        if top and entries:
+            self.lo = min(len(entries), len(entries) - 1 if self.state else self.window(len(entries))[0])
+            entries = entries[self.lo:]
+        self.parts = [list(map(dict.get, entries, repeat(part_key(gi, r), len(entries)))) for r in ranks]
+        need = 1 if self.state else (1 << bpc) - 1
+        if not ranks:  # an entry, whatever it holds
+            self.tail = [0 if e is not EMPTY else bpc for e in entries]
+            self.clean = not any(self.tail)
+            return
+        tails = []
+        for parts in self.parts:
+            ok = _complete(parts, gi, need)
+            if False in ok:
+                tails.append([0 if g else bpc if o is None else _tail(o, gi, need, bpc)
+                              for g, o in zip(ok, parts)])
+        if tails:
+            self.clean = False
+            self.tail = tails[0] if len(tails) == 1 else list(map(max, *tails))
+
+    def window(self, b: int) -> tuple[int, int]:
+        """(js, first): the first chunk a boundary ``b`` needs and its first needed block."""
+        start = max(0, b * self.chunk - self.before)
+        js = max(0, (start - self.bpc * self.block) // self.chunk + 1)
+        return js, max(0, (start - js * self.chunk) // self.block)
+
+    def top_ok(self, n: int) -> bool:
+        """Whether the boundary ``n`` is servable (built with ``top``)."""
+        if self.clean or self.lo >= n:
+            return True
+        if self.state:
+            return not self.tail[0]
+        return not any(self.tail[1:]) and self.tail[0] <= self.window(n)[1]
+
+    def ok(self, b: int, last_bad: list[int]) -> bool:
+        if self.state:
+            return not self.tail[b - 1]
+        js, first = self.window(b)
+        if js >= b:
+            return True
+        m = last_bad[b - 1]
+        return m < js or (m == js and self.tail[js] <= first)
+
+    def ok_all(self, n: int) -> np.ndarray:
+        """``ok(b)`` for every boundary 1..n at once."""
+        tail = np.asarray(self.tail, dtype=np.int64)
+        if self.state:
+            return tail == 0
+        b = np.arange(1, n + 1, dtype=np.int64)
+        last_bad = np.maximum.accumulate(np.where(tail != 0, b - 1, -1))
+        start = np.maximum(b * self.chunk - self.before, 0)
+        js = np.maximum((start - self.bpc * self.block) // self.chunk + 1, 0)
+        first = np.maximum((start - js * self.chunk) // self.block, 0)
+        return (js >= b) | (last_bad < js) | ((last_bad == js) & (tail[np.minimum(js, n - 1)] <= first))
+
+    def collect(self, b: int, objs: list) -> None:
+        """Append what a retrieve at ``b`` reads of this group: chunk by chunk, rank by rank."""
+        js = b - 1 if self.state else self.window(b)[0]
+        if js >= b:
+            return
+        lo, hi = js - self.lo, b - self.lo
+        if len(self.parts) == 1:
+            objs += self.parts[0][lo:hi]
+        else:
+            objs += chain.from_iterable(zip(*(p[lo:hi] for p in self.parts)))
+
+
+def _tail(o, gi: int, need: int, bpc: int) -> int:
+    """The lowest block from which ``o`` holds every block of ``need`` (bpc: unwritten)."""
+    if not o.ready:
+        return bpc
+    return (~(o.mask >> o.span[gi][0]) & need).bit_length()
+
+
+def _boundary(n: int, folds: list[_Fold]) -> int:
+    """The largest boundary in 1..n every fold serves, else 0."""
+    folds = [f for f in folds if not f.clean]  # a clean fold serves every boundary
+    if not folds:
+        return n
+    if n >= VECTOR_MIN:
+        ok = folds[0].ok_all(n)
+        for f in folds[1:]:
+            ok &= f.ok_all(n)
+        hits = np.flatnonzero(ok)
+        return int(hits[-1]) + 1 if hits.size else 0
+    lasts = []
+    for f in folds:
+        last, lb = -1, []
+        for j, t in enumerate(f.tail):
+            if t:
+                last = j
+            lb.append(last)
+        lasts.append(lb)
+    for b in range(n, 0, -1):
+        if all(f.ok(b, lb) for f, lb in zip(folds, lasts)):
+            return b
+    return 0
