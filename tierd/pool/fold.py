@@ -53,8 +53,8 @@ def lookup(space: dict[bytes, ChunkEntry], keys: Sequence[bytes], specs: Sequenc
     folds = _folds(entries, other, chunk_tokens, ranks, top=True)
     if all(f.top_ok(n) for f in folds):
         boundary = n
-    else:
-        folds = _folds(entries, other, chunk_tokens, ranks)
+    else:  # (a fold whose window is the whole prompt has seen every chunk already)
+        folds = [f if not f.lo else _Fold(entries, f.gi, f.spec, chunk_tokens, ranks) for f in folds]
         boundary = _boundary(n, folds)
     if boundary == 0:
         return 0, []
@@ -125,7 +125,7 @@ class _Fold:
 
     def __init__(self, entries: list[ChunkEntry], gi: int, spec: GroupSpec, chunk_tokens: int,
                  ranks: Sequence[int], top: bool = False):
-        self.state = spec.kind is GroupKind.STATE
+        self.gi, self.spec, self.state = gi, spec, spec.kind is GroupKind.STATE
         self.chunk, self.block = chunk_tokens, spec.block_tokens
         self.bpc = bpc = spec.blocks_per_chunk(chunk_tokens)
         self.before = spec.window_tokens - 1  # tokens before the next one that it attends to
