@@ -121,7 +121,9 @@ class _Fold:
     ``b`` is servable iff the last chunk before ``b`` with ``tail != 0`` comes before ``js(b)``, or
     is ``js(b)`` itself with ``tail <= first(b)``: O(1) per boundary once the nearest such chunk
     is known. State: ``b`` needs bit 0 of chunk ``b - 1`` (``tail`` 0 or 1). With ``top`` only the
-    chunks the longest boundary needs are checked (``lo`` on; lists are indexed from there)."""
+    chunks the longest boundary needs are checked (``lo`` on; lists are indexed from there). A
+    window that covers the whole prompt needs every chunk whole: ``cap``, the first chunk that is
+    not, bounds the boundary, and no tails are needed."""
 
     def __init__(self, entries: list[ChunkEntry], gi: int, spec: GroupSpec, chunk_tokens: int,
                  ranks: Sequence[int], top: bool = False):
@@ -132,8 +134,11 @@ class _Fold:
         self.tail: list[int] = []
         self.clean = True
         self.lo = 0
+        self.cap: int | None = None  # for a window over the whole prompt: boundaries <= cap
         if not bpc:
             return
+        if not self.state and ranks and len(entries) * chunk_tokens <= self.before:
+            self.cap = len(entries)
         if top and entries:
             self.lo = min(len(entries), len(entries) - 1 if self.state else self.window(len(entries))[0])
             entries = entries[self.lo:]
@@ -146,7 +151,12 @@ class _Fold:
         tails = []
         for parts in self.parts:
             ok = _complete(parts, gi, need)
-            if False in ok:
+            if False not in ok:
+                continue
+            if self.cap is not None:
+                self.cap = min(self.cap, ok.index(False))
+                self.clean = False
+            else:
                 tails.append([0 if g else bpc if o is None else _tail(o, gi, need, bpc)
                               for g, o in zip(ok, parts)])
         if tails:
@@ -163,6 +173,8 @@ class _Fold:
         """Whether the boundary ``n`` is servable (built with ``top``)."""
         if self.clean or self.lo >= n:
             return True
+        if self.cap is not None:
+            return self.cap >= n
         if self.state:
             return not self.tail[0]
         return not any(self.tail[1:]) and self.tail[0] <= self.window(n)[1]
@@ -210,13 +222,15 @@ def _tail(o, gi: int, need: int, bpc: int) -> int:
 def _boundary(n: int, folds: list[_Fold]) -> int:
     """The largest boundary in 1..n every fold serves, else 0."""
     folds = [f for f in folds if not f.clean]  # a clean fold serves every boundary
-    if not folds:
-        return n
+    limit = min((f.cap for f in folds if f.cap is not None), default=n)
+    folds = [f for f in folds if f.cap is None]
+    if not folds or not limit:
+        return limit
     if n >= VECTOR_MIN:
         ok = folds[0].ok_all(n)
         for f in folds[1:]:
             ok &= f.ok_all(n)
-        hits = np.flatnonzero(ok)
+        hits = np.flatnonzero(ok[:limit])
         return int(hits[-1]) + 1 if hits.size else 0
     lasts = []
     for f in folds:
@@ -226,7 +240,7 @@ def _boundary(n: int, folds: list[_Fold]) -> int:
                 last = j
             lb.append(last)
         lasts.append(lb)
-    for b in range(n, 0, -1):
+    for b in range(limit, 0, -1):
         if all(f.ok(b, lb) for f, lb in zip(folds, lasts)):
             return b
     return 0
