@@ -43,15 +43,33 @@ class Daemon:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.cmd = [sys.executable, "-m", "tierd", "serve", "--socket", self.endpoint, "--http-port", str(self.port),
-                    "--l1-size-gb", str(pool_gib), "--pool-dir", folder, "--cuda", "off"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "tierd",
+            "serve",
+            "--socket",
+            self.endpoint,
+            "--http-port",
+            str(self.port),
+            "--l1-size-gb",
+            str(pool_gib),
+            "--pool-dir",
+            folder,
+            "--cuda",
+            "off",
+        ]
         self.log = open(os.path.join(tmp, "daemon.log"), "ab")
         self.proc = None
 
     def start(self) -> float:
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+        )
         return t0
 
     def status(self) -> dict:
@@ -101,8 +119,10 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="tierd-bench-restart-")
     buf = SharedBuffer(LAYERS * nblocks * block_bytes)
     kv = buf.array.reshape(LAYERS, nblocks, block_bytes)
-    spans = [block_span((nblocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * nblocks * block_bytes)
-             for l in range(LAYERS)]
+    spans = [
+        block_span((nblocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * nblocks * block_bytes)
+        for l in range(LAYERS)
+    ]
     ns = namespace("bench-restart", "f0", 1)
     lay = layout(ns, 0, BLOCKS_PER_CHUNK * 16, [buf.ref()], [group("full", 16, spans)])
     spec = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
@@ -123,7 +143,10 @@ def main() -> None:
             res = c.store("bench", [chunk(k, s) for s, k in enumerate(ks)])["results"]
             i += BATCH
             st = d.status()
-            if "rejected" in res or st["memory_used_bytes"] + BATCH * out["object_bytes"] > st["memory_configured_bytes"]:
+            if (
+                "rejected" in res
+                or st["memory_used_bytes"] + BATCH * out["object_bytes"] > st["memory_configured_bytes"]
+            ):
                 break  # full, nothing evicted: every sample chunk is still held
         out["fill_s"] = time.perf_counter() - t0
         c.close()
@@ -135,8 +158,13 @@ def main() -> None:
             t0 = d.start()
             r["first_hit_s"] = first_hit(d, t0, lay, probe, spec)
             wr = d.status()["warm_restart"]
-            r.update(warm=wr["warm"], objects=wr["objects"], gib=wr["bytes"] / GIB, recover_s=wr["seconds"],
-                     journal_records=wr["journal_records"])
+            r.update(
+                warm=wr["warm"],
+                objects=wr["objects"],
+                gib=wr["bytes"] / GIB,
+                recover_s=wr["seconds"],
+                journal_records=wr["journal_records"],
+            )
             c = TierdClient(d.endpoint, timeout_s=60)
             c.wait_ready(60)
             c.register("bench", lay)
@@ -163,15 +191,21 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"pool {out['pool_gib']:g} GiB filled with {out['objects']} objects of {out['object_bytes'] / MIB:g} MiB "
-          f"({out['used_gib']:.2f} GiB) in {out['fill_s']:.1f} s")
+    print(
+        f"pool {out['pool_gib']:g} GiB filled with {out['objects']} objects of "
+        f"{out['object_bytes'] / MIB:g} MiB ({out['used_gib']:.2f} GiB) in {out['fill_s']:.1f} s"
+    )
     for kind in ("crash", "planned"):
         r = out[kind]
-        print(f"{kind:8s}: stop {r['stop_s']:.2f} s; exec to first LOOKUP hit {r['first_hit_s']:.2f} s "
-              f"(recovery {r['recover_s']:.3f} s: {r['objects']} objects, {r['gib']:.2f} GiB, "
-              f"{r['journal_records']} journal records); sample chunks wrong: {r['sample_wrong']}")
-    print(f"1 TiB at this object size: ~{out['extrapolated_1tib_objects']} objects, "
-          f"recovery ~{out['extrapolated_1tib_recover_s']:.0f} s (linear in GiB and objects)")
+        print(
+            f"{kind:8s}: stop {r['stop_s']:.2f} s; exec to first LOOKUP hit {r['first_hit_s']:.2f} s "
+            f"(recovery {r['recover_s']:.3f} s: {r['objects']} objects, {r['gib']:.2f} GiB, "
+            f"{r['journal_records']} journal records); sample chunks wrong: {r['sample_wrong']}"
+        )
+    print(
+        f"1 TiB at this object size: ~{out['extrapolated_1tib_objects']} objects, "
+        f"recovery ~{out['extrapolated_1tib_recover_s']:.0f} s (linear in GiB and objects)"
+    )
 
 
 if __name__ == "__main__":

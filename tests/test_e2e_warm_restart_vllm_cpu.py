@@ -61,7 +61,9 @@ def test_a_restarted_daemon_serves_a_new_engine_what_the_last_one_stored(tmp_pat
         pass3 = engine(tmp_path, "pass3", [ps], d.endpoint)
         crash_share = tier_share(st, d.status(), ps)
         assert pass3["outputs"] == base["outputs"] and crash_share >= 0.9
-        print(f"\ntier share after SIGTERM restart {share:.1%} (daemon up in {restart_s:.2f} s, "
-              f"{st['warm_restart']['objects']} objects), after SIGKILL restart {crash_share:.1%}")
+        print(
+            f"\ntier share after SIGTERM restart {share:.1%} (daemon up in {restart_s:.2f} s, "
+            f"{st['warm_restart']['objects']} objects), after SIGKILL restart {crash_share:.1%}"
+        )
     finally:
         d.kill()

@@ -9,7 +9,6 @@ import signal
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
 from kv import GroupGeom, keys
 from pool_dirs import huge_dir, shm_dir  # noqa: F401 - fixtures
@@ -57,8 +56,9 @@ def restore_hybrid(c, rank, ks, expect, name="h0"):
     np.testing.assert_array_equal(rank.kv[2][:, 40:41], expect[2])
 
 
-def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(daemon_factory, client_factory, ranks,
-                                                                     grouping, shm_dir):
+def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(
+    daemon_factory, client_factory, ranks, grouping, shm_dir
+):
     d = daemon_factory("--pool-dir", shm_dir, *grouping)
     c = client_factory(d, timeout_s=15)
     rank = ranks(*GROUPS)
@@ -69,7 +69,10 @@ def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(daemon_facto
     c.register("mla-0", m0.layout())
     c1.register("mla-1", m1.layout())
     mks = keys(3)
-    assert c.store("mla-0", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(mks)])["results"] == ["stored"] * 3
+    assert (
+        c.store("mla-0", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(mks)])["results"]
+        == ["stored"] * 3
+    )
     mla_expect = m0.blocks(0, range(12))
     before = d.status()
     assert before["warm_restart"]["warm"] is False and "no index" in before["warm_restart"]["reason"]
@@ -78,7 +81,9 @@ def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(daemon_facto
     after = d.status()
     wr = after["warm_restart"]
     assert wr["warm"] and wr["reason"] is None and wr["persist_error"] is None, wr
-    assert wr["objects"] == before["objects"] == after["objects"] and wr["journal_records"] == 0  # the index alone
+    assert (
+        wr["objects"] == before["objects"] == after["objects"] and wr["journal_records"] == 0
+    )  # the index alone
     assert after["group_objects"] == before["group_objects"]
     assert sorted(map(json.dumps, after["namespaces"])) == sorted(map(json.dumps, before["namespaces"]))
     assert after["boot_id"] != before["boot_id"]
@@ -89,15 +94,19 @@ def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(daemon_facto
     reply = c1.lookup(m1.ns, mks, m1.specs(), 16, replicated=True)
     assert reply["chunks"] == 3
     m1.kv[0][:, 40:52] = 0
-    out = c1.retrieve("mla-1", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(mks)],
-                      lease=reply["lease"])
+    out = c1.retrieve(
+        "mla-1", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(mks)], lease=reply["lease"]
+    )
     assert out == {"ok": [True] * 3, "failed": []}
     np.testing.assert_array_equal(m1.kv[0][:, 40:52], mla_expect)  # rank 0's copy, through a restart
 
 
-def test_planned_restart_on_hugetlbfs_with_its_index_on_tmpfs(daemon_factory, client_factory, ranks, huge_dir,
-                                                              shm_dir):
-    d = daemon_factory("--pool-dir", huge_dir, "--pool-index-dir", shm_dir, "--l1-segment-mb", "8", pool_mb=16)
+def test_planned_restart_on_hugetlbfs_with_its_index_on_tmpfs(
+    daemon_factory, client_factory, ranks, huge_dir, shm_dir
+):
+    d = daemon_factory(
+        "--pool-dir", huge_dir, "--pool-index-dir", shm_dir, "--l1-segment-mb", "8", pool_mb=16
+    )
     c = client_factory(d, timeout_s=15)
     rank = ranks(*GROUPS)
     ks, expect = hybrid(c, rank)
@@ -124,7 +133,9 @@ def test_leases_and_sessions_do_not_survive_a_restart(daemon_factory, client_fac
         c.release(lease)
 
 
-def test_namespaces_journaled_before_a_crash_are_listed_after_it(daemon_factory, client_factory, ranks, shm_dir):
+def test_namespaces_journaled_before_a_crash_are_listed_after_it(
+    daemon_factory, client_factory, ranks, shm_dir
+):
     """No index is written at a SIGKILL: the journal alone must name the namespace again."""
     d = daemon_factory("--pool-dir", shm_dir)
     c = client_factory(d, timeout_s=15)
@@ -140,7 +151,9 @@ def test_namespaces_journaled_before_a_crash_are_listed_after_it(daemon_factory,
     restore_hybrid(c, rank, ks, expect)
 
 
-def test_status_and_metrics_of_a_pool_dir_daemon_are_documented(daemon_factory, client_factory, ranks, shm_dir):
+def test_status_and_metrics_of_a_pool_dir_daemon_are_documented(
+    daemon_factory, client_factory, ranks, shm_dir
+):
     from test_protocol_doc import DOC, field_names, missing
 
     d = daemon_factory("--pool-dir", shm_dir)
@@ -164,8 +177,13 @@ def test_tierd_status_shows_how_the_pool_started(daemon_factory, client_factory,
     hybrid(client_factory(d), ranks(*GROUPS))
 
     def table() -> str:
-        res = subprocess.run([sys.executable, "-m", "tierd", "status", "--url", d.http], capture_output=True,
-                             text=True, timeout=30, cwd=ROOT)
+        res = subprocess.run(
+            [sys.executable, "-m", "tierd", "status", "--url", d.http],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+        )
         assert res.returncode == 0, res.stderr
         return next(line for line in res.stdout.splitlines() if line.startswith("warm restart"))
 

@@ -10,7 +10,6 @@ import uuid
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
 from kv import GroupGeom, keys
 from pool_dirs import shm_dir  # noqa: F401 - fixture
@@ -32,7 +31,10 @@ def stored_then_stopped(daemon_factory, client_factory, ranks, shm_dir, *flags, 
     rank = ranks(*GROUPS)
     c.register("r0", rank.layout())
     ks = keys(6)
-    assert c.store("r0", [chunk(k, range(4 * i, 4 * i + 4), [i]) for i, k in enumerate(ks)])["results"] == ["stored"] * 6
+    assert (
+        c.store("r0", [chunk(k, range(4 * i, 4 * i + 4), [i]) for i, k in enumerate(ks)])["results"]
+        == ["stored"] * 6
+    )
     assert d.stop(signal.SIGTERM) == 0
     return d, c, rank, ks
 
@@ -61,8 +63,9 @@ def rewrite(path: str, fn) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_corrupted_or_truncated_index_starts_cold_and_serves_no_byte(daemon_factory, client_factory, ranks,
-                                                                      shm_dir, damage):
+def test_a_corrupted_or_truncated_index_starts_cold_and_serves_no_byte(
+    daemon_factory, client_factory, ranks, shm_dir, damage
+):
     d, c, rank, ks = stored_then_stopped(daemon_factory, client_factory, ranks, shm_dir)
     index = os.path.join(shm_dir, "index")
     if damage == "flip":
@@ -74,11 +77,14 @@ def test_a_corrupted_or_truncated_index_starts_cold_and_serves_no_byte(daemon_fa
     assert [n for n in os.listdir(shm_dir) if n.startswith("segment-")] == []  # the old segments are gone
 
 
-@pytest.mark.parametrize("flags, pool_mb, reason", [
-    (("--no-separate-object-groups",), 256, "meta.separate_object_groups True -> False"),
-    (("--l1-align-bytes", "8192"), 256, "align 4096 -> 8192"),
-    (("--l1-segment-mb", "32"), 256, "segment_bytes"),
-])
+@pytest.mark.parametrize(
+    "flags, pool_mb, reason",
+    [
+        (("--no-separate-object-groups",), 256, "meta.separate_object_groups True -> False"),
+        (("--l1-align-bytes", "8192"), 256, "align 4096 -> 8192"),
+        (("--l1-segment-mb", "32"), 256, "segment_bytes"),
+    ],
+)
 def test_changed_settings_start_cold(daemon_factory, client_factory, ranks, shm_dir, flags, pool_mb, reason):
     d, c, rank, ks = stored_then_stopped(daemon_factory, client_factory, ranks, shm_dir)
     d.args = ["--l1-size-gb", f"{pool_mb / 1024:.6f}", "--pool-dir", shm_dir, *BASE, *flags]
@@ -103,10 +109,25 @@ def test_a_ceiling_below_what_the_pool_holds_starts_cold(daemon_factory, client_
     restarted_cold(d, c, rank, ks, "ceiling")
 
 
-def test_settings_that_do_not_shape_objects_keep_the_pool_warm(daemon_factory, client_factory, ranks, shm_dir):
+def test_settings_that_do_not_shape_objects_keep_the_pool_warm(
+    daemon_factory, client_factory, ranks, shm_dir
+):
     d, c, rank, ks = stored_then_stopped(daemon_factory, client_factory, ranks, shm_dir)
-    d.args = ["--l1-size-gb", "0.5", "--pool-dir", shm_dir, *BASE, "--workers", "2", "--lease-ttl-s", "5",
-              "--heartbeat-timeout-s", "20", "--max-frame-mb", "8"]
+    d.args = [
+        "--l1-size-gb",
+        "0.5",
+        "--pool-dir",
+        shm_dir,
+        *BASE,
+        "--workers",
+        "2",
+        "--lease-ttl-s",
+        "5",
+        "--heartbeat-timeout-s",
+        "20",
+        "--max-frame-mb",
+        "8",
+    ]
     d.start()
     assert d.status()["warm_restart"]["objects"] == 12
     wait_for(lambda: d.status()["instances"], 10, what="re-registration")
@@ -122,8 +143,13 @@ def test_pool_meta_names_what_shapes_objects_and_keys():
 # ---- folders that cannot hold a pool ---------------------------------------------------------------
 def serve(tmp_path, *args, timeout=60):
     sock = f"ipc://{tmp_path}/never.sock"
-    return subprocess.run([sys.executable, "-m", "tierd", "serve", "--http-port", "-1", "--socket", sock, *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tierd", "serve", "--http-port", "-1", "--socket", sock, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def refused(res, *needles) -> None:
@@ -135,13 +161,25 @@ def refused(res, *needles) -> None:
 
 def test_a_pool_dir_on_a_disk_filesystem_exits_2_naming_the_folder_and_filesystem(tmp_path):
     folder = str(tmp_path / "pool")
-    fstype = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)], capture_output=True,
-                            text=True).stdout.strip()
+    fstype = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)], capture_output=True, text=True
+    ).stdout.strip()
     assert fstype and fstype != "tmpfs"
-    refused(serve(tmp_path, "--pool-dir", folder), folder, f"is on {fstype}", "must be on tmpfs or hugetlbfs",
-            "--pool-dir")
-    refused(serve(tmp_path, "--pool-dir", f"/dev/shm/tierd-test-{uuid.uuid4().hex[:8]}", "--pool-index-dir", folder),
-            folder, "index folder", "--pool-index-dir")
+    refused(
+        serve(tmp_path, "--pool-dir", folder),
+        folder,
+        f"is on {fstype}",
+        "must be on tmpfs or hugetlbfs",
+        "--pool-dir",
+    )
+    refused(
+        serve(
+            tmp_path, "--pool-dir", f"/dev/shm/tierd-test-{uuid.uuid4().hex[:8]}", "--pool-index-dir", folder
+        ),
+        folder,
+        "index folder",
+        "--pool-index-dir",
+    )
 
 
 def test_pool_index_dir_without_pool_dir_exits_2(tmp_path):
@@ -155,8 +193,12 @@ def test_hugetlbfs_without_a_tmpfs_index_dir_exits_2(tmp_path):
     if subprocess.run(["mount", "-t", "hugetlbfs", "none", str(point)], capture_output=True).returncode:
         pytest.skip("cannot mount hugetlbfs here")
     try:
-        refused(serve(tmp_path, "--pool-dir", str(point / "pool")), str(point / "pool"), "hugetlbfs",
-                "give one on tmpfs")
+        refused(
+            serve(tmp_path, "--pool-dir", str(point / "pool")),
+            str(point / "pool"),
+            "hugetlbfs",
+            "give one on tmpfs",
+        )
     finally:
         subprocess.run(["umount", "-l", str(point)], check=True)
 

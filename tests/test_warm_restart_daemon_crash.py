@@ -17,7 +17,6 @@ import time
 from hashlib import blake2b
 
 import numpy as np
-
 from conftest import ROOT
 from kv import FakeRank, GroupGeom
 from pool_dirs import shm_dir  # noqa: F401 - fixture
@@ -28,8 +27,10 @@ TRIALS = int(os.environ.get("TIERD_DAEMON_CRASH_TRIALS", "20"))
 SEED = int(os.environ.get("TIERD_DAEMON_CRASH_SEED", "4321"))
 KEYS = 3000  # ~2x what the pool holds: it fills within a few trials, then every store evicts
 BATCH = 8  # chunks per STORE
-GROUPS = (GroupGeom("full", layers=2, block_bytes=8192, block_tokens=4), GroupGeom("state", layers=1,
-                                                                                   block_bytes=16384, block_tokens=16))
+GROUPS = (
+    GroupGeom("full", layers=2, block_bytes=8192, block_tokens=4),
+    GroupGeom("state", layers=1, block_bytes=16384, block_tokens=16),
+)
 POOL_MB = 128  # one 64 MiB slab per object size
 CHECK_AT = 4 * BATCH  # full-group blocks [0, 32) are the writer's, [32, 64) the checker's
 
@@ -70,8 +71,10 @@ def check(client, rank: FakeRank) -> tuple[int, list[str]]:
         ks = [key(i) for i in range(at, min(at + BATCH, KEYS))]
         rank.kv[0][:, CHECK_AT:] = 0xEE
         rank.kv[1][:, BATCH:] = 0xEE
-        chunks = [{"key": k, "blocks": [list(range(CHECK_AT + 4 * s, CHECK_AT + 4 * s + 4)), [BATCH + s]]}
-                  for s, k in enumerate(ks)]
+        chunks = [
+            {"key": k, "blocks": [list(range(CHECK_AT + 4 * s, CHECK_AT + 4 * s + 4)), [BATCH + s]]}
+            for s, k in enumerate(ks)
+        ]
         out = client.retrieve("w", chunks)
         failed = {tuple(f) for f in out["failed"]}
         for s, (k, c) in enumerate(zip(ks, chunks)):
@@ -104,8 +107,19 @@ def lookups_are_servable(client, rank: FakeRank, rnd: random.Random) -> list[str
 
 def launch_and_kill(d, delay: float) -> None:
     """Start the daemon and SIGKILL it after ``delay`` s, ready or not (imports, recovery, serving)."""
-    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", d.endpoint, "--http-port", str(d.http_port),
-           "--log-level", "info", *d.args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierd",
+        "serve",
+        "--socket",
+        d.endpoint,
+        "--http-port",
+        str(d.http_port),
+        "--log-level",
+        "info",
+        *d.args,
+    ]
     with open(d.log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         time.sleep(delay)
@@ -159,6 +173,8 @@ def test_sigkill_under_store_load_never_serves_a_wrong_byte(daemon_factory, shm_
             d.start()
     finally:
         rank.close()
-    print(f"\n{TRIALS} kills under load in {time.monotonic() - t0:.0f} s: {stores} STOREs of {BATCH} chunks, "
-          f"{served} objects served after restarts, 0 wrong, at least {evictions} evictions")
+    print(
+        f"\n{TRIALS} kills under load in {time.monotonic() - t0:.0f} s: {stores} STOREs of {BATCH} chunks, "
+        f"{served} objects served after restarts, 0 wrong, at least {evictions} evictions"
+    )
     assert served > 200 * TRIALS and evictions > 0  # real content, a full pool

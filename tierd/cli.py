@@ -58,9 +58,8 @@ def serve(**kwargs):
     try:
         daemon = Daemon(settings)
     except PoolDirError as exc:
-        raise click.UsageError(f"{exc} [--pool-dir {settings.pool_dir}"
-                               + (f" --pool-index-dir {settings.pool_index_dir}]" if settings.pool_index_dir else "]")
-                               ) from None
+        index = f" --pool-index-dir {settings.pool_index_dir}" if settings.pool_index_dir else ""
+        raise click.UsageError(f"{exc} [--pool-dir {settings.pool_dir}{index}]") from None
     except EndpointError as exc:
         raise click.UsageError(f"{exc} [--socket {settings.socket}]") from None
     except (RuntimeError, OSError) as exc:

@@ -46,10 +46,11 @@ class Settings:
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     cuda: str = _opt("auto", "GPU data path: auto (when torch sees a GPU) or off (CPU layouts only).",
                      choices=("auto", "off"))
-    pool_dir: str = _opt(None, "Folder on tmpfs or hugetlbfs whose files hold the pool, so that a restarted daemon "
-                         "serves what the last one held (warm restart); default: process memory, lost at exit.")
-    pool_index_dir: str = _opt(None, "Folder on tmpfs for the pool's index and commit journal (default: --pool-dir); "
-                               "required when --pool-dir is on hugetlbfs.")
+    pool_dir: str = _opt(None, "Folder on tmpfs or hugetlbfs whose files hold the pool, so that a restarted "
+                         "daemon serves what the last one held (warm restart); default: process memory, "
+                         "lost at exit.")
+    pool_index_dir: str = _opt(None, "Folder on tmpfs for the pool's index and commit journal (default: "
+                               "--pool-dir); required when --pool-dir is on hugetlbfs.")
 
     def __post_init__(self):
         if self.socket is None:

@@ -101,7 +101,7 @@ class _Collector:
         if warm is not None:  # --pool-dir
             yield GaugeMetricFamily("tierd_warm_restart_objects", "objects recovered at start (0: cold)",
                                     value=warm["objects"])
-            yield GaugeMetricFamily("tierd_warm_restart_seconds", "seconds the start took to recover the pool",
-                                    value=warm["seconds"])
-            yield GaugeMetricFamily("tierd_pool_persisting", "1 while the pool folder is kept restartable, "
-                                    "0 once a journal or index write failed", value=0 if warm["persist_error"] else 1)
+            yield GaugeMetricFamily("tierd_warm_restart_seconds", "seconds the start took to recover the "
+                                    "pool", value=warm["seconds"])
+            yield GaugeMetricFamily("tierd_pool_persisting", "1 while the pool folder is kept restartable, 0 once "
+                                    "a journal or index write failed", value=0 if warm["persist_error"] else 1)

@@ -26,8 +26,11 @@ GIB = 1 << 30
 
 def pool_meta(settings: Settings) -> dict:
     """The settings and code versions that shape stored objects and their keys."""
-    return {"separate_object_groups": settings.separate_object_groups, "key_version": KEY_VERSION,
-            "object_layout": OBJECT_LAYOUT_VERSION}
+    return {
+        "separate_object_groups": settings.separate_object_groups,
+        "key_version": KEY_VERSION,
+        "object_layout": OBJECT_LAYOUT_VERSION,
+    }
 
 
 def announce(settings: Settings, pool) -> None:
@@ -59,9 +62,11 @@ def start_line(report: dict | None) -> str | None:
     """One line for the log at start: what a warm start recovered (a cold one is logged by the pool)."""
     if not report or not report["warm"]:
         return None
-    return (f"warm restart from {report['pool_dir']}: {report['objects']} objects, "
-            f"{report['bytes'] / GIB:.2f} GiB in {report['seconds']:.3f} s "
-            f"({report['journal_records']} journal records replayed)")
+    return (
+        f"warm restart from {report['pool_dir']}: {report['objects']} objects, "
+        f"{report['bytes'] / GIB:.2f} GiB in {report['seconds']:.3f} s "
+        f"({report['journal_records']} journal records replayed)"
+    )
 
 
 def room_warning(settings: Settings, backed: int, ceiling: int) -> str | None:
@@ -77,9 +82,11 @@ def room_warning(settings: Settings, backed: int, ceiling: int) -> str | None:
     room = st.f_bavail * st.f_frsize + backed
     if room >= ceiling:
         return None
-    return (f"the pool folder {settings.pool_dir} has room for {room / GIB:.2f} GiB of the "
-            f"{ceiling / GIB:.2f} GiB ceiling: past that the pool stops growing, and a full mount stops "
-            "the journal too (the next start is then cold); grow the mount or lower --l1-size-gb")
+    return (
+        f"the pool folder {settings.pool_dir} has room for {room / GIB:.2f} GiB of the "
+        f"{ceiling / GIB:.2f} GiB ceiling: past that the pool stops growing, and a full mount stops "
+        "the journal too (the next start is then cold); grow the mount or lower --l1-size-gb"
+    )
 
 
 def status(pool) -> dict | None:
