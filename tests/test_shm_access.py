@@ -397,6 +397,20 @@ def open_memory(lay: dict, peer=None, refuse=None) -> str:
     return ""
 
 
+def test_a_link_to_the_daemons_own_fds_is_refused_even_for_its_own_pid(shm):
+    """A peer that is the daemon itself (or a default that names it) publishes nothing: a link to
+    /proc/<daemon pid>/fd/<n> would reach a --pool-dir file under /dev/shm the daemon holds."""
+    path = shm.file(shm.name("held"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        link = shm.link(shm.name("self"), f"/proc/{os.getpid()}/fd/{fd}")
+        peer = Peer(os.getuid(), os.getgid(), os.getpid())
+        assert "symlink" in open_memory(kv_layout(link), peer)
+        assert open_memory(kv_layout(path), peer) == ""  # by its name: a file of the daemon's uid
+    finally:
+        os.close(fd)
+
+
 def test_files_the_daemon_refuses_are_refused(shm):
     """``refuse`` lets the daemon keep clients off its own pool files (a --pool-dir under /dev/shm)."""
     path = shm.file(shm.name("pool"))

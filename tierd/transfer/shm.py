@@ -56,7 +56,8 @@ class Opener:
 
     def __init__(self, uid: int, gid: int, pid: int | None = None, refuse=None, whose: str = "the client's"):
         """``whose``: how refusals name ``uid`` (a tcp:// client's files are the daemon's uid's)."""
-        self.uid, self.gid, self.pid, self.refuse, self.whose = uid, gid, pid, refuse, whose
+        self.uid, self.gid, self.refuse, self.whose = uid, gid, refuse, whose
+        self.pid = None if pid == os.getpid() else pid  # the daemon's own fds are never a client's
         self._root = -1
         self._mounts: dict[int, tuple[str, str]] = {}
         try:
