@@ -14,6 +14,7 @@ The scenarios live in ``tests/l2_scenarios.py``; each prints one JSON line that 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import shutil
 import signal
@@ -190,6 +191,10 @@ def main() -> None:
     import l2_scenarios
 
     scenario, args = sys.argv[1], sys.argv[2:]
+    for name in ("l2_daemons", "l2_faults", "l2_e2e"):  # scenarios of real daemons, faults, engines
+        if hasattr(l2_scenarios, scenario):
+            break
+        l2_scenarios = importlib.import_module(name)
     workdir = Path(tempfile.mkdtemp(prefix=f"tierd-l2-{scenario}-"))
     started: list = []
     try:

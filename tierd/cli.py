@@ -51,6 +51,7 @@ def serve(**kwargs):
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     _check_ceiling(settings)
+    _check_l2(settings)
     from tierd.endpoint import EndpointError
     from tierd.pool.pooldir import PoolDirError
     from tierd.server import Daemon
@@ -74,6 +75,19 @@ def serve(**kwargs):
     if daemon.http_port is not None:
         click.echo(f"tierd: serving {settings.socket}, HTTP on http://{settings.http_host}:{daemon.http_port}", err=True)
     daemon.run()
+
+
+def _check_l2(settings: Settings) -> None:
+    """--l2-url needs Mooncake's client: without it, say what to install (a usage error, before
+    anything starts)."""
+    if settings.l2_url is None:
+        return
+    from tierd.l2.client import L2Unavailable, load_store_class
+
+    try:
+        load_store_class()
+    except L2Unavailable as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _check_ceiling(settings: Settings) -> None:

@@ -46,6 +46,18 @@ class Settings:
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     cuda: str = _opt("auto", "GPU data path: auto (when torch sees a GPU) or off (CPU layouts only).",
                      choices=("auto", "off"))
+    # ---- second tier (docs/protocol.md section 22) ----
+    l2_url: str = _opt(None, "Second tier on Mooncake Store: mooncake://MASTER[:PORT]?metadata=URL"
+                       "&protocol=tcp&local=HOST[:PORT]&segment_gb=N&... (docs/protocol.md section 22); "
+                       "unset: L1 only.")
+    l2_policy: str = _opt("write-back", "When L1 objects go to L2: write-back (the coldest, before L1 evicts "
+                          "them) or write-through (each as its STORE commits: other nodes see it at once).",
+                          choices=("write-back", "write-through"))
+    l2_backlog_mb: int = _opt(256, "MiB of L1 objects waiting for their put to L2, at most; write-back also "
+                              "keeps this much of L1's cold end written to L2 once L1 is that close to full.",
+                              min=1)
+    l2_lookup_timeout_ms: int = _opt(250, "How long a LOOKUP waits for L2 to say what it holds; past it the "
+                                     "LOOKUP is answered from L1 alone.", min=1, max=60000)
     pool_dir: str = _opt(None, "Folder on tmpfs or hugetlbfs whose files hold the pool, so that a restarted "
                          "daemon serves what the last one held (warm restart); default: process memory, "
                          "lost at exit.")
@@ -84,6 +96,13 @@ class Settings:
             raise ValueError(f"--socket-mode must be octal like 0600, got {self.socket_mode!r}") from None
         if not 0 <= mode <= 0o777:
             raise ValueError(f"--socket-mode must be between 0000 and 0777, got {self.socket_mode}")
+        if self.l2_url is not None:
+            from tierd.l2.url import parse_url  # pure: Mooncake itself is imported only by the daemon
+
+            try:
+                parse_url(self.l2_url)
+            except ValueError as exc:
+                raise ValueError(f"--l2-url: {exc}") from None
 
     @property
     def ceiling_bytes(self) -> int:

@@ -6,6 +6,9 @@ unpin, counters, the reply) runs back on the main loop (``Job.finish``).
 Deadlines: STORE and RETRIEVE carry the client's wall-clock deadline. A store never commits after
 it (the client may already reuse the blocks it read), and a retrieve never starts after it (the
 engine may have given its blocks to another request): both answer EXPIRED instead.
+
+With a second tier (``tier.l2``, tierd.tier2) a LOOKUP or RETRIEVE may answer DEFERRED: its reply
+comes later, from the main loop, once L2 answered or its deadline passed (never later than that).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from tierd.transfer.engine import READ_LANE, DeviceWork, device_work
 
 log = logging.getLogger("tierd")
 
+DEFERRED = object()  # a handler's answer when its reply comes later (tierd.tier2 sends it)
+
 
 @dataclass
 class Tier:
@@ -42,6 +47,7 @@ class Tier:
     boot_id: str
     open_memory: Callable  # PageLayout -> rank memory (CPU shm or CUDA IPC mappings)
     status: Callable[[], dict]
+    l2: object = None  # tierd.tier2.SecondTier with --l2-url
 
 
 @dataclass
@@ -108,6 +114,8 @@ class StoreJob(Job):
         pool.commit(self.plan.objs)
         if self.touch:  # again after the commit, or the new tail ends up more recent than the head it extends
             pool.touch(self.instance.ns, self.touch)
+        if tier.l2 is not None:
+            tier.l2.committed(self.instance, _geometry(tier, self.instance), self.plan.objs)
         _count_store(tier.stats, self.plan)
         return m.StoreReply(self.plan.results)
 
@@ -229,6 +237,16 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
     tier.registry.name_namespace(ns_id, ns)
     ranks = [0] if msg.replicated else list(range(ns.world_size))
     hit, objs = tier.pool.lookup(ns_id, msg.keys, msg.groups, msg.chunk_tokens, ranks)
+    if tier.l2 is not None and hit < len(msg.keys):
+        reply = tier.l2.lookup(tier, call, msg, ns_id, ranks)  # L1 then L2
+        if reply is not None:
+            return reply
+    return lookup_reply(tier, call, msg, hit, objs)
+
+
+def lookup_reply(tier: Tier, call: Call, msg: m.Lookup, hit: int, objs: list) -> m.LookupReply:
+    """Count a LOOKUP's answer and lease what it promised (``objs``: what a retrieve at ``hit`` reads)."""
+    ns = msg.namespace
     stats = tier.stats
     stats.add("lookups")
     stats.add("lookup_chunks", len(msg.keys))
@@ -276,12 +294,16 @@ def store(tier: Tier, call: Call, msg: m.Store):
     return StoreJob(tier, call, inst, plan, msg.deadline, msg.touch, msg.event)
 
 
-def retrieve(tier: Tier, call: Call, msg: m.Retrieve):
+def retrieve(tier: Tier, call: Call, msg: m.Retrieve, fetch: bool = True):
+    """``fetch``: objects L1 lacks are first fetched from L2 (DEFERRED until they landed or failed;
+    then tierd.tier2 calls again with ``fetch`` False)."""
     inst = tier.registry.instance(msg.instance)
     geo = _geometry(tier, inst)
     geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
+    if fetch and tier.l2 is not None and tier.l2.fetch_for(tier, call, msg, inst, geo):
+        return DEFERRED
     plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at)
     if not plan.objs:
         return _retrieved(tier, inst, plan, msg.lease, None)

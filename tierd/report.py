@@ -38,7 +38,7 @@ def status_table(s: dict) -> str:
         rows.append(("warm restart", _warm(s["warm_restart"])))
     if s.get("pool_grow_error"):
         rows.append(("pool growth", f"stopped: {s['pool_grow_error']}"))
-    out = [_rows(rows), "", f"instances ({len(s['instances'])})"]
+    out = [_rows(rows + _l2_rows(s.get("l2"))), "", f"instances ({len(s['instances'])})"]
     for inst in s["instances"]:
         ns = inst["namespace"]
         beat = inst["last_heartbeat_s_ago"]
@@ -56,6 +56,29 @@ def _warm(w: dict) -> str:
     else:
         text = f"cold: {w['reason']} ({w['pool_dir']})"
     return text + (f"; NOT PERSISTING: {w['persist_error']}" if w.get("persist_error") else "")
+
+
+def _l2_rows(l2: dict | None) -> list[tuple[str, object]]:
+    """``tierd status`` rows of the second tier (none without --l2-url)."""
+    if not l2:
+        return []
+    lat = l2["latency_s"]
+    ms = {op: 1e3 * lat[op]["sum"] / max(1, lat[op]["count"]) for op in ("put", "get", "exists")}
+    return [
+        ("l2", f"{l2['state']}  {l2['url']}  ({l2['policy']}, segment {_bytes(l2['segment_bytes'])})"),
+        ("l2 lookups", f"{l2['lookups']} asked  (+{l2['hit_chunks']} chunks from L2, "
+                       f"{l2['lookups_late']} late, {l2['lookups_skipped']} skipped)  "
+                       f"exists {ms['exists']:.2f} ms"),
+        ("l2 gets", f"{l2['gets']}  ({l2['hits']} hits, {l2['misses']} misses, {_bytes(l2['get_bytes'])}, "
+                    f"{l2['fetch_failed']} fetches failed)  {ms['get']:.2f} ms"),
+        ("l2 puts", f"{l2['puts']}  ({l2['put_stored']} stored, {l2['put_full']} full, "
+                    f"{_bytes(l2['put_bytes'])})  {ms['put']:.2f} ms"),
+        ("l2 backlog", f"{l2['writeback_queued']} objects ({_bytes(l2['writeback_queued_bytes'])}) queued, "
+                       f"{_bytes(l2['writeback_inflight_bytes'])} in flight, {l2['writeback_lost']} lost"),
+        ("l2 errors", f"{l2['errors']}  timeouts {l2['timeouts']}  degraded {l2['degraded']}  "
+                      + "  ".join(f"{c}={n}" for c, n in sorted(l2["errors_by_code"].items()))
+                      + (f"  last: {l2['last_error']}" if l2["last_error"] else "")),
+    ]
 
 
 def bench_table(r: dict) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import signal
 import time
@@ -64,6 +65,8 @@ class Daemon:
         self.boot_id = uuid.uuid4().hex
         self.tier = Tier(self.registry, self.pool, self.stats, settings, self.boot_id, self._open_memory,
                          self.status)
+        self.l2 = _second_tier(settings, self.pool)  # None without --l2-url
+        self.tier.l2 = self.l2
         self.stopping = False
         self._next_freeze = 0.0
         self.board = StatusBoard()  # the last /status, for the HTTP thread
@@ -112,24 +115,28 @@ class Daemon:
         poller.register(self.xfer.wake_r, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         poller.register(self.board.wake_r, zmq.POLLIN)
+        if self.l2 is not None:
+            poller.register(self.l2.wake_r, zmq.POLLIN)
         next_house = time.monotonic()
         stop_deadline = None
         log.info("tierd %s serving %s (pool ceiling %.2f GiB, backed %.2f GiB%s)", __version__, self.settings.socket,
                  self.pool.configured_bytes / 2**30, self.pool.backed_bytes / 2**30, ", pinned" if self.cuda else "")
         while True:
-            for sock, _ in poller.poll(int(HOUSEKEEPING_S * 1000)):
+            for sock, _ in poller.poll(self._poll_ms()):
                 if sock is self.router:
                     self._recv_burst()
                 elif sock == self.board.wake_r:
                     self.board.answer(self.status)
             self._finish_jobs()
+            if self.l2 is not None:
+                self._finish_l2()
             now = time.monotonic()
             if now >= next_house:
                 self._housekeeping(now)
                 next_house = now + HOUSEKEEPING_S
             if self.stopping:
                 stop_deadline = stop_deadline or now + SHUTDOWN_GRACE_S
-                if self.xfer.inflight == 0 or now > stop_deadline:
+                if (self.xfer.inflight == 0 and (self.l2 is None or self.l2.idle)) or now > stop_deadline:
                     break
         self.close()
 
@@ -170,6 +177,8 @@ class Daemon:
             identity = envelope[0]
             session = None if op in SESSIONLESS_OPS else self.registry.session(identity)
             result = handlers.HANDLERS[op](self.tier, Call(identity, session, envelope, req_id, t0), msg)
+            if result is handlers.DEFERRED:  # answered once L2 has (tierd.tier2), by its deadline
+                return
             if isinstance(result, Job):
                 self.xfer.submit(result.lane, result.run, result)
                 return
@@ -217,10 +226,39 @@ class Daemon:
                 self._send(call.envelope, codec.encode_reply(call.req_id, body))
                 self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
 
+    def _finish_l2(self) -> None:
+        for call, op, result in self.l2.drain(self.tier, time.monotonic()):
+            self._deliver(call, op, result)
+
+    def _deliver(self, call: Call, op: str, result) -> None:
+        """The reply, or the copy, of a request that waited for L2."""
+        if isinstance(result, Job):
+            self.xfer.submit(result.lane, result.run, result)
+        elif isinstance(result, ProtocolError):
+            self._error(call.envelope, call.req_id, result.code, result.message, op)
+        elif isinstance(result, Exception):
+            log.error("%s after L2: %r", op, result)
+            self._error(call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(result).__name__}: {result}",
+                        op)
+        else:
+            self._send(call.envelope, codec.encode_reply(call.req_id, result))
+            self.stats.observe(op, time.perf_counter() - call.t0)
+
+    def _poll_ms(self) -> int:
+        """Until the next housekeeping, or sooner when a request waiting for L2 is due."""
+        wait = HOUSEKEEPING_S
+        if self.l2 is not None:
+            due = self.l2.next_due(time.monotonic())
+            if due is not None:
+                wait = min(wait, max(0.0, due))
+        return math.ceil(wait * 1000)
+
     def _housekeeping(self, now: float) -> None:
         if now >= self._next_freeze:
             gc.freeze()
             self._next_freeze = now + GC_FREEZE_S
+        if self.l2 is not None:
+            self.l2.housekeeping(now)
         reaped, expired = self.registry.reap(now)
         if expired:
             self.stats.add("leases_expired", expired)
@@ -234,8 +272,13 @@ class Daemon:
     # ---- shutdown ----------------------------------------------------------------------------------
     def close(self) -> None:
         """Copies first (each answered), then the ranks' memory, then the pool they copied into."""
+        if self.l2 is not None:  # the grace is over: what still waits for L2 is answered SHUTTING_DOWN
+            for call, op, result in self.l2.abandon():
+                self._deliver(call, op, result)
         self.xfer.close()  # waits for every queued copy
         self._finish_jobs()
+        if self.l2 is not None:
+            self.l2.close()  # Mooncake lets go of the pool's memory (bounded: it kills its agent)
         self.board.publish(self.status())
         self.board.close()  # HTTP asks from here on get the last status
         for inst_id in list(self.registry.instances):
@@ -250,6 +293,15 @@ class Daemon:
         os.close(self._stop_r)
         os.close(self._stop_w)
         log.info("stopped")
+
+
+def _second_tier(settings: Settings, pool: Pool):
+    """Mooncake Store as L2 with --l2-url (imported only then), else None."""
+    if not settings.l2_url:
+        return None
+    from tierd.tier2 import SecondTier
+
+    return SecondTier(settings, pool)
 
 
 def _cuda_support(settings: Settings):

