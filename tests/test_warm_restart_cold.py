@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
@@ -159,7 +158,7 @@ def refused(res, *needles) -> None:
         assert needle in res.stderr, (needle, res.stderr)
 
 
-def test_a_pool_dir_on_a_disk_filesystem_exits_2_naming_the_folder_and_filesystem(tmp_path):
+def test_a_pool_dir_on_a_disk_filesystem_exits_2_naming_the_folder_and_filesystem(tmp_path, shm_dir):
     folder = str(tmp_path / "pool")
     fstype = subprocess.run(
         ["findmnt", "-n", "-o", "FSTYPE", "-T", str(tmp_path)], capture_output=True, text=True
@@ -173,9 +172,7 @@ def test_a_pool_dir_on_a_disk_filesystem_exits_2_naming_the_folder_and_filesyste
         "--pool-dir",
     )
     refused(
-        serve(
-            tmp_path, "--pool-dir", f"/dev/shm/tierd-test-{uuid.uuid4().hex[:8]}", "--pool-index-dir", folder
-        ),
+        serve(tmp_path, "--pool-dir", shm_dir, "--pool-index-dir", folder),  # shm_dir is removed afterwards
         folder,
         "index folder",
         "--pool-index-dir",
