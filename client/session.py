@@ -59,8 +59,11 @@ class Session(Transport):
         heartbeat_interval_s: float | None = None,
         name: str = "tierd-client",
         connect_timeout_s: float = 5.0,
+        token: str | None = None,
     ):
         super().__init__(url or default_socket(), timeout_s, name)
+        # tcp://: the tenant token the daemon's --tcp-token-file lists (default $TIERD_TOKEN)
+        self._token = os.environ.get("TIERD_TOKEN", "") if token is None else token
         self._heartbeat = heartbeat_interval_s
         self._registrations: dict[str, _Registration] = {}
         self._hello: dict | None = None
@@ -156,7 +159,10 @@ class Session(Transport):
 
     # ---- I/O thread -----------------------------------------------------------------------------
     def _hello_body(self) -> dict:
-        return {"protocol": PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
+        body = {"protocol": PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
+        if self._token:
+            body["token"] = self._token
+        return body
 
     def _resync(self, then: Pending | None = None) -> None:
         """HELLO, every accepted REGISTER, then ``then``: ahead of anything else waiting."""

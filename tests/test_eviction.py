@@ -18,7 +18,7 @@ GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)
 
 @pytest.fixture
 def tight(daemon_factory, client_factory, ranks):
-    d = daemon_factory(pool_mb=2)
+    d = daemon_factory("--max-lease-share", "1", pool_mb=2)  # some tests lease the whole pool
     c = client_factory(d)
     rank = ranks(GEOM, num_blocks=64)
     c.register("r", rank.layout())

@@ -26,7 +26,7 @@ def lease(c, rank, ks):
 
 
 def test_release_frees_the_lease_and_its_objects(daemon_factory, client_factory, ranks):
-    d = daemon_factory(pool_mb=2)
+    d = daemon_factory("--max-lease-share", "1", pool_mb=2)  # this test leases the whole pool
     c = client_factory(d)
     rank = ranks(GEOM)
     c.register("r", rank.layout())
@@ -44,7 +44,7 @@ def test_release_frees_the_lease_and_its_objects(daemon_factory, client_factory,
 
 
 def test_lease_ttl_expiry_frees_objects(daemon_factory, client_factory, ranks):
-    d = daemon_factory("--lease-ttl-s", "0.5", pool_mb=2)
+    d = daemon_factory("--lease-ttl-s", "0.5", "--max-lease-share", "1", pool_mb=2)
     c = client_factory(d)
     rank = ranks(GEOM)
     c.register("r", rank.layout())

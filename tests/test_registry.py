@@ -86,22 +86,22 @@ def test_unknown_session_and_instance_are_typed_errors(reg):
 
 def test_register_is_idempotent_moves_on_reconnect_and_refuses_another_live_clients_layout(reg):
     a = reg.open_session(b"a", "w0", 1)
-    inst = reg.register(a, "r0", layout(), lambda lay: Memory())
+    inst = reg.register(a, "r0", layout(), lambda lay, peer: Memory())
     assert inst.ns == namespace_id(layout().namespace) and a.instances == {"r0"}
     b = reg.open_session(b"b", "w0-again", 1)
-    assert reg.register(b, "r0", layout(), lambda lay: Memory()) is inst  # same layout: moves, not re-mapped
+    assert reg.register(b, "r0", layout(), lambda lay, peer: Memory()) is inst  # same layout: moves, not re-mapped
     assert a.instances == set() and b.instances == {"r0"} and inst.session == b"b"
     c = reg.open_session(b"c", "other", 2)
     with pytest.raises(ProtocolError) as err:
-        reg.register(c, "r0", layout(fingerprint="other"), lambda lay: Memory())
+        reg.register(c, "r0", layout(fingerprint="other"), lambda lay, peer: Memory())
     assert err.value.code is ErrorCode.LAYOUT_MISMATCH and reg.instances["r0"] is inst
 
 
 def test_closing_a_session_unregisters_its_instances_and_closes_their_memory(reg):
     Memory.closed = 0
     s = reg.open_session(b"a", "w", 1)
-    reg.register(s, "r0", layout(0, 2), lambda lay: Memory())
-    reg.register(s, "r1", layout(1, 2), lambda lay: Memory())
+    reg.register(s, "r0", layout(0, 2), lambda lay, peer: Memory())
+    reg.register(s, "r1", layout(1, 2), lambda lay, peer: Memory())
     assert sorted(reg.instances) == ["r0", "r1"]
     reg.close_session(b"a", reason="BYE")
     assert not reg.instances and not reg.sessions
@@ -111,7 +111,7 @@ def test_closing_a_session_unregisters_its_instances_and_closes_their_memory(reg
 
 def test_namespaces_are_forgotten_once_nothing_names_them(reg):
     s = reg.open_session(b"a", "w", 1)
-    reg.register(s, "r0", layout(), lambda lay: Memory())
+    reg.register(s, "r0", layout(), lambda lay, peer: Memory())
     ns = namespace_id(layout().namespace)
     assert ns in reg.namespaces
     reg.unregister("r0")

@@ -11,7 +11,7 @@ from util import chunk, ranks  # noqa: F401 - fixtures
 
 def test_tcp_endpoint_round_trip(daemon_factory, client_factory, ranks):
     port = free_port()
-    d = daemon_factory("--socket", f"tcp://127.0.0.1:{port}")
+    d = daemon_factory("--socket", f"tcp://127.0.0.1:{port}", "--insecure-tcp")
     d.endpoint = f"tcp://127.0.0.1:{port}"  # the fixture's ipc path was overridden
     c = client_factory(d)
     rank = ranks(GroupGeom("full"))

@@ -51,6 +51,13 @@ def serve(**kwargs):
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     _check_ceiling(settings)
+    if settings.tcp_token_file:
+        from tierd.tenants import TokenFileError, load_tokens
+
+        try:
+            load_tokens(settings.tcp_token_file)
+        except TokenFileError as exc:
+            raise click.UsageError(str(exc)) from None
     _check_l2(settings)
     from tierd.endpoint import EndpointError
     from tierd.pool.pooldir import PoolDirError

@@ -39,11 +39,25 @@ class Settings:
     separate_object_groups: bool = _opt(
         True, "Store each engine group of a chunk as its own object (on), or all groups of a rank as one object (off)."
     )
-    workers: int = _opt(0, "Transfer threads; 0 gives one thread per registered rank.", min=0, max=1024)
+    workers: int = _opt(0, "Copy threads shared by every rank's copy lane; 0: two per CPU core, 16 to 64.", min=0, max=1024)
     heartbeat_timeout_s: float = _opt(30.0, "Seconds without a message after which a client is dead: its leases and registrations go.", min=0.1)
     lease_ttl_s: float = _opt(60.0, "Seconds a LOOKUP lease keeps its objects from eviction unless released or consumed.", min=0.1)
     max_frame_mb: int = _opt(64, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    # ---- tenants and per-client limits (docs/protocol.md section 21) ----
+    tcp_token_file: str = _opt(None, "File of 'TENANT TOKEN' lines: a tcp:// client's HELLO must carry one of the "
+                               "tokens and acts as that tenant (TENANT 'admin' is an operator).")
+    insecure_tcp: bool = _opt(False, "Accept tcp:// clients without a token, all as the daemon's own tenant with "
+                              "operator rights (trusted networks only).")
+    max_sessions_per_peer: int = _opt(256, "Sessions one user (uid; on tcp:// one tenant) may hold at once.", min=1)
+    max_instances_per_tenant: int = _opt(1024, "Ranks one tenant may have registered at once.", min=1)
+    max_files_per_tenant: int = _opt(4096, "Shared-memory files one tenant's registered ranks may hold open "
+                                     "(each file is opened once per rank, whatever the number of its tensors).", min=1)
+    max_leases_per_session: int = _opt(8192, "LOOKUP leases one session may hold at once.", min=1)
+    max_lease_share: float = _opt(0.5, "Largest share of the pool's ceiling one tenant's leases may pin, 0..1.",
+                                  min=0.0, max=1.0)
+    namespace_quota_gb: float = _opt(0.0, "Most pool memory one namespace may fill, in GiB; 0: no quota. A namespace "
+                                  "at its quota evicts its own least recently used objects, never another's.", min=0.0)
     cuda: str = _opt("auto", "GPU data path: auto (when torch sees a GPU) or off (CPU layouts only).",
                      choices=("auto", "off"))
     # ---- second tier (docs/protocol.md section 22) ----
@@ -83,13 +97,18 @@ class Settings:
             raise ValueError(
                 f"--l1-init-size-gb ({self.l1_init_size_gb}) cannot exceed --l1-size-gb ({self.l1_size_gb})"
             )
-        for name in ("pool_dir", "pool_index_dir"):
+        for name in ("pool_dir", "pool_index_dir", "tcp_token_file"):
             if getattr(self, name) == "":
                 raise ValueError(f"--{_flag(name)} must name a path, got ''")
         if self.pool_index_dir is not None and self.pool_dir is None:
             raise ValueError("--pool-index-dir needs --pool-dir (it holds the index of a pool kept in files)")
         if not (self.socket.startswith("ipc://") or self.socket.startswith("tcp://")):
             raise ValueError(f"--socket must start with ipc:// or tcp://, got {self.socket!r}")
+        if self.socket.startswith("tcp://") and not (self.tcp_token_file or self.insecure_tcp):
+            raise ValueError("a tcp:// --socket has no kernel credentials to tell tenants apart: give "
+                             "--tcp-token-file (tenant tokens) or --insecure-tcp (every client trusted)")
+        if self.tcp_token_file is not None and not self.socket.startswith("tcp://"):
+            raise ValueError("--tcp-token-file is for a tcp:// --socket (ipc:// clients are told apart by uid)")
         try:
             mode = int(self.socket_mode, 8)
         except ValueError:

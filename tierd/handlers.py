@@ -21,14 +21,15 @@ from dataclasses import dataclass
 
 from tierd import __version__
 from tierd.config import Settings
+from tierd.peer import Peer
 from tierd.planner import CopyPlan, Geometry, plan_retrieve, plan_store
 from tierd.pool.pool import Pool
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol import messages as m
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.keys import namespace_id
-from tierd.registry import Instance, Registry, Session
+from tierd.registry import Instance, Registry, Session, instance_key
 from tierd.stats import Stats
+from tierd.tenants import Tenants, scoped_namespace_id
 from tierd.transfer.engine import READ_LANE, DeviceWork, device_work
 
 log = logging.getLogger("tierd")
@@ -45,8 +46,9 @@ class Tier:
     stats: Stats
     settings: Settings
     boot_id: str
-    open_memory: Callable  # PageLayout -> rank memory (CPU shm or CUDA IPC mappings)
+    open_memory: Callable  # (PageLayout, Peer) -> rank memory (CPU shm or CUDA IPC mappings)
     status: Callable[[], dict]
+    tenants: Tenants = None  # who a HELLO acts as (None: everyone is the daemon's own tenant)
     l2: object = None  # tierd.tier2.SecondTier with --l2-url
 
 
@@ -59,6 +61,11 @@ class Call:
     envelope: list[bytes]
     req_id: int
     t0: float
+    peer: Peer | None = None  # the kernel's credentials of the connection (None: the daemon's own user)
+
+    @property
+    def tenant(self) -> str:
+        return self.session.tenant
 
 
 class Expired(Exception):
@@ -107,6 +114,7 @@ class StoreJob(Job):
         pool = tier.pool
         if exc is not None:
             pool.abort(self.plan.objs)
+            _drop_broken(tier, self.instance, exc)
             raise ProtocolError(ErrorCode.DEVICE_ERROR, f"store copy failed: {type(exc).__name__}: {exc}")
         if self.deadline and time.time() > self.deadline:
             pool.abort(self.plan.objs)  # the client gave up and may already reuse the blocks we read
@@ -160,10 +168,11 @@ class RetrieveJob(Job):
 
 def _retrieved(tier: Tier, inst: Instance, plan: CopyPlan, lease: int, exc: BaseException | None) -> m.RetrieveReply:
     if lease:
-        tier.registry.consume(lease, inst.layout.rank)
+        tier.registry.consume(lease, inst.layout.rank, inst.tenant)
     if isinstance(exc, Expired):
         raise ProtocolError(ErrorCode.EXPIRED, "the retrieve's deadline passed before its copy started")
     if exc is not None:
+        _drop_broken(tier, inst, exc)
         raise ProtocolError(ErrorCode.DEVICE_ERROR, f"retrieve copy failed: {type(exc).__name__}: {exc}")
     stats = tier.stats
     stats.add("retrieves")
@@ -171,6 +180,15 @@ def _retrieved(tier: Tier, inst: Instance, plan: CopyPlan, lease: int, exc: Base
     stats.add("retrieved_bytes", plan.nbytes)
     stats.add("retrieve_failed_blocks", len(plan.failed))
     return m.RetrieveReply(plan.results, plan.failed, None)
+
+
+def _drop_broken(tier: Tier, inst: Instance, exc: BaseException) -> None:
+    """A CPU rank whose copy failed has memory that is not what it registered (a file truncated
+    or gone): unregister it, so its next request fails UNKNOWN_INSTANCE and the client registers
+    again. Nobody else is affected."""
+    if inst.layout.device == "cpu" and not inst.closed:
+        log.warning("%s: its shared memory failed a copy, unregistering it: %s", inst.id, exc)
+        tier.registry.unregister(inst.id)
 
 
 def _count_store(stats: Stats, plan: CopyPlan) -> None:
@@ -185,10 +203,15 @@ def hello(tier: Tier, call: Call, msg: m.Hello) -> m.HelloReply:
     if msg.protocol != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                             f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {msg.protocol}")
-    tier.registry.open_session(call.identity, msg.client, msg.pid)
+    if tier.tenants is None or call.peer is None:
+        session = tier.registry.open_session(call.identity, msg.client, msg.pid)
+    else:
+        principal = tier.tenants.principal(call.peer, msg.token)
+        session = tier.registry.open_session(call.identity, msg.client, call.peer.pid or msg.pid, principal, call.peer)
     s = tier.settings
     return m.HelloReply(PROTOCOL_VERSION, __version__, tier.boot_id, os.getpid(), s.null_block_id,
-                        s.heartbeat_timeout_s, s.lease_ttl_s, s.max_frame_bytes)
+                        s.heartbeat_timeout_s, s.lease_ttl_s, s.max_frame_bytes, session.tenant,
+                        session.principal.operator)
 
 
 def bye(tier: Tier, call: Call, msg: m.Bye) -> m.Empty:
@@ -205,18 +228,27 @@ def status(tier: Tier, call: Call, msg: m.Status) -> dict:
 
 
 def clear(tier: Tier, call: Call, msg: m.Clear) -> m.ClearReply:
-    return m.ClearReply(tier.pool.clear(None if msg.namespace is None else namespace_id(msg.namespace)))
+    """Operators only: every object, or one namespace's (the caller's own tenant's, or ``tenant``'s)."""
+    if not call.session.principal.operator:
+        raise ProtocolError(ErrorCode.FORBIDDEN, "CLEAR is an operator action (the daemon's own user, root, or "
+                            "the tcp:// tenant 'admin')")
+    if msg.namespace is None:
+        if msg.tenant is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "tenant: names whose namespace to clear; give namespace too")
+        return m.ClearReply(tier.pool.clear(None))
+    tenant = call.tenant if msg.tenant is None else msg.tenant
+    return m.ClearReply(tier.pool.clear(scoped_namespace_id(tenant, msg.namespace)))
 
 
 # ---- registration --------------------------------------------------------------------------------
 def register(tier: Tier, call: Call, msg: m.Register) -> m.RegisterReply:
     inst = tier.registry.register(call.session, msg.instance, msg.layout, tier.open_memory)
     layout = inst.layout
-    return m.RegisterReply(inst.id, inst.ns, [g.object_bytes(layout.chunk_tokens) for g in layout.groups])
+    return m.RegisterReply(inst.name, inst.ns, [g.object_bytes(layout.chunk_tokens) for g in layout.groups])
 
 
 def unregister(tier: Tier, call: Call, msg: m.Unregister) -> m.Empty:
-    if not tier.registry.unregister(msg.instance):
+    if not tier.registry.unregister(instance_key(call.tenant, msg.instance)):
         raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, f"instance {msg.instance!r} is not registered")
     return m.Empty()
 
@@ -226,7 +258,8 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
     for i, spec in enumerate(msg.groups):
         spec.check_chunk(msg.chunk_tokens, f"groups[{i}]")
     ns = msg.namespace
-    ns_id = namespace_id(ns)
+    tenant = call.tenant
+    ns_id = scoped_namespace_id(tenant, ns)
     registered = tier.registry.registered_layout(ns_id)
     if registered is not None:
         inst_id, lay = registered
@@ -234,7 +267,7 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
                 or lay.chunk_tokens != msg.chunk_tokens or lay.replicated != msg.replicated):
             raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"LOOKUP groups/chunk_tokens/replicated differ from the "
                                 f"layout {inst_id!r} registered in this namespace")
-    tier.registry.name_namespace(ns_id, ns)
+    tier.registry.name_namespace(ns_id, ns, tenant)
     ranks = [0] if msg.replicated else list(range(ns.world_size))
     hit, objs = tier.pool.lookup(ns_id, msg.keys, msg.groups, msg.chunk_tokens, ranks)
     if tier.l2 is not None and hit < len(msg.keys):
@@ -259,7 +292,7 @@ def lookup_reply(tier: Tier, call: Call, msg: m.Lookup, hit: int, objs: list) ->
 
 
 def release(tier: Tier, call: Call, msg: m.Release) -> m.Empty:
-    if not tier.registry.release(msg.lease):
+    if tier.registry.lease_of(msg.lease, call.tenant) is None or not tier.registry.release(msg.lease):
         raise ProtocolError(ErrorCode.UNKNOWN_LEASE, f"lease {msg.lease} is not held")
     return m.Empty()
 
@@ -277,7 +310,7 @@ def _check_deadline(deadline: float) -> None:
 
 
 def store(tier: Tier, call: Call, msg: m.Store):
-    inst = tier.registry.instance(msg.instance)
+    inst = tier.registry.instance(msg.instance, call.tenant)
     geo = _geometry(tier, inst)
     geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
@@ -297,7 +330,9 @@ def store(tier: Tier, call: Call, msg: m.Store):
 def retrieve(tier: Tier, call: Call, msg: m.Retrieve, fetch: bool = True):
     """``fetch``: objects L1 lacks are first fetched from L2 (DEFERRED until they landed or failed;
     then tierd.tier2 calls again with ``fetch`` False)."""
-    inst = tier.registry.instance(msg.instance)
+    inst = tier.registry.instance(msg.instance, call.tenant)
+    if msg.lease:
+        tier.registry.lease_of(msg.lease, inst.tenant)  # FORBIDDEN for another tenant's lease
     geo = _geometry(tier, inst)
     geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))

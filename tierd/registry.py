@@ -3,7 +3,9 @@ LOOKUP leases. One owner for all of it, driven by plain verbs; only the daemon's
 
 A session is one client connection (its ZeroMQ identity), opened by HELLO, kept alive by any
 message, closed by BYE or reaped after ``heartbeat_timeout_s`` of silence: its leases are
-released and its instances unregistered. A lease pins the objects a LOOKUP reported until every
+released and its instances unregistered. Every session acts as one tenant (tierd.tenants):
+instance names and leases are looked up within the caller's tenant only, and the limits of
+``Limits`` are counted per peer, tenant or session. A lease pins the objects a LOOKUP reported until every
 rank of the namespace has retrieved against it, it is released, its TTL passes, or its session
 goes. An instance's memory is unmapped only after every copy already queued for it has run.
 """
@@ -12,21 +14,48 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
+from tierd.peer import Peer
 from tierd.pool.index import Obj
 from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.keys import namespace_id
 from tierd.protocol.layout import Namespace, PageLayout
+from tierd.tenants import DEFAULT_TENANT, Principal, scoped_namespace_id
 
 log = logging.getLogger("tierd")
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Per-client caps (the --max-* flags); a request past one is answered LIMIT."""
+
+    sessions_per_peer: int = 256
+    instances_per_tenant: int = 1024
+    files_per_tenant: int = 4096
+    leases_per_session: int = 8192
+    lease_share: float = 0.5  # of the pool's ceiling, per tenant
+
+    @classmethod
+    def from_settings(cls, s) -> Limits:
+        return cls(s.max_sessions_per_peer, s.max_instances_per_tenant, s.max_files_per_tenant,
+                   s.max_leases_per_session, s.max_lease_share)
+
+
+OWNER = Principal(DEFAULT_TENANT, True, "uid:self")  # the daemon's own user: tests and tools
+OWN_PEER = Peer(os.getuid(), os.getgid(), os.getpid())
+
+
+def instance_key(tenant: str, name: str) -> str:
+    """The registry's key (and copy lane) of instance ``name`` of ``tenant``."""
+    return f"{name}@{tenant}" if tenant else name
+
+
 @dataclass(eq=False)
 class Instance:
-    id: str
+    id: str  # the registry's key: the client's name, qualified by its tenant (instance_key)
     session: bytes
     layout: PageLayout
     ns: bytes  # namespace id
@@ -34,6 +63,8 @@ class Instance:
     registered_at: float = field(default_factory=time.time)
     closed: bool = False
     geometry: object = None  # the planner's per-layout constants (planner.Geometry), made on first use
+    name: str = ""  # as the client named it
+    tenant: str = DEFAULT_TENANT
 
     @property
     def rank_key(self) -> int:
@@ -49,6 +80,16 @@ class Session:
     last_seen: float
     instances: set[str] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
+    principal: Principal = OWNER
+    peer: Peer = OWN_PEER  # the kernel's credentials of the connection (none on tcp://)
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant
+
+    @property
+    def uid(self) -> int:
+        return self.peer.uid
 
 
 @dataclass(eq=False)
@@ -58,14 +99,17 @@ class Lease:
     objs: list[Obj]
     pending_ranks: set[int]
     expires: float
+    tenant: str = DEFAULT_TENANT
 
 
 class Registry:
     """Sessions, instances, namespaces and leases. ``lanes`` attaches/detaches an instance's copy
     lanes (the transfer engine); ``pool`` is pinned and unpinned for leases."""
 
-    def __init__(self, pool: Pool, lanes, lease_ttl_s: float, heartbeat_timeout_s: float):
+    def __init__(self, pool: Pool, lanes, lease_ttl_s: float, heartbeat_timeout_s: float,
+                 limits: Limits | None = None):
         self.pool = pool
+        self.limits = limits or Limits()
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -75,21 +119,42 @@ class Registry:
         self.leases: dict[int, Lease] = {}
         self._lease_ids = itertools.count(1)
         self._by_ns: dict[bytes, set[str]] = {}  # namespace id -> its registered instance ids
+        self.ns_tenant: dict[bytes, str] = {}  # namespace id -> the tenant it belongs to
+        self._peer_sessions: dict[str, int] = {}  # Principal.peer_key -> live sessions
+        self._tenant_instances: dict[str, int] = {}
+        self._tenant_files: dict[str, int] = {}
+        self._leased: dict[str, dict[Obj, int]] = {}  # tenant -> object -> how many of its leases pin it
+        self.leased_bytes: dict[str, int] = {}  # tenant -> bytes its leases pin (each object once)
         self._noted: set[bytes] = set()  # namespace ids in the pool's extra blob (warm restart)
         self._restore_namespaces(pool.extra)
 
     # ---- sessions -----------------------------------------------------------------------------
-    def open_session(self, identity: bytes, name: str, pid: int) -> Session:
-        if identity in self.sessions:  # a reconnect on the same identity: start clean
+    def open_session(self, identity: bytes, name: str, pid: int, principal: Principal = OWNER,
+                     peer: Peer = OWN_PEER) -> Session:
+        old = self.sessions.get(identity)
+        if old is not None:  # a reconnect on the same identity: start clean
+            if old.principal != principal or old.uid != peer.uid:
+                raise ProtocolError(ErrorCode.FORBIDDEN, "this connection identity is another user's live session")
             self.close_session(identity, reason="re-HELLO")
-        session = self.sessions[identity] = Session(identity, name, pid, time.monotonic())
+        key = principal.peer_key
+        have = self._peer_sessions.get(key, 0)
+        if have >= self.limits.sessions_per_peer:
+            raise ProtocolError(ErrorCode.LIMIT, f"{key} already has {have} sessions (--max-sessions-per-peer "
+                                f"{self.limits.sessions_per_peer}); close some (BYE) or raise the limit")
+        self._peer_sessions[key] = have + 1
+        session = self.sessions[identity] = Session(identity, name, pid, time.monotonic(), principal=principal,
+                                                    peer=peer)
         return session
 
-    def session(self, identity: bytes) -> Session:
-        """The live session of ``identity``, marked as heard from now; UNKNOWN_SESSION if none."""
+    def session(self, identity: bytes, uid: int = OWN_PEER.uid) -> Session:
+        """The live session of ``identity``, marked as heard from now; UNKNOWN_SESSION if none,
+        FORBIDDEN when the message came from another uid than the session's HELLO (a routing
+        identity taken over by another user's connection)."""
         session = self.sessions.get(identity)
         if session is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "send HELLO first (the daemon may have restarted)")
+        if session.uid != uid:
+            raise ProtocolError(ErrorCode.FORBIDDEN, "this connection identity is another user's session")
         session.last_seen = time.monotonic()
         return session
 
@@ -97,6 +162,10 @@ class Registry:
         session = self.sessions.pop(identity, None)
         if session is None:
             return
+        key = session.principal.peer_key
+        self._peer_sessions[key] -= 1
+        if not self._peer_sessions[key]:
+            del self._peer_sessions[key]
         for lease_id in list(session.leases):
             self.release(lease_id)
         for inst_id in list(session.instances):
@@ -116,11 +185,15 @@ class Registry:
                 self.close_session(identity, reason=f"no message for {self.heartbeat_timeout_s:g} s")
         for ns_id in [n for n in self.namespaces if n not in self._by_ns and not self.pool.per_ns.get(n)]:
             del self.namespaces[ns_id]
+            self.ns_tenant.pop(ns_id, None)
         return reaped, len(dead_leases)
 
     # ---- instances ----------------------------------------------------------------------------
-    def register(self, session: Session, inst_id: str, layout: PageLayout, open_memory) -> Instance:
-        """Register (or re-register) a rank; ``open_memory(layout)`` maps its KV tensors."""
+    def register(self, session: Session, name: str, layout: PageLayout, open_memory) -> Instance:
+        """Register (or re-register) a rank of the session's tenant; ``open_memory(layout, peer)``
+        maps its KV tensors as the session's peer may."""
+        tenant = session.tenant
+        inst_id = instance_key(tenant, name)
         old = self.instances.get(inst_id)
         if old is not None:
             if old.layout != layout and old.session != session.identity and old.session in self.sessions:
@@ -134,9 +207,24 @@ class Registry:
                 session.instances.add(inst_id)
                 return old
             self.unregister(inst_id)
-        memory = open_memory(layout)
-        inst = Instance(inst_id, session.identity, layout, namespace_id(layout.namespace), memory)
+        lim = self.limits
+        have = self._tenant_instances.get(tenant, 0)
+        if have >= lim.instances_per_tenant:
+            raise ProtocolError(ErrorCode.LIMIT, f"this tenant has {have} registered ranks (--max-instances-per-tenant "
+                                f"{lim.instances_per_tenant})")
+        memory = open_memory(layout, session.peer)
+        files = getattr(memory, "files", 0)
+        held = self._tenant_files.get(tenant, 0)
+        if held + files > lim.files_per_tenant:
+            memory.close()
+            raise ProtocolError(ErrorCode.LIMIT, f"this rank's {files} shared-memory files and the {held} this tenant "
+                                f"holds pass --max-files-per-tenant {lim.files_per_tenant}")
+        ns_id = scoped_namespace_id(tenant, layout.namespace)
+        inst = Instance(inst_id, session.identity, layout, ns_id, memory, name=name, tenant=tenant)
+        self._tenant_instances[tenant] = have + 1
+        self._tenant_files[tenant] = held + files
         self.namespaces[inst.ns] = layout.namespace
+        self.ns_tenant[inst.ns] = tenant
         self.instances[inst_id] = inst
         self._by_ns.setdefault(inst.ns, set()).add(inst_id)
         if inst.ns not in self._noted:  # journaled before any of its objects can be committed
@@ -147,17 +235,27 @@ class Registry:
                  layout.rank, layout.namespace.world_size, len(layout.groups), layout.device)
         return inst
 
-    def instance(self, inst_id: str) -> Instance:
-        inst = self.instances.get(inst_id)
+    def instance(self, name: str, tenant: str = DEFAULT_TENANT) -> Instance:
+        """Instance ``name`` of ``tenant`` (another tenant's instances of that name are not seen)."""
+        inst = self.instances.get(instance_key(tenant, name))
         if inst is None or inst.closed:
-            raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, f"instance {inst_id!r} is not registered")
+            raise ProtocolError(ErrorCode.UNKNOWN_INSTANCE, f"instance {name!r} is not registered")
         return inst
 
     def unregister(self, inst_id: str) -> bool:
+        """Unregister by the registry's key (``instance_key``)."""
         inst = self.instances.pop(inst_id, None)
         if inst is None:
             return False
         inst.closed = True
+        self._tenant_instances[inst.tenant] -= 1
+        if not self._tenant_instances[inst.tenant]:
+            del self._tenant_instances[inst.tenant]
+        files = getattr(inst.memory, "files", 0)
+        if files:
+            self._tenant_files[inst.tenant] -= files
+            if not self._tenant_files[inst.tenant]:
+                del self._tenant_files[inst.tenant]
         same = self._by_ns.get(inst.ns)
         if same is not None:
             same.discard(inst_id)
@@ -178,8 +276,9 @@ class Registry:
         inst = self.instances[next(iter(ids))]
         return inst.id, inst.layout
 
-    def name_namespace(self, ns_id: bytes, ns: Namespace) -> None:
+    def name_namespace(self, ns_id: bytes, ns: Namespace, tenant: str = DEFAULT_TENANT) -> None:
         self.namespaces.setdefault(ns_id, ns)
+        self.ns_tenant.setdefault(ns_id, tenant)
 
     # ---- warm restart -------------------------------------------------------------------------
     def persisted(self) -> dict:
@@ -188,45 +287,96 @@ class Registry:
         namespace, so LOOKUPs of unknown namespaces never grow it or the journal."""
         keep = [n for n in self.namespaces if n in self._by_ns or self.pool.per_ns.get(n)]
         self._noted = set(keep)
-        return {"namespaces": [self.namespaces[n].to_wire() for n in keep]}
+        return {"namespaces": [{**self.namespaces[n].to_wire(), "tenant": self.ns_tenant.get(n, DEFAULT_TENANT)}
+                               for n in keep]}
 
     def _restore_namespaces(self, extra) -> None:
-        """Name again the namespaces of the objects a warm restart recovered (for /status); an
-        entry that does not decode is skipped: the objects stay servable by id either way."""
+        """Name again the namespaces of the objects a warm restart recovered, with their tenants
+        (for /status); an entry that does not decode is skipped: the objects stay servable by id
+        either way, and only their own tenant's LOOKUPs derive that id."""
         entries = extra.get("namespaces") if isinstance(extra, dict) else None
         for wire in entries if isinstance(entries, list) else ():
+            wire = dict(wire) if isinstance(wire, dict) else {}
+            tenant = wire.pop("tenant", DEFAULT_TENANT)
             try:
+                if not isinstance(tenant, str):
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"tenant {tenant!r} is not a string")
                 ns = Namespace.from_wire(wire, "namespaces[]")
             except ProtocolError as exc:
                 log.warning("a recovered namespace is unreadable, skipped: %s", exc.message)
                 continue
-            ns_id = namespace_id(ns)
+            ns_id = scoped_namespace_id(tenant, ns)
             if self.pool.per_ns.get(ns_id):
                 self.namespaces[ns_id] = ns
+                self.ns_tenant[ns_id] = tenant
         self._noted = set(self.namespaces)
 
     # ---- leases -------------------------------------------------------------------------------
     def grant(self, session: Session, objs: list[Obj], world_size: int) -> int:
+        """A lease pinning ``objs`` (LIMIT past --max-leases-per-session or --max-lease-share:
+        nothing pinned). A tenant's pinned bytes count each object once, however many of its
+        leases pin it (concurrent requests sharing a prefix)."""
+        lim = self.limits
+        if len(session.leases) >= lim.leases_per_session:
+            raise ProtocolError(ErrorCode.LIMIT, f"this session holds {len(session.leases)} leases "
+                                f"(--max-leases-per-session {lim.leases_per_session}); RELEASE some")
+        tenant = session.tenant
+        held = self._leased.setdefault(tenant, {})
+        with self.pool.lock:
+            new = [o for o in objs if o not in held]
+            add = sum(o.nbytes for o in dict.fromkeys(new))
+            cap = lim.lease_share * self.pool.configured_bytes
+            pinned = self.leased_bytes.get(tenant, 0)
+            if add and pinned + add > cap:
+                raise ProtocolError(ErrorCode.LIMIT, f"this tenant's leases would pin {pinned + add} bytes, more than "
+                                    f"--max-lease-share {lim.lease_share:g} of the pool ({int(cap)} bytes)")
+            for o in objs:
+                o.pins += 1
+                held[o] = held.get(o, 0) + 1
+        self.leased_bytes[tenant] = pinned + add
         lease = Lease(next(self._lease_ids), session.identity, objs, set(range(world_size)),
-                      time.monotonic() + self.lease_ttl_s)
-        self.pool.pin(objs)
+                      time.monotonic() + self.lease_ttl_s, tenant)
         self.leases[lease.id] = lease
         session.leases.add(lease.id)
         return lease.id
+
+    def lease_of(self, lease_id: int, tenant: str) -> Lease | None:
+        """The lease, if it is ``tenant``'s (another tenant's lease is FORBIDDEN)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.tenant != tenant:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"lease {lease_id} is another tenant's")
+        return lease
 
     def release(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        self.pool.unpin(lease.objs)
+        held = self._leased.get(lease.tenant, {})
+        freed = 0
+        with self.pool.lock:
+            for o in lease.objs:
+                o.pins -= 1
+                n = held[o] - 1
+                if n:
+                    held[o] = n
+                else:
+                    del held[o]
+                    freed += o.nbytes
+        if not held:
+            self._leased.pop(lease.tenant, None)
+        left = self.leased_bytes.get(lease.tenant, 0) - freed
+        if left:
+            self.leased_bytes[lease.tenant] = left
+        else:
+            self.leased_bytes.pop(lease.tenant, None)
         owner = self.sessions.get(lease.session)
         if owner is not None:
             owner.leases.discard(lease_id)
         return True
 
-    def consume(self, lease_id: int, rank: int) -> None:
+    def consume(self, lease_id: int, rank: int, tenant: str = DEFAULT_TENANT) -> None:
         """A rank retrieved against the lease; the last rank releases it."""
-        lease = self.leases.get(lease_id)
+        lease = self.lease_of(lease_id, tenant)
         if lease is None:
             return
         lease.pending_ranks.discard(rank)

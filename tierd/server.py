@@ -21,13 +21,15 @@ import zmq
 from tierd import __version__, endpoint, handlers, warm
 from tierd.config import Settings
 from tierd.handlers import Call, Job, Tier
+from tierd.peer import Peer, parse_peer_address
 from tierd.pool.pool import Pool
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
-from tierd.registry import Registry
+from tierd.registry import Limits, Registry
 from tierd.stats import Stats
 from tierd.status import StatusBoard, build_status
+from tierd.tenants import Tenants, load_tokens
 from tierd.transfer.engine import QUEUED, TransferEngine
 
 log = logging.getLogger("tierd")
@@ -55,16 +57,22 @@ class Daemon:
             settings.l1_align_bytes,
             settings.l1_segment_mb << 20,
             pinner=self.cuda.pinner() if self.cuda else None,
+            ns_quota_bytes=int(settings.namespace_quota_gb * (1 << 30)),
             pool_dir=settings.pool_dir,
             meta=warm.pool_meta(settings),
             index_dir=settings.pool_index_dir,
         )
         warm.announce(settings, self.pool)
         self.xfer = TransferEngine(settings.workers)
-        self.registry = Registry(self.pool, self.xfer, settings.lease_ttl_s, settings.heartbeat_timeout_s)
+        self.registry = Registry(self.pool, self.xfer, settings.lease_ttl_s, settings.heartbeat_timeout_s,
+                                 Limits.from_settings(settings))
+        self._ipc = settings.socket.startswith("ipc://")
+        tenants = Tenants(not self._ipc, load_tokens(settings.tcp_token_file) if settings.tcp_token_file else None,
+                          settings.insecure_tcp)
+        self._peers: dict[str, Peer] = {}  # Peer-Address -> Peer
         self.boot_id = uuid.uuid4().hex
         self.tier = Tier(self.registry, self.pool, self.stats, settings, self.boot_id, self._open_memory,
-                         self.status)
+                         self.status, tenants)
         self.l2 = _second_tier(settings, self.pool)  # None without --l2-url
         self.tier.l2 = self.l2
         self.stopping = False
@@ -99,14 +107,27 @@ class Daemon:
                                       self.settings.http_max_connections)
         self.http_port = self.http.server_address[1]
 
-    def _open_memory(self, layout: PageLayout):
+    def _open_memory(self, layout: PageLayout, peer: Peer):
         if layout.device == "cpu":
             from tierd.transfer.cpu import CpuRankMemory
 
-            return CpuRankMemory(layout)
+            return CpuRankMemory(layout, peer, self._refuse_own_file)
         if not self.cuda:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, "a cuda layout was registered but this daemon has no CUDA")
         return self.cuda.rank_memory(layout)
+
+    def _refuse_own_file(self, st: os.stat_result) -> str | None:
+        """A client naming one of the pool's own files (--pool-dir under /dev/shm) is refused."""
+        for folder in {self.settings.pool_dir, self.settings.pool_index_dir} - {None}:
+            try:
+                if os.stat(folder).st_dev != st.st_dev:
+                    continue
+                with os.scandir(folder) as entries:
+                    if any(e.inode() == st.st_ino for e in entries):
+                        return f"it is one of the daemon's own pool files (in {folder})"
+            except OSError:
+                continue
+        return None
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -158,15 +179,30 @@ class Daemon:
     def _recv_burst(self) -> None:
         for _ in range(RECV_BURST):
             try:
-                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            envelope = [parts[0].bytes]
             if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours to echo
-                self._error([parts[0]], 0, ErrorCode.BAD_REQUEST, f"a request is one frame, got {len(parts) - 1}", "?")
+                self._error(envelope, 0, ErrorCode.BAD_REQUEST, f"a request is one frame, got {len(parts) - 1}", "?")
                 continue
-            self._on_request(parts[:1], parts[1])
+            frame = parts[1]
+            self._on_request(envelope, frame.buffer, self._peer(frame))
 
-    def _on_request(self, envelope: list[bytes], frame: bytes) -> None:
+    def _peer(self, frame: zmq.Frame) -> Peer:
+        """The sender's credentials (SO_PEERCRED on ipc://), from the message's Peer-Address."""
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            address = ""
+        peer = self._peers.get(address)
+        if peer is None:
+            if len(self._peers) >= 4096:
+                self._peers.clear()
+            peer = self._peers[address] = parse_peer_address(address, self._ipc)
+        return peer
+
+    def _on_request(self, envelope: list[bytes], frame, peer: Peer) -> None:
         t0 = time.perf_counter()
         req_id, op = 0, "?"
         try:
@@ -175,8 +211,8 @@ class Daemon:
             if self.stopping and op not in NO_STATE_OPS:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             identity = envelope[0]
-            session = None if op in SESSIONLESS_OPS else self.registry.session(identity)
-            result = handlers.HANDLERS[op](self.tier, Call(identity, session, envelope, req_id, t0), msg)
+            session = None if op in SESSIONLESS_OPS else self.registry.session(identity, peer.uid)
+            result = handlers.HANDLERS[op](self.tier, Call(identity, session, envelope, req_id, t0, peer), msg)
             if result is handlers.DEFERRED:  # answered once L2 has (tierd.tier2), by its deadline
                 return
             if isinstance(result, Job):

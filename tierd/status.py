@@ -86,6 +86,11 @@ class StatusBoard:
             os.close(fd)
 
 
+def public_namespace(ns) -> dict:
+    """A namespace as /status shows it: never its salt (a tenant's secret), only whether it has one."""
+    return {"model": ns.model, "fingerprint": ns.fingerprint, "world_size": ns.world_size, "salted": bool(ns.salt)}
+
+
 def build_status(daemon) -> dict:
     """The /status object (docs/protocol.md section 16), on the main loop."""
     pool, counts, reg = daemon.pool, daemon.stats.counts, daemon.registry
@@ -107,7 +112,8 @@ def build_status(daemon) -> dict:
             "evictions": pool.evictions,
             "pool_grow_error": pool.segments.grow_error,
             "warm_restart": warm.status(pool),
-            "namespaces": [{**ns.to_wire(), "objects": pool.per_ns[ns_id]}
+            "namespaces": [{**public_namespace(ns), "tenant": reg.ns_tenant.get(ns_id, ""),
+                            "objects": pool.per_ns[ns_id], "bytes": pool.per_ns_bytes.get(ns_id, 0)}
                            for ns_id, ns in reg.namespaces.items() if pool.per_ns.get(ns_id)],
         }
     out.update({name: counts.get(name, 0) for name, _ in COUNTERS if name != "evictions"})
@@ -116,14 +122,16 @@ def build_status(daemon) -> dict:
     out["errors_by_code"] = dict(daemon.stats.errors_by_code)
     out["l2"] = daemon.l2.status() if daemon.l2 is not None else None
     out["leases_active"] = len(reg.leases)
+    out["leased_bytes"] = sum(reg.leased_bytes.values())
     out["gc_frozen_objects"] = gc.get_freeze_count()
     out["sessions"] = len(reg.sessions)
     now = time.monotonic()
     out["instances"] = [
         {
-            "instance": inst.id,
+            "instance": inst.name,
             "model": inst.layout.namespace.model,
-            "namespace": inst.layout.namespace.to_wire(),
+            "namespace": public_namespace(inst.layout.namespace),
+            "tenant": inst.tenant,
             "rank": inst.layout.rank,
             "device": inst.layout.device,
             "groups": [g.kind.value for g in inst.layout.groups],

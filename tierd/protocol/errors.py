@@ -18,6 +18,8 @@ class ErrorCode(enum.Enum):
     EXPIRED = "the request's deadline passed before it completed; nothing was committed"
     SHUTTING_DOWN = "the daemon is stopping and takes no new work"
     DEVICE_ERROR = "a copy failed on the device or host (bytes not trusted)"
+    FORBIDDEN = "the caller may not do this: another tenant's object, or an operator-only op"
+    LIMIT = "a per-client limit was reached; the message names the flag that sets it"
     INTERNAL = "a handler raised; the message carries the exception"
 
 

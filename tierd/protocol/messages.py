@@ -44,7 +44,8 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 class Hello(Message):
     protocol: int
     client: Name = ""
-    pid: Count = 0
+    pid: Count = 0  # informational: on ipc:// the daemon takes the pid from the kernel
+    token: Annotated[str, Meta(max_length=256)] = ""  # tcp://: the tenant token (--tcp-token-file)
 
 
 class Bye(Message):
@@ -114,6 +115,7 @@ class Status(Message):
 
 class Clear(Message):
     namespace: Namespace | None = None  # only this namespace's objects; all when absent
+    tenant: Name | None = None  # whose namespace (an operator clearing another tenant's); default: the caller's
 
 
 REQUESTS: dict[str, type[Message]] = {
@@ -141,6 +143,8 @@ class HelloReply(msgspec.Struct):
     heartbeat_timeout_s: float
     lease_ttl_s: float
     max_frame_bytes: int
+    tenant: str  # what the daemon takes this session to be ("" = the daemon's own user)
+    operator: bool  # may CLEAR
 
 
 class RegisterReply(msgspec.Struct):

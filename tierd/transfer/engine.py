@@ -1,17 +1,25 @@
-"""Transfer threads. Copies run off the main loop, one FIFO lane per registered rank (or a fixed
-number of lanes shared round-robin with ``--workers N``); ranks copy in parallel. A *duplex* rank
-(the CUDA path) gets a second lane for its retrieves, so a store and a retrieve of one rank use
-both directions of the link at once. A finished job is queued back to the main loop, which
-commits metadata and replies, and woken through a pipe."""
+"""Transfer threads. Copies run off the main loop, one FIFO lane per registered rank: a lane runs
+its jobs one at a time and in order, and every lane shares one bounded pool of copy threads
+(``--workers``), so ranks copy in parallel up to that many at once and a thousand registered
+ranks cost a thousand queues, not a thousand threads. Busy lanes take turns (each runs one job,
+then queues itself behind the others). A *duplex* rank (the CUDA path) gets a second lane for
+its retrieves, so a store and a retrieve of one rank use both directions of the link at once.
+Device work a copy leaves queued (DeviceWork) is waited for on the lane's waiter, a lane of a
+second bounded pool. A finished job is queued back to the main loop, which commits metadata and
+replies, and woken through a pipe."""
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+log = logging.getLogger("tierd")
 
 
 READ_LANE = "\x00read"  # suffix of a duplex rank's retrieve lane
@@ -44,74 +52,128 @@ def device_work(results) -> DeviceWork | None:
 QUEUED = object()  # drain() result of a job whose device work is queued and whose reply may go now
 
 
+def auto_workers() -> int:
+    """Copy threads for ``--workers 0``: two per CPU core, at least 16 (a GPU node's ranks in both
+    directions), at most 64."""
+    return min(64, max(16, 2 * (os.cpu_count() or 1)))
+
+
+class Lane:
+    """Runs what is submitted to it one at a time, in order, on a shared executor."""
+
+    __slots__ = ("_q", "_busy", "_lock", "_pool", "_engine")
+
+    def __init__(self, pool: ThreadPoolExecutor, engine: TransferEngine):
+        self._q: collections.deque = collections.deque()
+        self._busy = False
+        self._lock = threading.Lock()
+        self._pool = pool
+        self._engine = engine
+
+    def submit(self, fn: Callable, *args) -> None:
+        self._engine._held(+1)
+        with self._lock:
+            self._q.append((fn, args))
+            if self._busy:
+                return
+            self._busy = True
+        self._pool.submit(self._step)
+
+    def _step(self) -> None:
+        with self._lock:
+            fn, args = self._q.popleft()
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001 - a lane's own bookkeeping; jobs report their errors
+            log.exception("transfer lane step failed")
+        finally:
+            with self._lock:
+                more = bool(self._q)
+                self._busy = more
+            if more:
+                self._pool.submit(self._step)  # behind the other lanes' steps: lanes take turns
+            self._engine._held(-1)
+
+
 class TransferEngine:
-    def __init__(self, workers: int = 0):
-        self.workers = workers
-        self._shared = [ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{i}") for i in range(workers)]
-        self._lanes: dict[str, ThreadPoolExecutor] = {}
-        self._every: set[ThreadPoolExecutor] = set()  # lanes not yet retired, joined by close()
-        self._retiring: dict[ThreadPoolExecutor, ThreadPoolExecutor] = {}  # waiter -> its detached lane
-        self._waiters: dict[ThreadPoolExecutor, ThreadPoolExecutor] = {}
-        self._next = 0
+    def __init__(self, workers: int = 0, waiters: int = 0):
+        self.workers = workers or auto_workers()
+        self._copy_pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tierd-xfer")
+        self._wait_pool = ThreadPoolExecutor(waiters or self.workers, thread_name_prefix="tierd-wait")
+        self._lanes: dict[str, Lane] = {}
+        self._waiters: dict[Lane, Lane] = {}  # a lane -> the lane its device work is waited on
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self._wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self._inflight = 0
+        self._queued = 0  # lane items not yet run (jobs, waits, detach barriers)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+
+    @property
+    def threads(self) -> int:
+        """Threads the lanes run on now (bounded by --workers, twice: copies and waits)."""
+        return len(self._copy_pool._threads) + len(self._wait_pool._threads)
+
+    def _held(self, n: int) -> None:
+        with self._lock:
+            self._queued += n
+            if not self._queued:
+                self._idle.notify_all()
 
     def attach(self, lane: str, duplex: bool = False) -> None:
         if duplex:
             self.attach(lane + READ_LANE)
-        if lane in self._lanes:
-            return
-        if self._shared:
-            self._lanes[lane] = self._shared[self._next % len(self._shared)]
-            self._next += 1
-        else:
-            pool = self._lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"tierd-xfer-{lane[:24]}")
-            self._every.add(pool)
+        if lane not in self._lanes:
+            self._lanes[lane] = Lane(self._copy_pool, self)
 
     def detach(self, lane: str, last: Callable[[], None] | None = None) -> None:
-        """Forget a lane (and its read lane); ``last`` runs after every job already queued on both."""
-        read = self._lanes.pop(lane + READ_LANE, None)
-        pool = self._lanes.pop(lane, None)
-        if pool is None:  # no lane (closed already): nothing is queued, finish now
+        """Forget a lane (and its read lane); ``last`` runs after every job already queued on both
+        and after the device work those jobs left, once it is waited for."""
+        lanes = [x for x in (self._lanes.pop(lane, None), self._lanes.pop(lane + READ_LANE, None)) if x is not None]
+        if not lanes:  # no lane (closed already): nothing is queued, finish now
             if last is not None:
                 last()
             return
-        if last is not None:
-            if read is not None:
-                drained = read.submit(lambda: None)
-                fn = last
+        if last is None:
+            return
+        left = [len(lanes)]
+        lock = threading.Lock()
 
-                def last():
-                    drained.result()
-                    fn()
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                done = not left[0]
+            if done:
+                last()
 
-            pool.submit(last)
-        if not self._shared:
-            for p in (pool, read):
-                if p is not None:
-                    p.submit(self._drop_waiter, p)  # after the lane's last job handed over its wait
-                    p.shutdown(wait=False)
+        for x in lanes:
+            def after(x=x) -> None:  # the lane's jobs ran: their waits are queued on its waiter
+                with self._lock:
+                    waiter = self._waiters.pop(x, None)
+                if waiter is None:
+                    one_done()
+                else:
+                    waiter.submit(one_done)
+
+            x.submit(after)
 
     def submit(self, lane: str, fn: Callable[[], Any], job: Any) -> None:
         with self._lock:
             self._inflight += 1
-        pool = self._lanes[lane]
-        pool.submit(self._run, fn, job, pool)
+        x = self._lanes[lane]
+        x.submit(self._run, fn, job, x)
 
-    def _run(self, fn: Callable[[], Any], job: Any, pool: ThreadPoolExecutor | None = None) -> None:
+    def _run(self, fn: Callable[[], Any], job: Any, lane: Lane | None = None) -> None:
         try:
             result, exc = fn(), None
         except BaseException as e:  # reported to the client as DEVICE_ERROR, never lost
             result, exc = None, e
-        if exc is None and isinstance(result, DeviceWork) and pool is not None:
+        if exc is None and isinstance(result, DeviceWork) and lane is not None:
             if result.early is not None:
                 self._done.put((job, QUEUED, None))  # reply now; the waiter completes the job later
                 self._wake()
-            self._waiter(pool).submit(self._settle, job, result)
+            self._waiter(lane).submit(self._settle, job, result)
             return
         self._finish(job, result, exc)
 
@@ -123,29 +185,12 @@ class TransferEngine:
             exc = e
         self._finish(job, None, exc)
 
-    def _waiter(self, pool: ThreadPoolExecutor) -> ThreadPoolExecutor:
+    def _waiter(self, lane: Lane) -> Lane:
         with self._lock:
-            waiter = self._waiters.get(pool)
+            waiter = self._waiters.get(lane)
             if waiter is None:
-                waiter = self._waiters[pool] = ThreadPoolExecutor(1, thread_name_prefix="tierd-wait")
+                waiter = self._waiters[lane] = Lane(self._wait_pool, self)
             return waiter
-
-    def _drop_waiter(self, pool: ThreadPoolExecutor) -> None:
-        """Runs as a detached lane's last job: retire the lane and, after its queued waits, its waiter."""
-        with self._lock:
-            waiter = self._waiters.pop(pool, None)
-            if waiter is None:
-                self._every.discard(pool)
-            else:
-                self._retiring[waiter] = pool
-        if waiter is not None:
-            waiter.submit(self._retire, waiter)
-            waiter.shutdown(wait=False)  # queued waits still run
-
-    def _retire(self, waiter: ThreadPoolExecutor) -> None:
-        with self._lock:
-            pool = self._retiring.pop(waiter, None)
-            self._every.discard(pool)
 
     def _wake(self) -> None:
         try:
@@ -182,17 +227,14 @@ class TransferEngine:
             return self._idle.wait_for(lambda: self._inflight == 0, timeout)
 
     def close(self) -> None:
-        """Wait for every queued copy, on live and detached lanes alike. Idempotent."""
+        """Wait for every queued copy, wait and detach barrier, on live and detached lanes alike.
+        Idempotent."""
         if self.wake_r < 0:
             return
-        with self._lock:
-            lanes = self._every | set(self._lanes.values()) | set(self._shared)
-        for pool in lanes:
-            pool.shutdown(wait=True)
-        with self._lock:
-            waiters = list(self._waiters.values()) + list(self._retiring)
-        for waiter in waiters:
-            waiter.shutdown(wait=True)
+        with self._idle:
+            self._idle.wait_for(lambda: self._queued == 0)
+        self._copy_pool.shutdown(wait=True)
+        self._wait_pool.shutdown(wait=True)
         self._waiters.clear()
         self._lanes.clear()
         os.close(self.wake_r)
