@@ -6,19 +6,13 @@ the engine holds keeps working). That memory is a /dev/shm file which torch unli
 keeps open by fd: it has no name, so nothing can outlive the process, however it ends (SIGKILL
 included), and the kernel frees it when the last fd and mapping are gone.
 
-The daemon maps memory by a path under /dev/shm (docs/protocol.md, REGISTER). ``Publication``
-gives each storage a name only while a REGISTER is in flight: a symlink
-``/dev/shm/tierd-kv-<pid>-<id>-<n>`` -> ``/proc/<pid>/fd/<fd>``, made right before the REGISTER
-is sent and removed once it is answered (the client's ``publish`` hook, also around every
-re-REGISTER after a daemon restart). Hazards:
-
-- The daemon must be able to open ``/proc/<engine pid>/fd/<fd>``: same user (or root) and the
-  same PID namespace (a daemon in another container with its own /proc cannot follow the link;
-  REGISTER then fails with LAYOUT_INVALID "cannot open" and the tier stays off for that rank).
-- An engine SIGKILLed while a REGISTER is in flight leaves a dangling symlink (no memory); the
-  next ``Publication.open`` of any engine of this user removes dangling ``tierd-kv-*`` links.
-- Nothing here changes process-wide state: torch's sharing strategy is left as it is, and
-  torch's file_system machinery (torch_shm_manager, named files) is not used.
+The daemon never follows a path to that memory: ``Publication`` hands its descriptors to the
+daemon (tierd_client.fdpass) right before every REGISTER of the rank (the client's ``publish``
+hook, also around every re-REGISTER after a daemon restart), and the layout names them by a
+ticket and an index. Nothing is created in /dev/shm, so nothing can be left behind there, and
+the daemon (which may run as its own user) needs no access to the engine's files or /proc.
+Nothing here changes process-wide state: torch's sharing strategy is left as it is, and torch's
+file_system machinery (torch_shm_manager, named files) is not used.
 
 ``SharedBuffer`` is a plain named shared buffer for callers without torch (tests, ``tierd bench``);
 its owner unlinks it with ``close``.
@@ -26,14 +20,13 @@ its owner unlinks it with ``close``.
 
 from __future__ import annotations
 
-import glob
 import mmap
 import os
 import uuid
 
 import numpy as np
 
-LINK_PREFIX = "/dev/shm/tierd-kv-"
+from tierd_client import fdpass
 
 
 class SharedBuffer:
@@ -70,45 +63,20 @@ class SharedBuffer:
 
 
 class Publication:
-    """/dev/shm names for unnamed shared storages, present only between ``open`` and ``close``."""
+    """Descriptors of unnamed shared storages, handed to the daemon before each REGISTER."""
 
     def __init__(self, fds: list[int]):
-        self.pid = os.getpid()
-        tag = uuid.uuid4().hex[:8]
-        self.links = [(f"{LINK_PREFIX}{self.pid}-{tag}-{i}", f"/proc/{self.pid}/fd/{fd}") for i, fd in enumerate(fds)]
+        self.fds = fds
+        self.ticket = fdpass.new_ticket()
 
-    def open(self) -> None:
-        sweep_dangling_links()
-        for link, target in self.links:
-            try:
-                os.symlink(target, link)
-            except FileExistsError:
-                if os.readlink(link) != target:
-                    raise
+    def open(self, url: str) -> None:
+        fdpass.send_fds(url, self.ticket, self.fds)
 
     def close(self) -> None:
-        for link, _ in self.links:
-            try:
-                os.unlink(link)
-            except FileNotFoundError:
-                pass
+        pass  # the daemon claims the descriptors with the REGISTER (and closes unclaimed ones)
 
-    @property
-    def paths(self) -> list[str]:
-        return [link for link, _ in self.links]
-
-
-def sweep_dangling_links() -> int:
-    """Remove this user's ``tierd-kv-*`` symlinks whose engine is gone; returns how many."""
-    removed = 0
-    for link in glob.glob(LINK_PREFIX + "*"):
-        try:
-            if os.lstat(link).st_uid == os.getuid() and os.path.islink(link) and not os.path.exists(link):
-                os.unlink(link)
-                removed += 1
-        except OSError:
-            pass
-    return removed
+    def handle(self, index: int, offset: int) -> dict:
+        return {"kind": "fd", "ticket": self.ticket, "index": index, "offset": offset}
 
 
 def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]], Publication | None]:
@@ -116,8 +84,8 @@ def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]], Pub
 
     Returns ``(refs, where, publication)``: ``refs`` are the distinct storages as REGISTER tensor
     refs, ``where[i] = (ref index, byte offset of tensors[i]'s first element in that storage)``,
-    and ``publication`` must go with the REGISTER (``register_async(publish=)``) so the refs'
-    paths exist while the daemon maps them (None when every storage already had a name).
+    and ``publication`` must go with the REGISTER (``register_async(publish=)``): it hands the
+    storages' descriptors to the daemon (None when every storage already had a name).
     """
     refs: list[dict] = []
     by_storage: dict[int, int] = {}
@@ -138,15 +106,15 @@ def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]], Pub
             path, offset = _mapping_of(base)
             try:
                 fds[len(refs)] = int(storage._get_shared_fd())
-                path = None  # unnamed: the publication names it
+                path = None  # unnamed: handed over as a descriptor
             except RuntimeError:  # shared by torch's file_system strategy before we saw it: named
                 if not path.startswith("/dev/shm/") or path.endswith("(deleted)"):
                     raise RuntimeError(f"tensor storage lives in {path!r}, which the daemon cannot map") from None
             refs.append({"handle": {"kind": "shm", "path": path, "offset": offset}, "nbytes": storage.nbytes()})
         where.append((by_storage[base], t.data_ptr() - base))
     publication = Publication(list(fds.values())) if fds else None
-    for i, link in zip(fds, publication.paths if publication else ()):
-        refs[i]["handle"]["path"] = link
+    for n, i in enumerate(fds):
+        refs[i]["handle"] = publication.handle(n, refs[i]["handle"]["offset"])
     return refs, where, publication
 
 

@@ -9,7 +9,7 @@ Hazards handled here:
   requests fail at once with ``DaemonUnavailable`` (a dead daemon never answers, and nothing it
   had not committed is committed later), and so does everything in flight at the disconnect.
 - A reply that comes after its request's deadline is dropped: the caller has moved on.
-- A request with a ``publish`` hook has ``publish.open()`` called right before it is sent and
+- A request with a ``publish`` hook has ``publish.open(url)`` called right before it is sent and
   ``publish.close()`` once it ends, whichever way it ends (reply, deadline, disconnect, close).
 """
 
@@ -22,15 +22,14 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
 
 import zmq
 
 from tierd.protocol import codec
 from tierd.protocol.errors import ProtocolError
-
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 
 log = logging.getLogger("tierd_client")
@@ -158,7 +157,7 @@ class Transport:
                 continue
             if p.publish is not None:
                 try:
-                    p.publish.open()
+                    p.publish.open(self.url)
                 except OSError as exc:
                     self._fail(p, TierdError("LAYOUT_INVALID", f"cannot publish {p.body.get('instance')}: {exc}"))
                     continue

@@ -105,6 +105,20 @@ def daemon(daemon_factory):
 
 
 @pytest.fixture
+def xdaemon():
+    """A daemon (of the tests' user) other users can reach: socket folder 0711, socket 0666."""
+    import shutil
+
+    from users import shared_socket_dir
+
+    folder = shared_socket_dir()
+    d = DaemonProcess(Path(folder), "--socket-mode", "0666")
+    yield d
+    d.kill()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def client_factory():
     from tierd_client import TierdClient
 

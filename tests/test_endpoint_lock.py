@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +55,25 @@ def test_second_daemon_refuses_while_the_first_is_busy(daemon, client_factory):
     assert f"pid {daemon.proc.pid}" in res.stderr and lock in res.stderr, res.stderr
     assert sock_id(daemon.socket_file) == before, "the live socket was replaced"
     assert client_factory(daemon).status()["pid"] == daemon.proc.pid, "the first daemon still serves"
+
+
+def test_a_refused_second_daemon_never_backs_a_pool(daemon, tmp_path):
+    """The endpoint is taken before the pool: a second daemon on a served socket exits without
+    creating (or pinning) any pool memory; the control, the same command on a free socket, does."""
+    folder = f"/dev/shm/tierd-test-second-{os.getpid()}"
+    os.mkdir(folder, 0o700)
+    try:
+        res = second_serve(daemon.endpoint, "--pool-dir", folder, "--l1-init-size-gb", "0.01")
+        assert res.returncode == 2, res.stderr
+        assert f"pid {daemon.proc.pid}" in res.stderr, res.stderr
+        assert os.listdir(folder) == [], f"the refused daemon backed a pool: {os.listdir(folder)}"
+        free = DaemonProcess(tmp_path, "--pool-dir", folder, "--l1-init-size-gb", "0.01")
+        try:
+            assert os.listdir(folder), "control: a daemon that serves creates its pool files"
+        finally:
+            free.kill()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_sigkilled_daemon_restarts_at_once(tmp_path):

@@ -20,7 +20,7 @@ def _missing(self):
 
 
 def our_shm_names(pid: int | None = None) -> list[str]:
-    """/dev/shm entries this process (or ``pid``) made: torch's named files and tierd's links."""
+    """/dev/shm entries this process (or ``pid``) made: torch's named files (and links of old tierd versions)."""
     pid = os.getpid() if pid is None else pid
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith((f"torch_{pid}_", f"tierd-kv-{pid}-")))
 
@@ -48,7 +48,8 @@ def test_sharing_kv_tensors_leaves_the_process_sharing_strategy_alone(monkeypatc
     assert error is None and kv.untyped_storage().is_shared()
 
 
-def test_shared_kv_views_keep_working_and_leave_no_file_behind():
+def test_shared_kv_views_keep_working_and_are_handed_over_as_descriptors(client):
+    from tierd_client.layouts import block_span, group, layout, namespace
     from tierd_client.shm import share_torch_tensors
 
     kv = torch.arange(4096, dtype=torch.int32).reshape(64, 64)
@@ -59,36 +60,18 @@ def test_shared_kv_views_keep_working_and_leave_no_file_behind():
     kv[8, 0] = -1
     assert view[0, 0].item() == -1
     assert len(refs) == 1 and where == [(0, 0), (0, 32 * 64 * 4)]
-    assert our_shm_names() == []  # unnamed until a REGISTER is in flight
-    pub.open()
-    (link,) = pub.paths
-    assert refs[0]["handle"]["path"] == link and os.path.realpath(link).endswith("(deleted)")
-    with open(link, "rb") as f:  # what the daemon does: open the name, map the same bytes
-        f.seek(8 * 64 * 4)
-        assert int.from_bytes(f.read(4), "little", signed=True) == -1
-    pub.close()
+    handle = refs[0]["handle"]
+    assert handle["kind"] == "fd" and handle["index"] == 0 and len(handle["ticket"]) == 16
+    assert our_shm_names() == []  # no name, ever
+    # the daemon copies from the descriptor: block 8 (one row of 256 bytes) stored, then restored into row 40
+    spans = [block_span((64, 256), (256, 1), 1, 0, tensor=0, offset=0)]
+    lay = layout(namespace("m", "shm-names"), 0, 4, refs, [group("full", 4, spans)])
+    client.register("r", lay, publish=pub)
     assert our_shm_names() == []
-
-
-def test_dangling_links_of_dead_engines_are_swept():
-    """An engine SIGKILLed while its REGISTER was in flight leaves a link (no memory): the next
-    publication of any engine removes it."""
-    from tierd_client.shm import LINK_PREFIX, Publication
-
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    stale = f"{LINK_PREFIX}{pid}-deadbeef-0"
-    os.symlink(f"/proc/{pid}/fd/7", stale)
-    live = f"{LINK_PREFIX}{os.getpid()}-cafe-0"
-    os.symlink(f"/proc/{os.getpid()}/fd/0", live)  # a live engine's link is not touched
-    try:
-        Publication([]).open()
-        assert not os.path.lexists(stale)
-        assert os.path.lexists(live)
-    finally:
-        for p in (stale, live):
-            if os.path.lexists(p):
-                os.unlink(p)
+    key = b"k" * 16
+    assert client.store("r", [{"key": key, "blocks": [[8]]}])["results"] == ["stored"]
+    assert client.retrieve("r", [{"key": key, "blocks": [[40]]}])["ok"] == [True]
+    assert kv[40, 0].item() == -1 and torch.equal(kv[40], kv[8])
 
 
 pytest.importorskip("vllm")

@@ -50,6 +50,25 @@ class Daemon:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.stats = Stats()
+        self._stop_r, self._stop_w = os.pipe()
+        os.set_blocking(self._stop_r, False)
+        self.ctx = zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 1000)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # per part: a frame up to twice the limit is read and answered TOO_LARGE; beyond, the peer is dropped
+        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.max_frame_bytes)
+        # the endpoint first: a second daemon on a served socket is refused before it backs (and
+        # pins) a pool; clients that connect meanwhile are answered once the loop runs
+        self._bind()
+        try:
+            self._open(settings)
+        except BaseException:
+            self._unbind()
+            raise
+        self.stats.install(self.board.ask)  # /metrics is scraped on the HTTP thread: ask the main loop
+
+    def _open(self, settings: Settings) -> None:
         self.cuda = _cuda_support(settings)
         self.pool = Pool(
             settings.ceiling_bytes,
@@ -80,21 +99,18 @@ class Daemon:
         self.board = StatusBoard()  # the last /status, for the HTTP thread
         self.http = None
         self.http_port: int | None = None
-        self._stop_r, self._stop_w = os.pipe()
-        os.set_blocking(self._stop_r, False)
-        self.ctx = zmq.Context.instance()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 1000)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # per part: a frame up to twice the limit is read and answered TOO_LARGE; beyond, the peer is dropped
-        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.max_frame_bytes)
-        self._bind()
-        self.stats.install(self.board.ask)  # /metrics is scraped on the HTTP thread: ask the main loop
 
     # ---- setup ----------------------------------------------------------------------------
     def _bind(self) -> None:
         # ipc://: a safe folder, the endpoint's lock held for our life, then the socket (tierd.endpoint)
         self.endpoint = endpoint.bind(self.router, self.settings.socket, self.settings.socket_mode)
+        self.inbox = None  # engines hand their unnamed shared memory over as descriptors (tierd.fdinbox)
+        path = self.endpoint.path
+        if path:
+            from tierd.fdinbox import FdInbox, inbox_path
+
+            self.inbox = FdInbox(inbox_path(path), int(self.settings.socket_mode, 8),
+                                 max_per_uid=self.settings.max_files_per_tenant)
 
     def start_http(self) -> None:
         if self.settings.http_port < 0:
@@ -111,7 +127,11 @@ class Daemon:
         if layout.device == "cpu":
             from tierd.transfer.cpu import CpuRankMemory
 
-            return CpuRankMemory(layout, peer, self._refuse_own_file)
+            claim = None
+            if self.inbox is not None and peer.local:
+                def claim(ticket, uid=peer.uid):
+                    return self.inbox.claim(uid, ticket)
+            return CpuRankMemory(layout, peer, self._refuse_own_file, claim)
         if not self.cuda:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, "a cuda layout was registered but this daemon has no CUDA")
         return self.cuda.rank_memory(layout)
@@ -323,12 +343,17 @@ class Daemon:
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
-        self.router.close(linger=500)
-        self.endpoint.close()  # our socket file goes, then the lock
+        self._unbind(linger_ms=500)
         self.pool.close()
+        log.info("stopped")
+
+    def _unbind(self, linger_ms: int = 0) -> None:
+        self.router.close(linger=linger_ms)
+        if self.inbox is not None:
+            self.inbox.close()
+        self.endpoint.close()  # our socket file goes, then the lock
         os.close(self._stop_r)
         os.close(self._stop_w)
-        log.info("stopped")
 
 
 def _second_tier(settings: Settings, pool: Pool):

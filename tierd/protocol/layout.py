@@ -196,6 +196,15 @@ class ShmHandle(msgspec.Struct, frozen=True, tag="shm", tag_field="kind"):
     offset: ByteOffset = 0
 
 
+class FdHandle(msgspec.Struct, frozen=True, tag="fd", tag_field="kind"):
+    """Descriptor ``index`` of those the client sent under ``ticket`` to the daemon's fd socket
+    (tierd.fdinbox), at ``offset``: shared memory it holds open, named by no path."""
+
+    ticket: Annotated[bytes, Meta(min_length=16, max_length=16)]
+    index: Annotated[int, Meta(ge=0, lt=MAX_TENSORS)]
+    offset: ByteOffset = 0
+
+
 # torch's untyped_storage()._share_cuda_(): device, handle, size, offset, ref counter handle,
 # ref counter offset, event handle, event sync
 IpcFields = tuple[int, Annotated[bytes, Meta(max_length=4096)], int, int, Annotated[bytes, Meta(max_length=4096)],
@@ -210,7 +219,7 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind
 
 
 class TensorRef(Wire, frozen=True):
-    handle: ShmHandle | CudaIpcHandle
+    handle: ShmHandle | FdHandle | CudaIpcHandle
     nbytes: ByteCount
 
     def to_wire(self) -> dict:

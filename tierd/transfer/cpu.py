@@ -30,7 +30,7 @@ import os
 import numpy as np
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.layout import GroupLayout, PageLayout, ShmHandle
+from tierd.protocol.layout import FdHandle, GroupLayout, PageLayout, ShmHandle
 from tierd.transfer.items import CopyItem
 from tierd.transfer.shm import Opener, Refused
 
@@ -68,11 +68,15 @@ class _Layers:
 
 
 class CpuRankMemory:
-    def __init__(self, layout: PageLayout, peer=None, refuse=None):
+    def __init__(self, layout: PageLayout, peer=None, refuse=None, claim=None):
         """``peer``: the client's kernel credentials (tierd.peer.Peer); None or a tcp:// peer
-        (no credentials): the daemon's own uid, and no connector links. ``refuse(stat)``: the
-        reason a file may not be used (the daemon's own pool files), or None."""
+        (no credentials): the daemon's own uid. ``refuse(stat)``: the reason a file may not be
+        used (the daemon's own pool files), or None. ``claim(ticket)``: the descriptors this
+        client sent under ``ticket`` (tierd.fdinbox), for ``fd`` handles; None: none can be."""
         self.layout = layout
+        self._claim = claim
+        self._tickets: dict[bytes, list[int]] = {}  # this REGISTER's claimed descriptors
+        self._adopted: set[int] = set()  # those of them a SharedFile owns (closed by close())
         self._files: dict[tuple[int, int], SharedFile] = {}
         self.tensors: list[tuple[SharedFile, int]] = []  # (file, byte offset of the tensor in it)
         if peer is not None and peer.local:
@@ -92,6 +96,11 @@ class CpuRankMemory:
             raise
         finally:
             opener.close()
+            for fds in self._tickets.values():  # sent but not used (or duplicates of a file): closed
+                for fd in fds:
+                    if fd not in self._adopted:
+                        os.close(fd)
+            self._tickets.clear()
         self.groups = [self._layers(g) for g in layout.groups]
 
     @property
@@ -101,8 +110,10 @@ class CpuRankMemory:
 
     def _open(self, opener: Opener, i: int, ref) -> tuple[SharedFile, int]:
         where = f"layout.tensors[{i}]"
+        if isinstance(ref.handle, FdHandle):
+            return self._open_fd(opener, where, ref)
         if not isinstance(ref.handle, ShmHandle):
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm tensor handles")
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm or fd tensor handles")
         path, offset = ref.handle.path, ref.handle.offset
         try:
             fd, st = opener.open(path)
@@ -119,6 +130,32 @@ class CpuRankMemory:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where} {path!r}: {exc}") from None
         file.tensors.append(i)
         return file, offset
+
+    def _open_fd(self, opener: Opener, where: str, ref) -> tuple[SharedFile, int]:
+        h = ref.handle
+        fds = self._tickets.get(h.ticket)
+        if fds is None:
+            fds = self._claim(h.ticket) if self._claim is not None else None
+            if fds is None:
+                raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: no descriptors were sent under its ticket "
+                                    f"(send them to the daemon's fd socket, <socket>.fds, first: tierd_client.fdpass)")
+            self._tickets[h.ticket] = fds
+        if h.index >= len(fds):
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: descriptor {h.index} of its ticket was not sent "
+                                f"({len(fds)} were)")
+        fd = fds[h.index]
+        try:
+            st = opener.check_fd(fd)
+            if h.offset + ref.nbytes > st.st_size:
+                raise Refused(f"the file has {st.st_size} bytes, the tensor needs {h.offset + ref.nbytes}")
+        except Refused as exc:
+            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where} (descriptor {h.index}): {exc}") from None
+        file = self._files.get((st.st_dev, st.st_ino))
+        if file is None:
+            file = self._files[(st.st_dev, st.st_ino)] = SharedFile(fd, f"descriptor {h.index}")
+            self._adopted.add(fd)
+        file.tensors.append(int(where.rsplit("[", 1)[1].rstrip("]")))
+        return file, h.offset
 
     def _layers(self, group: GroupLayout) -> list[_Layers]:
         parts: dict[tuple[int, int, int], _Layers] = {}

@@ -21,26 +21,24 @@ whose server never answers, a fifo. So a path is never handed to the kernel whol
   no second lookup by name), with the daemon's own permissions: a non-root daemon opens another
   user's file only if its group and mode let it.
 
-One symlink is accepted, because the shipped connector makes it (tierd_client.shm): a link
-directly in /dev/shm, owned by the client's uid, whose target is exactly
-``/proc/<the client's pid>/fd/<n>``. The pid is the kernel's (SO_PEERCRED), so the file is one
-the client process holds open; it is then checked like any other (regular, on tmpfs under
-/dev/shm, owned by the client, owner rw). A link to any other /proc entry (``/proc/self``, the
-daemon's pid, another process) is refused, as is any /proc path named directly.
+No symlink is accepted, and no /proc path. Memory a client holds open but has not named (the
+connector's, torch's unlinked storages) is handed over as descriptors instead (tierd.fdinbox);
+``check_fd`` checks one of those: a regular file on a tmpfs (any) or a memfd, open read-write.
+Holding the descriptor is the right to use it, so no owner or path is involved.
 
 A client without kernel credentials (tcp://) is treated as the daemon's own uid: only files the
-daemon's user owns, and no connector links (no pid to check them against).
+daemon's user owns.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import stat
 
 SHM = "/dev/shm"
-_PROC_FD = re.compile(r"/proc/([1-9][0-9]*)/fd/([0-9]+)\Z")
 _OCTAL = re.compile(r"\\([0-7]{3})")
 _KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a fifo", stat.S_IFSOCK: "a socket",
           stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
@@ -102,9 +100,12 @@ class Opener:
             fds.append(self._step(cur, names[-1], where))
             st = os.fstat(fds[-1])
             if stat.S_ISLNK(st.st_mode):
-                held, st = self._link(st, cur, names[-1], where, top=len(names) == 1)
-                os.close(fds.pop())
-                fds.append(held)
+                try:
+                    target = os.readlink(names[-1], dir_fd=cur)
+                except OSError:
+                    target = "?"
+                raise Refused(f"{where} is a symlink (to {target!r}); no symlink is followed (pass memory "
+                              f"that has no name as a descriptor: tierd_client.fdpass)")
             self._check_file(st)
             return fds.pop(), st
         finally:
@@ -163,32 +164,32 @@ class Opener:
             bit = stat.S_IXGRP if st.st_gid == self.gid else stat.S_IXOTH
         return self.uid == 0 or bool(st.st_mode & bit)
 
-    def _link(self, st: os.stat_result, cur: int, name: str, where: str, top: bool):
-        """The connector's publication link: /dev/shm/<name> -> /proc/<client pid>/fd/<n>."""
-        try:
-            target = os.readlink(name, dir_fd=cur)
-        except OSError:
-            target = "?"
-        m = _PROC_FD.match(target)
-        if m is None or self.pid is None or not top or st.st_uid != self.uid:
-            raise Refused(f"{where} is a symlink (to {target!r}); symlinks are not followed (only a link of "
-                          f"the client's own uid directly in {SHM} to /proc/<its pid>/fd/<n> is accepted)")
-        if int(m.group(1)) != self.pid:
-            raise Refused(f"{where} links to an fd of pid {m.group(1)}, not of the client (pid {self.pid}): "
-                          f"only the client's own fds can be published (is the engine in another PID "
-                          f"namespace?)")
-        try:
-            held = os.open(target, os.O_PATH | os.O_CLOEXEC)  # the file the client holds; no I/O open yet
-        except OSError as exc:
-            fix = (f"; a published fd is reachable only by its user or root: run the engine as the daemon's "
-                   f"user (uid {os.geteuid()})" if exc.errno in (errno.EACCES, errno.EPERM) else "")
-            raise Refused(f"cannot open {target} (linked from {where}): {exc.strerror}{fix}") from None
-        try:
-            self._on_shm(held, f"{target} (linked from {where})")
-            return held, os.fstat(held)
-        except BaseException:
-            os.close(held)
-            raise
+    def check_fd(self, fd: int) -> os.stat_result:
+        """A descriptor the client handed over: a regular file on a tmpfs or a memfd (never a file
+        whose filesystem could block the daemon), open read-write, not one the daemon refuses."""
+        mid = mount_id(fd)
+        if mid not in self._mounts:
+            self._mounts = mount_table()
+        point, fstype = self._mounts.get(mid, ("", ""))
+        if not point:
+            try:
+                name = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                name = "?"
+            if not name.startswith("/memfd:"):
+                raise Refused(f"the descriptor ({name}) is on an unlisted mount and is not a memfd")
+        elif fstype != "tmpfs":
+            raise Refused(f"the descriptor's file is on {fstype} (mounted at {point}), not tmpfs")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"the descriptor is not a regular file (it is {kind(st)})")
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            raise Refused("the descriptor is not open read-write")
+        if self.refuse is not None:
+            why = self.refuse(st)
+            if why:
+                raise Refused(why)
+        return st
 
     def _check_file(self, st: os.stat_result) -> None:
         if not stat.S_ISREG(st.st_mode):
