@@ -292,6 +292,10 @@ class Pool:
     def _alloc(self, cls: SizeClass, ns: bytes, replace: Obj | None = None):
         """A slot of ``cls`` for an object of ``ns`` (replacing ``replace``), or None; evicts only
         once the whole plan is known to succeed (tierd.pool.evict)."""
+        if not self.ns_quota_bytes and cls.open_slabs:  # the common case: a slab of the class has room
+            got = cls.take()
+            if got is not None:
+                return got
         over = 0
         if self.ns_quota_bytes:
             held = self.per_ns_bytes.get(ns, 0) - (replace.slab.cls.slot_bytes if replace is not None else 0)
