@@ -117,3 +117,85 @@ def test_namespaces_are_forgotten_once_nothing_names_them(reg):
     reg.unregister("r0")
     reg.reap(time.monotonic())
     assert ns not in reg.namespaces  # no instance, no object
+
+
+# ---- per-client caps (LIMIT): nothing of a refused request takes effect ---------------------------
+def limited(pool, lanes, **kw):
+    from tierd.registry import Limits
+
+    return Registry(pool, lanes, lease_ttl_s=60.0, heartbeat_timeout_s=30.0, limits=Limits(**kw))
+
+
+class Files(Memory):
+    def __init__(self, n):
+        self.files = n
+
+
+def test_sessions_past_the_per_peer_cap_are_refused_and_a_closed_one_makes_room(reg):
+    from tierd.tenants import Principal
+
+    r = limited(reg.pool, reg.lanes, sessions_per_peer=2)
+    alice, bob = Principal("uid:1", False, "uid:1"), Principal("uid:2", False, "uid:2")
+    r.open_session(b"a1", "x", 1, alice)
+    r.open_session(b"a2", "x", 1, alice)
+    with pytest.raises(ProtocolError) as e:
+        r.open_session(b"a3", "x", 1, alice)
+    assert e.value.code is ErrorCode.LIMIT and "--max-sessions-per-peer 2" in e.value.message
+    assert sorted(r.sessions) == [b"a1", b"a2"]
+    r.open_session(b"b1", "x", 1, bob)  # another peer has its own count
+    r.open_session(b"a1", "x", 1, alice)  # a re-HELLO on a live identity is not one more
+    r.close_session(b"a2", reason="test")
+    r.open_session(b"a3", "x", 1, alice)
+    assert sorted(r.sessions) == [b"a1", b"a3", b"b1"]
+
+
+def test_instances_and_files_past_the_tenant_caps_are_refused_with_their_memory_closed(reg):
+    r = limited(reg.pool, reg.lanes, instances_per_tenant=2, files_per_tenant=5)
+    s = r.open_session(b"a", "x", 1)
+    r.register(s, "i0", layout(fingerprint="0"), lambda lay, peer: Files(2))
+    with pytest.raises(ProtocolError) as e:
+        r.register(s, "i1", layout(fingerprint="1"), lambda lay, peer: Files(4))
+    assert e.value.code is ErrorCode.LIMIT and "--max-files-per-tenant 5" in e.value.message
+    closed = Memory.closed
+    r.register(s, "i1", layout(fingerprint="1"), lambda lay, peer: Files(3))
+    assert Memory.closed == closed
+    opened = []
+    with pytest.raises(ProtocolError) as e:
+        r.register(s, "i2", layout(fingerprint="2"), lambda lay, peer: opened.append(1) or Files(0))
+    assert e.value.code is ErrorCode.LIMIT and "--max-instances-per-tenant 2" in e.value.message
+    assert opened == [], "memory was opened for a rank past the instance cap"
+    assert sorted(r.instances) == ["i0", "i1"]
+    r.unregister("i0")
+    r.register(s, "i2", layout(fingerprint="2"), lambda lay, peer: Files(2))
+    assert sorted(r.instances) == ["i1", "i2"]
+
+
+def test_leases_past_the_session_cap_are_refused(reg):
+    r = limited(reg.pool, reg.lanes, leases_per_session=2, lease_share=1.0)
+    s = r.open_session(b"a", "x", 1)
+    objs = objects(reg, 3)
+    r.grant(s, objs[:1], 1)
+    r.grant(s, objs[1:2], 1)
+    with pytest.raises(ProtocolError) as e:
+        r.grant(s, objs[2:], 1)
+    assert e.value.code is ErrorCode.LIMIT and "--max-leases-per-session 2" in e.value.message
+    assert [o.pins for o in objs] == [1, 1, 0]
+
+
+def test_the_lease_share_counts_each_object_once_and_a_refused_lease_pins_nothing(reg):
+    # pool ceiling 1 MiB, share 0.001: 1048 bytes, four 256-byte slots
+    r = limited(reg.pool, reg.lanes, lease_share=0.001)
+    s = r.open_session(b"a", "x", 1)
+    objs = objects(reg, 6)
+    r.grant(s, objs[:3], 1)
+    r.grant(s, objs[:3] + objs[:1], 1)  # the same objects again (a shared prefix): no new bytes
+    assert r.leased_bytes[""] == 3 * 256
+    with pytest.raises(ProtocolError) as e:
+        r.grant(s, objs[2:5], 1)  # two new objects: 5 x 256 > 1048
+    assert e.value.code is ErrorCode.LIMIT and "--max-lease-share" in e.value.message
+    assert [o.pins for o in objs] == [3, 2, 2, 0, 0, 0], "the refused lease left pins behind"
+    assert r.leased_bytes[""] == 3 * 256
+    lease = r.grant(s, objs[3:4], 1)  # one more fits exactly
+    assert r.leased_bytes[""] == 4 * 256
+    r.release(lease)
+    assert r.leased_bytes[""] == 3 * 256 and objs[3].pins == 0

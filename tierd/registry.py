@@ -322,17 +322,26 @@ class Registry:
                                 f"(--max-leases-per-session {lim.leases_per_session}); RELEASE some")
         tenant = session.tenant
         held = self._leased.setdefault(tenant, {})
-        with self.pool.lock:
-            new = [o for o in objs if o not in held]
-            add = sum(o.nbytes for o in dict.fromkeys(new))
+        with self.pool.lock:  # one pass (pinned, then undone past the cap): nobody sees it in between
+            add, get = 0, held.get
+            for o in objs:
+                o.pins += 1
+                n = get(o, 0)
+                if not n:
+                    add += o.nbytes  # an object repeated in objs counts once
+                held[o] = n + 1
             cap = lim.lease_share * self.pool.configured_bytes
             pinned = self.leased_bytes.get(tenant, 0)
             if add and pinned + add > cap:
+                for o in objs:
+                    o.pins -= 1
+                    n = held[o] - 1
+                    if n:
+                        held[o] = n
+                    else:
+                        del held[o]
                 raise ProtocolError(ErrorCode.LIMIT, f"this tenant's leases would pin {pinned + add} bytes, more than "
                                     f"--max-lease-share {lim.lease_share:g} of the pool ({int(cap)} bytes)")
-            for o in objs:
-                o.pins += 1
-                held[o] = held.get(o, 0) + 1
         self.leased_bytes[tenant] = pinned + add
         lease = Lease(next(self._lease_ids), session.identity, objs, set(range(world_size)),
                       time.monotonic() + self.lease_ttl_s, tenant)

@@ -280,10 +280,14 @@ class Pool:
     def _touch_prefix(self, objs: Sequence[Obj]) -> None:
         """Touch ready objects tail first: the first one ends up most recent."""
         tick, lrus = self._tick, self.lru
+        cls = move = None
         for obj in reversed(objs):
             tick += 1
             obj.tick = tick
-            lrus[obj.slab.cls].move_to_end(obj)  # a ready object is always in its class's LRU
+            if obj.slab.cls is not cls:  # a prefix's objects are mostly of one class
+                cls = obj.slab.cls
+                move = lrus[cls].move_to_end  # a ready object is always in its class's LRU
+            move(obj)
         if self.ns_quota_bytes:
             for obj in reversed(objs):
                 self.nslru[obj.ns, obj.slab.cls].move_to_end(obj)
