@@ -331,9 +331,15 @@ def _interference(torch, dev, store, retrieve, keys, src, dst, settle, total: in
     def background(kind: str, stop: threading.Event, moved: list):
         if kind == "tierd":
             prev = keys  # stored: round k stores new keys while it retrieves round k-1's (LRU evicts k-2's)
+            # the blocks it stores were written long ago, on a stream of their own: the store's
+            # "forward" event is recorded there, not behind the steps queued on the timed stream
+            # (which would hold every gather back until they ran and leave the link idle)
+            writer = torch.cuda.Stream(dev)
             while not stop.is_set():
                 new = [uuid.uuid4().bytes[:16] for _ in keys]
-                fs, fr = store(new, src), retrieve(prev, dst)
+                with torch.cuda.stream(writer):
+                    fs = store(new, src)
+                fr = retrieve(prev, dst)
                 stored, got = fs.result(), fr.result()
                 got["done"].synchronize()
                 prev = new
