@@ -17,6 +17,7 @@ import zmq
 
 pytest.importorskip("vllm")
 
+from util import ranks  # noqa: E402,F401 - fixture
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -151,10 +152,28 @@ def test_a_chunk_is_announced_only_once_every_rank_has_it(world):
     e.scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
 
 
+class OlderDaemonClient:
+    """The engine's real client, except that EVICTED is answered UNKNOWN_OP (a daemon from before it)."""
+
+    def __init__(self, client):
+        self.client = client
+        self.server = client.server
+
+    def call_async(self, op, body, timeout=None):
+        if op != "EVICTED":
+            return self.client.call_async(op, body, timeout)
+        from tierd_client import TierdError
+
+        fut: Future = Future()
+        fut.set_exception(TierdError("UNKNOWN_OP", "unknown op 'EVICTED'"))
+        return fut
+
+
 def test_a_daemon_without_eviction_reports_leaves_stores_on(world, daemon):
-    """Today's daemon answers EVICTED with UNKNOWN_OP: polling stops, BlockStored still flows."""
+    """An older daemon answers EVICTED with UNKNOWN_OP: polling stops, BlockStored still flows."""
     e, _, router = world
     ev = e.connector.scheduler.events
+    ev.client = OlderDaemonClient(ev.client)
     e.add("r", prompt(2 * CHUNK + 5, seed=94))
     run_until_idle(e)
     deadline = time.monotonic() + 5
@@ -165,8 +184,63 @@ def test_a_daemon_without_eviction_reports_leaves_stores_on(world, daemon):
     assert len(cpu(router.drain(), BlockStored)) == 2
 
 
+def test_chunks_the_daemon_evicted_reach_the_router_as_block_removed(tiny_model, daemon_factory, ranks,
+                                                                     tmp_path):
+    """A real eviction: another namespace's objects fill the daemon's 2 MiB pool, which evicts
+    this engine's chunks; the engine's next steps poll EVICTED and the router receives
+    BlockRemoved (medium CPU) with exactly the hashes of the BlockStored it got for them."""
+    from kv import GroupGeom, keys
+    from wire import Raw
+
+    d = daemon_factory(pool_mb=2)
+    endpoint = f"ipc://{tmp_path}/kv-events-evict.sock"
+    e = SimEngine(tiny_model, d.endpoint, [GroupDef("full", block_size=BLOCK)], chunk_tokens=CHUNK,
+                  kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
+    router = Router(endpoint)
+    other = Raw(d.endpoint)
+    try:
+        time.sleep(0.3)  # SUB joins
+        tokens = prompt(3 * CHUNK + 20, seed=97)
+        e.add("r", tokens)
+        run_until_idle(e)
+        stored = cpu(router.drain(), BlockStored)
+        assert len(stored) == 3 and d.status()["stored_chunks"] == 3
+        ev = e.connector.scheduler.events
+        assert len(ev.announced) == 3 and ev._cursor >= 0  # its first poll was answered
+        assert not cpu(router.events, BlockRemoved)
+        # another namespace fills the pool with objects of the same slot size (4 KiB): the LRU
+        # takes this engine's chunks, the oldest, first
+        filler = ranks(GroupGeom("full", layers=2, block_bytes=512, block_tokens=4), num_blocks=64)
+        other.hello()
+        other.ok("REGISTER", {"instance": "filler", "layout": filler.layout()})
+        cap = d.status()["memory_configured_bytes"] // 4096
+        for _ in range(3):
+            ks = keys(cap // 2)
+            chunks = [{"key": k, "blocks": [list(range(4 * (i % 16), 4 * (i % 16) + 4))]}
+                      for i, k in enumerate(ks)]
+            assert "stored" in other.ok("STORE", {"instance": "filler", "chunks": chunks})["results"]
+        assert d.status()["evictions"] >= 3
+        # vLLM publishes connector events when it steps: a short request (below one chunk) steps it
+        deadline = time.monotonic() + 10
+        n = 0
+        while len(cpu(router.events, BlockRemoved)) < 3 and time.monotonic() < deadline:
+            n += 1
+            e.add(f"short{n}", prompt(CHUNK // 2, seed=200 + n), max_tokens=2)
+            run_until_idle(e)
+            router.drain(0.3)
+        removed = cpu(router.events, BlockRemoved)
+        assert sorted(tuple(x.block_hashes) for x in removed) == sorted(tuple(x.block_hashes) for x in stored)
+        assert all(x.group_idx == 0 for x in removed)
+        assert not ev.announced and ev.missed == 0
+        assert d.status()["evicted_keys"] >= 3
+    finally:
+        other.close()
+        router.close()
+        e.close()
+
+
 class EvictionReportingClient:
-    """The daemon side of EVICTED is not built yet: this stands in for its reply only."""
+    """Stands in for the daemon's EVICTED reply only."""
 
     server = {"boot_id": "x"}
 
@@ -190,7 +264,7 @@ def test_evicted_chunks_this_engine_announced_become_block_removed(world):
     assert len(announced) == 2
     stored = cpu(router.drain(), BlockStored)
     stub = EvictionReportingClient([announced[1], b"\0" * 16])  # one of ours, one never announced
-    ev.client, ev.evictions, ev._poll, ev._poll_at, ev._cursor = stub, True, None, 0.0, -1
+    ev.client, ev.evictions, ev._poll, ev._poll_at, ev._cursor, ev._boot = stub, True, None, 0.0, -1, None
     assert ev.take() == []  # the poll goes out ...
     out = ev.take()  # ... and its answer is translated
     assert stub.calls[0] == ("EVICTED", {"namespace": e.connector.geo.namespace, "since": -1})

@@ -44,6 +44,9 @@ class Settings:
     lease_ttl_s: float = _opt(60.0, "Seconds a LOOKUP lease keeps its objects from eviction unless released or consumed.", min=0.1)
     max_frame_mb: int = _opt(64, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    eviction_log: int = _opt(65536, "Chunks evicted from the pool the daemon remembers for EVICTED (the "
+                             "connectors' router events); 0 keeps none (EVICTED then only says 'missed').",
+                             min=0, max=1 << 24)
     # ---- tenants and per-client limits (docs/protocol.md section 21) ----
     tcp_token_file: str = _opt(None, "File of 'TENANT TOKEN' lines: a tcp:// client's HELLO must carry one of the "
                                "tokens and acts as that tenant (TENANT 'admin' is an operator).")

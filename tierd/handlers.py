@@ -240,6 +240,30 @@ def clear(tier: Tier, call: Call, msg: m.Clear) -> m.ClearReply:
     return m.ClearReply(tier.pool.clear(scoped_namespace_id(tenant, msg.namespace)))
 
 
+def evicted(tier: Tier, call: Call, msg: m.Evicted) -> m.EvictedReply:
+    """The chunk keys of the caller's namespace (scoped by its tenant, as LOOKUP's) that stopped
+    being servable from this daemon's pool after ``since`` (tierd.pool.evlog). A cursor of another
+    boot (``boot_id``, or past this boot's seq) reads this boot's records from the start: missed."""
+    ns_id = scoped_namespace_id(call.tenant, msg.namespace)
+    pool = tier.pool
+    since, reset = msg.since, False
+    with pool.lock:
+        evlog = pool.evlog
+        if (msg.boot_id and msg.boot_id != tier.boot_id) or since > evlog.seq:
+            since, reset = 0, True
+        if since < 0:  # from now on
+            seq, keys, missed = evlog.seq, [], False
+        else:
+            seq, keys, missed = evlog.since(ns_id, since, msg.max)
+    missed = missed or reset
+    stats = tier.stats
+    stats.add("evicted_polls")
+    stats.add("evicted_keys", len(keys))
+    if missed:
+        stats.add("evicted_missed")
+    return m.EvictedReply(seq, keys, missed, tier.boot_id)
+
+
 # ---- registration --------------------------------------------------------------------------------
 def register(tier: Tier, call: Call, msg: m.Register) -> m.RegisterReply:
     inst = tier.registry.register(call.session, msg.instance, msg.layout, tier.open_memory)
@@ -358,5 +382,6 @@ HANDLERS: dict[str, Callable] = {
     "PING": ping,
     "STATUS": status,
     "CLEAR": clear,
+    "EVICTED": evicted,
 }
 assert HANDLERS.keys() == m.REQUESTS.keys()

@@ -77,6 +77,7 @@ class Daemon:
             settings.l1_segment_mb << 20,
             pinner=self.cuda.pinner() if self.cuda else None,
             ns_quota_bytes=int(settings.namespace_quota_gb * (1 << 30)),
+            eviction_log=settings.eviction_log,
             pool_dir=settings.pool_dir,
             meta=warm.pool_meta(settings),
             index_dir=settings.pool_index_dir,

@@ -25,6 +25,9 @@ COUNTERS = (
     ("leases_granted", "leases handed out by LOOKUP"),
     ("leases_expired", "leases dropped by TTL or by their client's death"),
     ("sessions_reaped", "clients dropped after --heartbeat-timeout-s of silence"),
+    ("evicted_polls", "EVICTED requests answered"),
+    ("evicted_keys", "chunk keys EVICTED replies carried"),
+    ("evicted_missed", "EVICTED replies that said missed: the caller may have lost removals"),
     ("errors", "requests answered with an error"),
 )
 
@@ -97,6 +100,11 @@ class _Collector:
             per.add_metric([group], n)
         yield per
         yield GaugeMetricFamily("tierd_instances", "registered ranks", value=len(status["instances"]))
+        evlog = status["eviction_log"]
+        yield GaugeMetricFamily("tierd_eviction_log_records", "evicted chunks remembered for EVICTED",
+                                value=evlog["records"])
+        yield GaugeMetricFamily("tierd_eviction_log_seq", "the eviction log's last seq (chunks recorded this "
+                                "boot)", value=evlog["seq"])
         if status.get("l2") is not None:  # --l2-url
             from tierd.tier2.metrics import families
 

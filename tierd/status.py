@@ -110,6 +110,8 @@ def build_status(daemon) -> dict:
             "objects": pool.objects,
             "group_objects": dict(pool.per_group),
             "evictions": pool.evictions,
+            "eviction_log": {"capacity": pool.evlog.capacity, "records": len(pool.evlog),
+                             "seq": pool.evlog.seq, "dropped": pool.evlog.dropped},
             "pool_grow_error": pool.segments.grow_error,
             "warm_restart": warm.status(pool),
             "namespaces": [{**public_namespace(ns), "tenant": reg.ns_tenant.get(ns_id, ""),

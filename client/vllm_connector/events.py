@@ -12,9 +12,19 @@ Flow (only when ``kv_events_config.enable_kv_cache_events``):
 3. Once every rank has reported a chunk, it is announced iff at least one rank answered
    ``stored`` and none ``rejected`` / ``failed`` / ``skipped`` (a chunk is servable only when
    every rank's bytes are in; ``exists`` means it already was, from this or another engine).
-4. Evictions: a daemon that reports them (op ``EVICTED``, see the report in issue 11; probed, an
-   ``UNKNOWN_OP`` answer turns polling off) names the keys that stopped being servable; those
-   this engine announced are published as ``BlockRemoved`` with the same hashes.
+4. Evictions: every ``EVICTION_POLL_S`` the scheduler side asks the daemon (op ``EVICTED``,
+   docs/protocol.md section 14; an ``UNKNOWN_OP`` answer, an older daemon, turns polling off)
+   which chunk keys of its namespace stopped being servable from the daemon's memory since its
+   cursor; those this engine announced are published as ``BlockRemoved`` with the same hashes,
+   at the engine's next step (vLLM publishes events only when its scheduler steps: an idle
+   engine publishes them when it next has work). The first poll sends ``since`` -1 (from now
+   on); each reply's ``seq`` and ``boot_id`` are sent with the next one.
+   ``missed`` (the daemon restarted, or more was evicted between two polls than its
+   ``--eviction-log`` holds): removals may have been lost. The connector keeps its announced
+   chunks and goes on from the new cursor, so a router may over-estimate what this node holds,
+   never under-estimate: a request routed here for a chunk that is gone recomputes and stores it
+   again, which makes the router right again, whereas a chunk wrongly reported removed but still
+   held is never announced again (its stores answer ``exists``). Logged once at INFO, then DEBUG.
 
 While chunks await their reports the connector asks vLLM to keep stepping
 (``has_pending_push_work``), so the last stores of a request that has finished still reach the
@@ -97,7 +107,9 @@ class RouterEvents:
     evictions: bool = True  # the daemon may report evictions (off after UNKNOWN_OP)
     _poll: object = None
     _poll_at: float = 0.0
-    _cursor: int = -1
+    _cursor: int = -1  # EVICTED's seq to send next (-1: from now on)
+    _boot: str | None = None  # the daemon boot that cursor belongs to
+    missed: int = 0  # EVICTED replies that said removals may have been lost
 
     def record(self, request, chunk: int, key: bytes) -> None:
         stored = [e for g in self.geo.groups if g.kind is GroupKind.FULL
@@ -154,7 +166,14 @@ class RouterEvents:
             exc = fut.exception()
             if exc is None:
                 reply = fut.result()
+                if reply.get("missed"):
+                    self.missed += 1
+                    (log.info if self.missed == 1 else log.debug)(
+                        "tierd: some evictions were not reported (the daemon restarted, or evicted more "
+                        "than its --eviction-log holds between two polls): the router may think this node "
+                        "holds chunks it no longer does")
                 self._cursor = int(reply.get("seq", self._cursor))
+                self._boot = reply.get("boot_id") or None
                 for key in reply.get("keys", ()):
                     self.out += self.announced.pop(bytes(key), ())
             elif getattr(exc, "code", None) == "UNKNOWN_OP":
@@ -162,9 +181,11 @@ class RouterEvents:
                 self.evictions = False
         if self._poll is None and self.evictions and time.monotonic() >= self._poll_at:
             self._poll_at = time.monotonic() + EVICTION_POLL_S
+            body = {"namespace": self.geo.namespace, "since": self._cursor}
+            if self._boot:
+                body["boot_id"] = self._boot  # a cursor of another boot: missed, read from this boot's start
             try:
-                self._poll = self.client.call_async("EVICTED", {"namespace": self.geo.namespace, "since": self._cursor},
-                                                    timeout=EVICTION_POLL_S)
+                self._poll = self.client.call_async("EVICTED", body, timeout=EVICTION_POLL_S)
             except Exception:  # noqa: BLE001 - closed client: no more events
                 self._poll = None
 

@@ -9,6 +9,10 @@ rejected with nothing evicted, and memory moves between size classes a small sla
 With ``ns_quota_bytes`` a namespace holds at most that many bytes: at its quota it makes room by
 evicting its own least recently used objects, never another namespace's.
 
+Every chunk that stops being servable from the pool (a committed object evicted or CLEARed, or
+a write that replaced an object discarded) is recorded in ``evlog`` (tierd.pool.evlog) for
+EVICTED; an object replaced by a fuller copy that commits is not.
+
 With ``pool_dir`` the segments are files that outlive the process (tierd.pool.persist): every
 change that a restart could serve is journaled before it can matter, and ``save`` writes the
 index at a planned stop. ``warm_restart`` says what the start recovered, or why it was cold.
@@ -24,6 +28,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 from tierd.pool import evict
+from tierd.pool.evlog import EvictionLog
 from tierd.pool.index import Index, Obj
 from tierd.pool.persist import KEEP, Persist
 from tierd.pool.segments import Pinner, SegmentSet
@@ -41,14 +46,17 @@ EXISTS = Exists()
 class Pool:
     def __init__(self, ceiling: int, initial: int, align: int, segment_bytes: int = 1 << 30,
                  pinner: Pinner | None = None, pool_dir: str | None = None, meta: dict | None = None,
-                 index_dir: str | None = None, ns_quota_bytes: int = 0):
+                 index_dir: str | None = None, ns_quota_bytes: int = 0, eviction_log: int = 0):
         """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
         recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
         restart must find equal; ``index_dir``: a tmpfs folder for the index and journal
         (default ``pool_dir``; required when that is hugetlbfs); ``ns_quota_bytes``: the bytes
-        (slots) one namespace may hold, 0 for no quota."""
+        (slots) one namespace may hold, 0 for no quota; ``eviction_log``: the records ``evlog``
+        keeps (0: it only counts)."""
         self.lock = threading.Lock()
         self.ns_quota_bytes = ns_quota_bytes
+        self.evlog = EvictionLog(eviction_log)
+        self._replacing: set[Obj] = set()  # objects being written in place of a committed one
         self.on_evict = None  # told of each object eviction takes, under the lock (tierd.tier2)
         segment_bytes = min(segment_bytes, ceiling)
         self.persist = None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta)
@@ -127,16 +135,22 @@ class Pool:
         obj = Obj(ns, key, span, rank, nbytes, mask, label)
         obj.slab, obj.slot = got
         self._place(obj)
+        if replace is not None:
+            self._replacing.add(obj)  # a loss only if this write is discarded
         return obj
 
     def commit(self, objs: Sequence[Obj]) -> None:
         """Make written objects visible; the last one given ends up least recent."""
         with self.lock:
+            evlog, replacing = self.evlog, self._replacing
             for obj in reversed(objs):
                 assert not obj.ready and obj.pins > 0
                 obj.ready = True
                 obj.pins -= 1
                 self._touch(obj)
+                evlog.back(obj.ns, obj.key)
+                if replacing:
+                    replacing.discard(obj)
                 if self.persist is not None:
                     self.persist.committed(obj)
             self._flush()  # durable before a reader can see them
@@ -145,6 +159,9 @@ class Pool:
         with self.lock:
             for obj in objs:
                 assert not obj.ready
+                if obj in self._replacing:  # the copy it replaced went at begin_write
+                    self._replacing.discard(obj)
+                    self.evlog.gone(obj.ns, obj.key)
                 self._drop(obj)
             self._flush()
 
@@ -214,6 +231,7 @@ class Pool:
             victims = [o for lru in self.lru.values() for o in lru
                        if o.pins == 0 and (ns is None or o.ns == ns)]
             for obj in victims:
+                self.evlog.gone(obj.ns, obj.key)
                 self._drop(obj)
             self._flush()
             return len(victims)
@@ -337,6 +355,8 @@ class Pool:
         self.evicted_bytes += obj.nbytes
         if self.on_evict is not None:
             self.on_evict(obj)
+        if obj.ready:
+            self.evlog.gone(obj.ns, obj.key)
         self._drop(obj)
 
     def _drop(self, obj: Obj) -> None:

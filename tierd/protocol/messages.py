@@ -118,6 +118,13 @@ class Clear(Message):
     tenant: Name | None = None  # whose namespace (an operator clearing another tenant's); default: the caller's
 
 
+class Evicted(Message):
+    namespace: Namespace
+    since: Annotated[int, Meta(ge=-1, le=(1 << 63) - 1)] = 0  # -1: from now on (the cursor only)
+    max: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)] = 4096  # at most 65536 are returned
+    boot_id: Annotated[str, Meta(max_length=64)] = ""  # the boot of ``since`` (another: missed)
+
+
 REQUESTS: dict[str, type[Message]] = {
     "HELLO": Hello,
     "BYE": Bye,
@@ -130,6 +137,7 @@ REQUESTS: dict[str, type[Message]] = {
     "PING": Ping,
     "STATUS": Status,
     "CLEAR": Clear,
+    "EVICTED": Evicted,
 }
 
 
@@ -178,6 +186,13 @@ class ClearReply(msgspec.Struct):
     evicted: int
 
 
+class EvictedReply(msgspec.Struct):
+    seq: int  # the cursor to send next time
+    keys: list[bytes]  # chunk keys evicted after ``since``, oldest first, each once
+    missed: bool  # records after ``since`` are gone (ring overflow, another boot): removals may be lost
+    boot_id: str
+
+
 class Empty(msgspec.Struct):
     pass
 
@@ -196,6 +211,7 @@ REPLIES: dict[str, type | None] = {
     "PING": PingReply,
     "STATUS": None,  # the /status object (docs/protocol.md section 16)
     "CLEAR": ClearReply,
+    "EVICTED": EvictedReply,
 }
 
 _DECODERS = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
