@@ -64,13 +64,15 @@ class Stager:
         if impl != "torch":
             native.start()
         chunk = layout.chunk_tokens
-        self.blocks_per_chunk = [1 if g.kind is GroupKind.STATE else chunk // g.block_tokens for g in layout.groups]
+        self.blocks_per_chunk = [1 if g.kind is GroupKind.STATE else chunk // g.block_tokens
+                                 for g in layout.groups]
         part = [len(g.layers) * n * g.block_bytes for g, n in zip(layout.groups, self.blocks_per_chunk)]
         self.part_bytes = part
         self.group_offsets = [sum(part[:g]) for g in range(len(part))]
         self.chunk_bytes = sum(part)
         if staging_bytes < self.chunk_bytes:
-            raise ValueError(f"a staging buffer of {staging_bytes} bytes holds no chunk of {self.chunk_bytes} bytes")
+            raise ValueError(f"a staging buffer of {staging_bytes} bytes holds no chunk of "
+                             f"{self.chunk_bytes} bytes")
         with torch.cuda.device(self.device):
             flats = [t.view(-1).view(torch.uint8) if t.dim() else t for t in tensors]
             self.groups = [GroupCopy(torch, g, flats, self.device) for g in layout.groups]
@@ -101,11 +103,16 @@ class Stager:
             self._copy(chunks, at, null, scatter=False, skip=None)
             return self.fence.mark(self.stream)
 
-    def scatter(self, chunks: list[list[list[int]]], at: int, null: int = -1, skip=None, after: bytes | None = None):
+    def scatter(self, chunks: list[list[list[int]]], at: int, null: int = -1, skip=None,
+                after: bytes | None = None, ready=None):
         """Staging from ``at`` into the blocks of ``chunks``, except ``skip`` ((group, id) pairs not
-        restored), once the daemon's interprocess event ``after`` (its DMA) is done; returns a CUDA
-        event done when the blocks may be read."""
+        restored), once the daemon's interprocess event ``after`` (its DMA) is done and, if given,
+        the engine's event ``ready`` (recorded where the blocks may be overwritten: after the
+        forward that last read them, after vLLM zeroed them); returns a CUDA event done when the
+        blocks may be read."""
         with self.lock, self.torch.cuda.device(self.device):
+            if ready is not None:
+                self.scatter_stream.wait_event(ready)
             if after:
                 self.scatter_stream.wait_event(self._peer_event(after))
             self._copy(chunks, at, null, scatter=True, skip=skip)
@@ -127,6 +134,14 @@ class Stager:
         then overwrite the retrieve half of staging)."""
         with self.lock, self.torch.cuda.device(self.device):
             return self.scatter_fence.mark(self.scatter_stream)
+
+    def recorded(self, scatter: bool = False):
+        """A CUDA event after everything queued so far on the gather (or scatter) stream: it completes
+        once those copies have read (gather) or written (scatter) the engine's blocks."""
+        with self.lock, self.torch.cuda.device(self.device):
+            ev = self.torch.cuda.Event()
+            ev.record(self.scatter_stream if scatter else self.stream)
+            return ev
 
     def fence_into(self, stream) -> None:
         """``stream`` (the forward's) waits for every gather queued so far (they read KV blocks)."""
@@ -156,11 +171,12 @@ class Stager:
             dev = _upload(torch, np.stack([ids, item, pos]), stream, self.device)
             fn = cuda_gather.torch_scatter if scatter else cuda_gather.torch_gather
             with torch.cuda.stream(stream):
-                fn(gc.views, self.buf, len(chunks), bpc, dev[0], dev[1], dev[2], base=at + self.group_offsets[g],
-                   item_stride=self.chunk_bytes)
+                fn(gc.views, self.buf, len(chunks), bpc, dev[0], dev[1], dev[2],
+                   base=at + self.group_offsets[g], item_stride=self.chunk_bytes)
 
     def _jobs(self, chunks, at, g, null, skip):
-        """For group ``g``: non-null (and not skipped) block ids, their staging offsets, chunk and position."""
+        """For group ``g``: non-null (and not skipped) block ids, their staging offsets, chunk and
+        position."""
         bb, bpc = self.groups[g].block_bytes, self.blocks_per_chunk[g]
         ids, offs, item, pos = [], [], [], []
         base = at + self.group_offsets[g]

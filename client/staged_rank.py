@@ -13,8 +13,15 @@ staging work is ordered behind it on the staging stream).
 The futures carry the whole job's reply in the daemon's shape (``{"results": [...]}``;
 ``{"ok": [...], "failed": [[group, block], ...]}``), the retrieve's with a ``"done"`` CUDA event:
 its blocks may be read once that completes (or after the reader's stream waits on it). A STORE's
-gather waits (on the GPU) for ``after``, the event the caller recorded after writing the blocks:
-the caller may then overwrite them only once the future is done (the connector's fence).
+gather waits (on the GPU) for ``after``, the event the caller recorded after writing the blocks,
+and a RETRIEVE's scatter for its ``after``, recorded where the blocks may be overwritten.
+
+A STORE future is done only once its gathers have read the blocks, whatever the daemon answered
+(an answer without a DMA, a refusal or a timeout, can come before the gather ran): the caller
+may overwrite the blocks as soon as the future is done (the connector's block-reuse fence). A
+job that fails part-way fails only once every request already sent is done, so no scatter of
+it is still to be queued when the caller hears of the failure (``scatters_done`` then covers
+those queued).
 """
 
 from __future__ import annotations
@@ -57,8 +64,8 @@ class Ring:
 
 
 class StagedRank:
-    def __init__(self, client, instance: str, stager: Stager, null: int = -1, request_bytes: int | None = None,
-                 timeout_s: float | None = None):
+    def __init__(self, client, instance: str, stager: Stager, null: int = -1,
+                 request_bytes: int | None = None, timeout_s: float | None = None):
         self.client, self.instance, self.stager, self.null = client, instance, stager, null
         self.timeout_s = timeout_s
         half = stager.nbytes // 2 // stager.chunk_bytes * stager.chunk_bytes
@@ -69,8 +76,10 @@ class StagedRank:
         self.per_request = max(1, cap // stager.chunk_bytes)
         self.rings = {"STORE": Ring(0, half, timeout_s), "RETRIEVE": Ring(half, half, timeout_s)}
         self._jobs = {op: queue.SimpleQueue() for op in self.rings}
+        self._waits: queue.SimpleQueue = queue.SimpleQueue()  # (event, then): rare waits, off the I/O thread
         self._threads = [threading.Thread(target=self._submitter, args=(op,), daemon=True,
                                           name=f"tierd-stage-{op.lower()}") for op in self.rings]
+        self._threads.append(threading.Thread(target=self._wait_events, daemon=True, name="tierd-stage-wait"))
         for t in self._threads:
             t.start()
 
@@ -81,15 +90,22 @@ class StagedRank:
         self._jobs["STORE"].put((chunks, {"touch": touch, "after": after}, out))
         return out
 
-    def retrieve(self, chunks: list[dict], lease: int = 0) -> Future:
-        """Retrieve ``chunks`` into their blocks; the future's ``"done"`` event marks the scatter."""
+    def retrieve(self, chunks: list[dict], lease: int = 0, after=None) -> Future:
+        """Retrieve ``chunks`` into their blocks, the scatter queued after the event ``after`` (if
+        given); the future's ``"done"`` event marks the scatter."""
         out: Future = Future()
-        self._jobs["RETRIEVE"].put((chunks, {"lease": lease}, out))
+        self._jobs["RETRIEVE"].put((chunks, {"lease": lease, "after": after}, out))
         return out
+
+    def scatters_done(self):
+        """A CUDA event after every scatter queued so far (a failed load's blocks are free of them
+        once it completes)."""
+        return self.stager.recorded(scatter=True)
 
     def close(self) -> None:
         for q in self._jobs.values():
             q.put(None)
+        self._waits.put(None)
         for t in self._threads:
             t.join(5)
 
@@ -110,32 +126,59 @@ class StagedRank:
             if job is None:
                 return
             chunks, kw, out = job
+            merge = _merge_stores if op == "STORE" else self._merge_retrieves
+            parts: list[Future] = []
             try:
-                parts = [self._send(op, ring, batch, kw, first=(i == 0)) for i, batch in enumerate(self._batches(chunks))]
+                for i, batch in enumerate(self._batches(chunks)):
+                    parts.append(self._send(op, ring, batch, kw, first=(i == 0)))
             except BaseException as exc:  # noqa: BLE001 - the job fails as a whole; the engine recomputes
-                out.set_exception(exc)
+                _join(parts, out, merge, error=exc)  # once the requests already sent are done
                 continue
-            _join(parts, out, _merge_stores if op == "STORE" else _merge_retrieves)
+            _join(parts, out, merge)
 
     def _send(self, op: str, ring: Ring, batch: list[dict], kw: dict, first: bool) -> Future:
         size = len(batch) * self.stager.chunk_bytes
         at = ring.take(size)
         body = {"instance": self.instance, "chunks": batch, "staged_at": at}
         if op == "STORE":
-            body["event"] = self.stager.gather([c["blocks"] for c in batch], at, after=kw["after"], null=self.null)
+            body["event"] = self.stager.gather([c["blocks"] for c in batch], at, after=kw["after"],
+                                               null=self.null)
             if first and kw["touch"]:
                 body["touch"] = kw["touch"]
+            gathered = self.stager.recorded()
             fut = self.client.call_async("STORE", body, timeout=self.timeout_s)
-            ring.hold(at, size, fut)
-            return fut
+            ring.hold(at, size, fut)  # the next gather into this room queues behind this one anyway
+            read: Future = Future()
+            fut.add_done_callback(lambda f: self._when_read(f, gathered, read))
+            return read
         body["lease"], body["event"] = kw["lease"], self.stager.mark()
         scattered: Future = Future()
         fut = self.client.call_async("RETRIEVE", body, timeout=self.timeout_s)
-        fut.add_done_callback(lambda f: self._scatter(f, batch, at, scattered))
+        fut.add_done_callback(lambda f: self._scatter(f, batch, at, scattered, kw.get("after")))
         ring.hold(at, size, scattered)
         return scattered
 
-    def _scatter(self, fut: Future, batch: list[dict], at: int, out: Future) -> None:
+    def _when_read(self, fut: Future, gathered, out: Future) -> None:
+        """Pass the daemon's STORE answer on once the gather has read the blocks. After a DMA it has
+        (the DMA waited for it); an answer without one may come first, and then a helper thread,
+        not the client's I/O thread, waits for the gather."""
+        if gathered.query():
+            _chain(fut, out)
+        else:
+            self._waits.put((gathered, lambda: _chain(fut, out)))
+
+    def _wait_events(self) -> None:
+        while True:
+            item = self._waits.get()
+            if item is None:
+                return
+            event, then = item
+            try:
+                event.synchronize()
+            finally:
+                then()
+
+    def _scatter(self, fut: Future, batch: list[dict], at: int, out: Future, ready=None) -> None:
         """On the daemon's answer (the client's I/O thread): scatter what was restored."""
         exc = fut.exception()
         if exc is not None:
@@ -145,11 +188,18 @@ class StagedRank:
         try:
             skip = {(int(g), int(b)) for g, b in reply.get("failed", ())}
             done = self.stager.scatter([c["blocks"] for c in batch], at, null=self.null, skip=skip,
-                                       after=reply.get("event"))
+                                       after=reply.get("event"), ready=ready)
         except BaseException as e:  # noqa: BLE001 - the load failed: the engine recomputes
             out.set_exception(e)
             return
         out.set_result({**reply, "done": done})
+
+    def _merge_retrieves(self, replies: list[dict]) -> dict:
+        """One reply; its ``done`` follows every part's scatter (the parts' answers, and so their
+        scatters, may come in any order: an event recorded now, when all are queued)."""
+        done = replies[0]["done"] if len(replies) == 1 else self.scatters_done() if replies else None
+        return {"ok": [x for r in replies for x in r["ok"]],
+                "failed": [x for r in replies for x in r["failed"]], "done": done}
 
     def _batches(self, chunks: list[dict]):
         for i in range(0, len(chunks), self.per_request):
@@ -160,15 +210,25 @@ def _merge_stores(replies: list[dict]) -> dict:
     return {"results": [x for r in replies for x in r["results"]]}
 
 
-def _merge_retrieves(replies: list[dict]) -> dict:
-    return {"ok": [x for r in replies for x in r["ok"]], "failed": [x for r in replies for x in r["failed"]],
-            "done": replies[-1]["done"] if replies else None}
 
 
-def _join(parts: list[Future], out: Future, merge) -> None:
-    """Resolve ``out`` with the merged results of ``parts`` once all are done, or their first error."""
+
+def _chain(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+def _join(parts: list[Future], out: Future, merge, error: BaseException | None = None) -> None:
+    """Resolve ``out`` once all ``parts`` are done: with ``error`` if given, else their first error,
+    else their merged results."""
     if not parts:
-        out.set_result(merge([]))
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(merge([]))
         return
     left = [len(parts)]
     lock = threading.Lock()
@@ -178,6 +238,9 @@ def _join(parts: list[Future], out: Future, merge) -> None:
             left[0] -= 1
             if left[0]:
                 return
+        if error is not None:
+            out.set_exception(error)
+            return
         for f in parts:
             if f.exception() is not None:
                 out.set_exception(f.exception())

@@ -1,8 +1,9 @@
 """Connector settings, read from ``kv_connector_extra_config``.
 
-``tierd.*`` keys are ours. ``lmcache.mp.host`` / ``lmcache.mp.port`` / ``lmcache.mp.mq_timeout`` /
-``lmcache.chunk_size`` are accepted as aliases, so moving from ``LMCacheMPConnector`` means
-changing the class name and module path only.
+``tierd.*`` keys are ours (``tierd.staging_mb``: see ``ConnectorConfig.staging_mb``).
+``lmcache.mp.host`` / ``lmcache.mp.port`` / ``lmcache.mp.mq_timeout`` / ``lmcache.chunk_size``
+are accepted as aliases, so moving from ``LMCacheMPConnector`` means changing the class name and
+module path only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 from tierd.config import default_socket
 
 DEFAULT_CHUNK_TOKENS = 256
+STAGING_AUTO_CHUNKS = 8  # tierd.staging_mb=0: chunks of room each way ...
+STAGING_AUTO_CAP_MB = 128  # ... but at most this many MiB each way (at least one chunk)
 
 
 @dataclass(frozen=True)
@@ -27,9 +30,16 @@ class ConnectorConfig:
     # runs without the tier and keeps registering in the background (the tier turns on then)
     connect_timeout_s: float = 1.0
     register_retry_s: float = 5.0  # pause between background REGISTER attempts
+    # CUDA ranks: MiB of GPU memory for the staging buffer the rank gathers stores into and
+    # scatters loads out of (half each way; the daemon DMAs whole objects through it). 0 = auto:
+    # each way room for STAGING_AUTO_CHUNKS chunks (a 2048-token prefill step's stores at
+    # 256-token chunks, or as many loads), at most STAGING_AUTO_CAP_MB each way, never less than
+    # one chunk. Larger steps pipeline through it: the submitter thread waits for room, the
+    # forward never does. It is allocated after vLLM sized its KV cache, outside that budget.
+    staging_mb: float = 0.0
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         url = extra.get("tierd.url")
         if url is None and "lmcache.mp.host" in extra:
@@ -40,6 +50,9 @@ class ConnectorConfig:
         chunk = int(extra.get("tierd.chunk_tokens", extra.get("lmcache.chunk_size", DEFAULT_CHUNK_TOKENS)))
         if chunk < 1:
             raise ValueError(f"tierd.chunk_tokens must be >= 1, got {chunk}")
+        staging = float(extra.get("tierd.staging_mb", 0.0))
+        if not staging >= 0:
+            raise ValueError(f"tierd.staging_mb must be >= 0 (0: sized from the chunk), got {staging}")
         return cls(
             url=str(url) if url else default_socket(),
             chunk_tokens=chunk,
@@ -49,6 +62,7 @@ class ConnectorConfig:
             store_decode=_bool(extra.get("tierd.store_decode", True)),
             connect_timeout_s=float(extra.get("tierd.connect_timeout_s", 1.0)),
             register_retry_s=float(extra.get("tierd.register_retry_s", 5.0)),
+            staging_mb=staging,
         )
 
 

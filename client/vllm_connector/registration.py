@@ -1,8 +1,11 @@
 """Publishing one rank's page layout to the daemon (REGISTER), without ever stalling the engine.
 
 ``publish`` describes the rank's KV tensors (CPU: moved into unnamed shared memory, named in
-/dev/shm only while a REGISTER is in flight, see ``tierd_client.shm``; CUDA: IPC handles) and
-waits at most ``tierd.connect_timeout_s`` (default 1 s) for the REGISTER to be accepted. It logs
+/dev/shm only while a REGISTER is in flight, see ``tierd_client.shm``; CUDA: IPC handles, and a
+staging buffer on the rank's GPU, ``tierd_client.cuda_stage.Stager``, which the engine gathers
+stores into and scatters loads out of in its own context: the daemon opens only that buffer and
+DMAs whole objects through it, never launching a kernel on the engine's GPU) and waits at most
+``tierd.connect_timeout_s`` (default 1 s) for the REGISTER to be accepted. It logs
 once which daemon the rank uses and whether it registered. A rank not registered by then runs
 without the tier; ``ready()`` (called by the steps that have loads or stores to do) re-sends the
 REGISTER every ``tierd.register_retry_s`` (default 5 s) and logs once when the tier turns on. A
@@ -13,7 +16,10 @@ from __future__ import annotations
 
 import time
 
-from tierd_client.layouts import block_span, group as group_desc, layout as layout_desc
+from tierd_client.layouts import block_span
+from tierd_client.layouts import group as group_desc
+from tierd_client.layouts import layout as layout_desc
+from tierd_client.vllm_connector.config import STAGING_AUTO_CAP_MB, STAGING_AUTO_CHUNKS
 from tierd_client.vllm_connector.log import get_logger
 
 log = get_logger("tierd_client.vllm_connector")
@@ -28,28 +34,31 @@ class RankRegistration:
         self.num_blocks = num_blocks
         self.rank = 0
         self.layout: dict | None = None
-        self.publication = None  # CPU: /dev/shm names of the KV memory, present only while a REGISTER is in flight
+        self.publication = None  # CPU: /dev/shm names of the KV memory, only while a REGISTER is in flight
+        self.stager = None  # CUDA: the rank's staging buffer and copy streams
         self.registered = False
         self._future = None
         self._sent_at = 0.0
         self._said_down = False  # this rank logged that it runs without the tier
 
     def publish(self, kv_caches: dict, rank: int):
-        """Describe and REGISTER the rank's KV tensors; returns the CUDA store-event recorder (or None)."""
+        """Describe and REGISTER the rank's KV tensors; returns the CUDA rank's ``Stager`` (None on CPU)."""
         named = [(g, [kv_caches[n] for n in g.layer_names if n in kv_caches]) for g in self.geo.groups]
         tensors = [t for _, ts in named for t in ts]
         if not tensors:
             raise ValueError("register_kv_caches got none of the layers in the KV cache config")
-        device, recorder = tensors[0].device.type, None
+        device = tensors[0].device.type
         if device == "cpu":
             from tierd_client.shm import share_torch_tensors
 
             refs, where, self.publication = share_torch_tensors(tensors)
         elif device == "cuda":
-            from tierd_client.cuda_ipc import share_cuda_tensors, store_event_recorder
+            from tierd_client.cuda_ipc import share_cuda_tensors
 
+            devices = sorted({str(t.device) for t in tensors})
+            if len(devices) > 1:
+                raise ValueError(f"a rank's KV tensors lie on one GPU, got {devices}")
             refs, where = share_cuda_tensors(tensors)
-            recorder = store_event_recorder(tensors[0].device)
         else:
             raise ValueError(f"TierdConnector supports cpu and cuda KV caches, not {device}")
         groups, i = [], 0
@@ -59,16 +68,41 @@ class RankRegistration:
                 ref, offset = where[i]
                 i += 1
                 if t.shape[0] % self.num_blocks:
-                    raise ValueError(f"layer tensor with {t.shape[0]} blocks is not a multiple of {self.num_blocks}")
+                    raise ValueError(f"layer tensor with {t.shape[0]} blocks is not a multiple of "
+                                     f"{self.num_blocks}")
                 spans.append(block_span(tuple(t.shape), tuple(t.stride()), t.element_size(), 0, tensor=ref,
                                         offset=offset, blocks_per_block=t.shape[0] // self.num_blocks))
             groups.append(group_desc(g.kind.value, g.block_tokens, spans, window_tokens=g.window_tokens,
                                      dtype=str(ts[0].dtype) if ts else ""))
         self.layout = layout_desc(self.geo.namespace, rank, self.geo.chunk_tokens, refs, groups,
                                   device=device, replicated=self.geo.replicated)
+        if device == "cuda":
+            self.stager = self._stager(tensors, where)
+            self.layout["staging"] = self.stager.ref
         self.rank = rank
         self.ready(wait_s=self.cfg.connect_timeout_s)
-        return recorder
+        return self.stager
+
+    def _stager(self, tensors, where):
+        """The rank's Stager: over each distinct storage of ``tensors`` as one flat uint8 tensor (the
+        layout's spans are offsets into those storages), with ``staging_bytes`` of staging."""
+        import torch
+
+        from tierd.protocol.layout import PageLayout
+        from tierd_client.cuda_stage import Stager
+
+        flats: dict[int, object] = {}
+        for t, (ref, _) in zip(tensors, where):
+            if ref not in flats:
+                st = t.untyped_storage()
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                flats[ref] = flat.set_(st, 0, (st.nbytes(),), (1,))
+        layout = PageLayout.from_wire(self.layout)
+        size = staging_bytes(self.cfg.staging_mb, chunk_bytes(layout))
+        stager = Stager(layout, [flats[i] for i in range(len(flats))], size)
+        log.info("tierd: rank %d stages its copies through %.1f MiB on %s (%d chunks each way)", self.rank,
+                 size / 2**20, tensors[0].device, size // 2 // chunk_bytes(layout))
+        return stager
 
     def ready(self, wait_s: float = 0.0) -> bool:
         """Registered yet? Sends a REGISTER if none is in flight and the retry pause has passed,
@@ -98,14 +132,15 @@ class RankRegistration:
             return False
         self.registered = True
         log.info("tierd: rank %d registered with %s as %s (chunks of %d tokens, groups %s): the tier is on",
-                 self.rank, self.client.url, self.instance, self.geo.chunk_tokens, [g.kind.value for g in self.geo.groups])
+                 self.rank, self.client.url, self.instance, self.geo.chunk_tokens,
+                 [g.kind.value for g in self.geo.groups])
         return True
 
     def _say_down(self, why: str) -> None:
         if not self._said_down:
             self._said_down = True
-            log.warning("tierd: rank %d runs without the tier for now: %s at %s; registering again every %g s",
-                        self.rank, why, self.client.url, self.cfg.register_retry_s)
+            log.warning("tierd: rank %d runs without the tier for now: %s at %s; registering again every "
+                        "%g s", self.rank, why, self.client.url, self.cfg.register_retry_s)
 
     def leave(self) -> None:
         """UNREGISTER (bounded), for daemons that do not know BYE."""
@@ -115,3 +150,26 @@ class RankRegistration:
                 self.client.unregister(self.instance, timeout=0.5)
             except Exception:  # noqa: BLE001 - BYE or the heartbeat timeout reaps us anyway
                 pass
+
+
+def chunk_bytes(layout) -> int:
+    """Bytes of one chunk in staging: every group's part (layers x blocks of the chunk x block bytes;
+    a recurrent group holds one state block per chunk)."""
+    from tierd.protocol.layout import GroupKind
+
+    total = 0
+    for g in layout.groups:
+        blocks = 1 if g.kind is GroupKind.STATE else layout.chunk_tokens // g.block_tokens
+        total += len(g.layers) * blocks * g.block_bytes
+    return total
+
+
+def staging_bytes(staging_mb: float, chunk: int) -> int:
+    """Size of a CUDA rank's staging buffer: two equal halves (stores, loads) of whole chunks.
+    ``staging_mb`` > 0: that many MiB, rounded down to whole chunks each way; 0: each way
+    STAGING_AUTO_CHUNKS chunks, at most STAGING_AUTO_CAP_MB MiB. Never less than a chunk each way."""
+    if staging_mb > 0:
+        each = int(staging_mb * 2**20) // 2 // chunk
+    else:
+        each = min(STAGING_AUTO_CHUNKS, (STAGING_AUTO_CAP_MB << 20) // chunk)
+    return 2 * max(1, each) * chunk

@@ -1,10 +1,25 @@
 """Worker side of TierdConnector: publishes this rank's page layout and issues STORE/RETRIEVE by
-block id. The daemon does every copy; the worker never touches the tier's memory.
+block id.
+
+CPU ranks: the daemon does every copy, over the shared mappings. CUDA ranks: the SM part runs in
+this process, in the engine's context on the connector's own streams (``tierd_client.staged_rank``
+gathers a STORE's blocks into the rank's staging buffer and scatters a RETRIEVE's out of it); the
+daemon only DMAs between staging and its pool. Ordered on the GPU, never by a host wait on the
+forward thread and with no host work per block there:
+
+- a store's gather waits for an event recorded on vLLM's current (forward) stream in
+  ``wait_for_save``, so it reads the blocks only once the forward's KV writes are done;
+- a load's scatter waits for an event recorded on that stream in ``start_load_kv``, after vLLM
+  zeroed new blocks and after the forwards that read blocks now handed out again;
+- a load is reported finished (or failed) only once its scatter is complete on the GPU (its
+  ``done`` event, polled with ``query``), so vLLM runs the forward that reads those blocks only
+  then, whatever stream that forward uses.
 
 Block reuse is fenced instead of holding blocks: a store is asynchronous, and before a forward
 (or a load) writes into a block that a pending store still reads, the worker waits for that
-store. Loads report completion per request; a failed load is reported as ``failed_recving`` for
-multi-group models and as invalid block ids for single-group ones, so vLLM recomputes.
+store (on CUDA a store's future is done only once its gather has read the blocks). Loads report
+completion per request; a failed load is reported as ``failed_recving`` for multi-group models
+and as invalid block ids for single-group ones, so vLLM recomputes.
 
 Until the rank is registered (``registration``: a bounded wait at start-up, then background
 retries) loads fail over to recompute and stores are skipped. With KV cache events on, every
@@ -34,18 +49,31 @@ class WorkerSide:
         self.instance = instance_id
         self.vllm_null = vllm_null
         self.reg = RankRegistration(cfg, geo, client, instance_id, num_blocks)
-        self.loads: dict[str, tuple[object, list[int]]] = {}
+        self.loads: dict[str, tuple[object, list[list[list[int]]]]] = {}  # req -> (future, ids per chunk)
+        self._landing: dict[str, object] = {}  # CUDA: req -> the event its blocks may be read after
         self.stores: list[tuple[object, set[int]]] = []  # pending STOREs and the block ids they read
         self._store_keys: dict[int, list[bytes]] = {}  # id(STORE future) -> its chunk keys (events on)
         self.failed: set[str] = set()
         self.invalid_blocks: set[int] = set()
         self._failed_now: set[str] = set()  # loads that failed before being sent
-        self.event_for_store = None  # CUDA: callable recording an IPC event on the forward stream
         self.reports: list[tuple[bytes, str]] | None = [] if events else None  # (chunk key, STORE result)
+        self.staged = None  # CUDA: the rank's StagedRank (gathers and scatters in this process)
+        self.device = None
+        # Test-only switches, never user settings: with _store_fence off a store's gather does not wait
+        # for the forward's writes; with _load_fence off a load is reported once its scatter is queued,
+        # not done. The GPU tests turn them off to show that each one is what keeps the bytes right.
+        self._store_fence = True
+        self._load_fence = True
 
     # ---- registration -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, rank: int) -> None:
-        self.event_for_store = self.reg.publish(kv_caches, rank)
+        stager = self.reg.publish(kv_caches, rank)
+        if stager is not None:
+            from tierd_client.staged_rank import StagedRank
+
+            self.device = stager.device
+            self.staged = StagedRank(self.client, self.instance, stager, null=self.null,
+                                     timeout_s=self.cfg.timeout_s)
 
     def _try_register(self) -> bool:
         return self.reg.ready()
@@ -55,6 +83,7 @@ class WorkerSide:
         self._fence(meta.new_blocks)
 
     def start_load_kv(self, meta: TierdMetadata) -> None:
+        ready = None  # CUDA: where on the forward stream the loads' blocks may be written
         for job in meta.loads:
             ids = [self._ids(c) for c in job.chunks]
             if not self._try_register():
@@ -63,12 +92,20 @@ class WorkerSide:
             self._fence(self._block_set(ids))
             chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
             try:
-                fut = self.client.retrieve_async(self.instance, chunks, lease=job.lease, timeout=self.cfg.timeout_s)
+                if self.staged is not None:
+                    if ready is None:
+                        ready = self._forward_event()
+                    self.staged.null = self.null
+                    fut = self.staged.retrieve(chunks, lease=job.lease, after=ready)
+                else:
+                    fut = self.client.retrieve_async(self.instance, chunks, lease=job.lease,
+                                                     timeout=self.cfg.timeout_s)
             except Exception as exc:  # noqa: BLE001
                 log.warning("tierd: load for %s not sent: %s", job.req_id, exc)
                 self._fail_load(job.req_id, self._flat(ids))
                 continue
             self.loads[job.req_id] = (fut, ids)
+            self._landing.pop(job.req_id, None)
 
     def wait_for_save(self, meta: TierdMetadata) -> None:
         if not meta.stores:
@@ -76,14 +113,18 @@ class WorkerSide:
         if not self._try_register():
             self._report([c.key for job in meta.stores for c in job.chunks], "skipped")
             return
-        event = self.event_for_store() if self.event_for_store is not None else None
+        after = self._forward_event() if self.staged is not None and self._store_fence else None
         for job in meta.stores:
             ids = [self._ids(c) for c in job.chunks]
             chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
             keys = [c.key for c in job.chunks]
             try:
-                fut = self.client.store_async(self.instance, chunks, touch=job.touch, timeout=self.cfg.timeout_s,
-                                              event=event)
+                if self.staged is not None:
+                    self.staged.null = self.null
+                    fut = self.staged.store(chunks, touch=job.touch, after=after)
+                else:
+                    fut = self.client.store_async(self.instance, chunks, touch=job.touch,
+                                                  timeout=self.cfg.timeout_s)
             except Exception as exc:  # noqa: BLE001 - a store not made is a future miss, nothing more
                 log.debug("tierd: store for %s not sent: %s", job.req_id, exc)
                 self._report(keys, "failed")
@@ -106,9 +147,10 @@ class WorkerSide:
     def transfer_results(self) -> tuple[set[str], set[str]]:
         finished, failed = set(), set()
         for req_id, (fut, ids) in list(self.loads.items()):
-            if not fut.done():
+            if not fut.done() or not self._landed(req_id, fut):
                 continue
             del self.loads[req_id]
+            self._landing.pop(req_id, None)
             finished.add(req_id)
             exc = fut.exception()
             if exc is None and all(fut.result()["ok"]):
@@ -163,6 +205,33 @@ class WorkerSide:
         self.flush(timeout)
         self.stores, self._store_keys = [], {}
         self.reg.leave()
+        if self.staged is not None:
+            self.staged.close()
+
+    # ---- CUDA ordering --------------------------------------------------------------------------------
+    def _forward_event(self):
+        """A CUDA event recorded now on vLLM's current stream (the forward's) on this rank's GPU."""
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _landed(self, req_id: str, fut) -> bool:
+        """Whether a load whose future is done may be reported: on CPU at once (the daemon copied);
+        on CUDA once its scatters are complete on the GPU. A failed CUDA load waits for every
+        scatter queued so far (some of its requests may have been scattered): vLLM recomputes into
+        those blocks next. Polled, never waited for."""
+        if self.staged is None or not self._load_fence:
+            return True
+        done = self._landing.get(req_id)
+        if done is None:
+            exc = fut.exception()
+            done = fut.result().get("done") if exc is None else self.staged.scatters_done()
+            if done is None:  # a job without chunks: nothing was scattered
+                return True
+            self._landing[req_id] = done
+        return bool(done.query())
 
     # ---- helpers ------------------------------------------------------------------------------------
     @property
