@@ -166,6 +166,11 @@ def _status_socket(socket: str) -> dict:
 @click.option("--staging-mb", default=1024, show_default=True, help="CUDA: the engine's staging buffer, MiB.")
 @click.option("--impl", type=click.Choice(["auto", "kernel", "torch"]), default="auto", show_default=True,
               help="CUDA: engine-side gather/scatter: native kernels, the torch fallback, or kernels once built.")
+@click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Engine processes (TP ranks) on one daemon at once, each its own KV buffer (CUDA: GPU rank % "
+                   "GPUs); timed in shared windows next to raw copies run the same way.")
+@click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="With --ranks > 1: the length of each timed window.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object of figures.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench(as_json, quiet, **opts):

@@ -82,6 +82,10 @@ def _l2_rows(l2: dict | None) -> list[tuple[str, object]]:
 
 
 def bench_table(r: dict) -> str:
+    if r.get("bench") == "ranks":
+        from tierd.bench.ranks import ranks_table
+
+        return ranks_table(r)
     rows = [
         ("layout", f"{r['layout']} on {r['device']}: {r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
                    f"{_bytes(r['object_bytes'])} per chunk"),

@@ -11,9 +11,11 @@ __all__ = ["BenchError", "run_bench"]
 
 def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
               batch, rounds, pool_gb, progress: bool, interference: bool = False, staging_mb: int = 1024,
-              impl: str = "auto") -> dict:
+              impl: str = "auto", ranks: int = 1, seconds: float = 2.0) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
+    if ranks < 1 or seconds <= 0:
+        raise BenchError(f"--ranks {ranks} --seconds {seconds:g}: need at least 1 rank and a positive window")
     kw = dict(socket=socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_tokens=block_tokens,
               chunk_tokens=chunk_tokens, dtype_bytes=dtype_bytes, mla=mla, chunks=chunks, batch=batch, rounds=rounds,
               pool_gb=pool_gb, progress=Progress(progress))
@@ -26,6 +28,14 @@ def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk
         if not torch.cuda.is_available():
             raise BenchError(f"--device cuda needs a CUDA GPU visible to this process (torch {torch.__version__} "
                              "sees none)")
+    if ranks > 1:
+        if interference:
+            raise BenchError("--interference runs with one rank (leave --ranks out)")
+        from tierd.bench.ranks import run_ranks_bench
+
+        kw.pop("rounds")
+        return run_ranks_bench(**kw, device=device, ranks=ranks, seconds=seconds)
+    if device == "cuda":
         from tierd.bench.cuda import run_cuda_bench
 
         return run_cuda_bench(**kw, interference=interference, staging_mb=staging_mb, impl=impl)

@@ -1,0 +1,397 @@
+"""``tierd bench --ranks N``: N engine processes (TP ranks) on one daemon at once, each with its
+own KV buffer (CUDA: on GPU ``rank % device_count``, its own staging buffer and streams), timed
+in the same wall-clock windows, next to the same processes running raw copies at the same time.
+
+Why windows: ranks of one engine copy concurrently, so what counts is bytes moved per second by
+all of them together while all of them run. The parent starts the daemon and the workers
+(``python -m tierd.bench.ranks``), waits until each has registered and stored its resident
+chunks, then gives one start time; every worker runs the same phases in the same windows:
+
+- ``solo_store`` / ``solo_retrieve`` / ``solo_both``: rank 0 alone (one engine's figure, this run);
+- ``store`` / ``retrieve`` / ``both``: every rank;
+- ``raw_d2h`` / ``raw_h2d`` / ``raw_both`` (CUDA: pinned cudaMemcpyAsync of the same request size;
+  CPU: ``raw`` memcpy): every rank, the baseline of the same link(s) shared the same way.
+
+A worker counts the bytes of requests that completed inside the window (a retrieve completes when
+its scatter has, on the device); ``gbps`` is bytes over the window. Stores write fresh keys and
+touch the resident ones (every rank's part: the ranks name the same chunks, as an engine's TP
+ranks do), so the daemon's LRU evicts earlier store-phase objects, never what the retrieves read. Afterwards each rank restores its resident chunks into other blocks and compares
+them byte for byte. MLA (``--mla``): the layout is replicated, so only rank 0's STORE copies
+(``stored_objects`` of the other ranks is 0: one copy in the pool) and every rank restores from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+
+PHASES_SOLO = ("solo_store", "solo_retrieve", "solo_both")
+PHASES_ALL = ("store", "retrieve", "both")
+RAW = {"cuda": ("raw_d2h", "raw_h2d", "raw_both"), "cpu": ("raw",)}
+GAP_S = 0.3  # between windows: the last requests of one phase drain before the next starts
+DEPTH = 4  # requests in flight per rank and direction
+
+
+def _key(run: str, *parts) -> bytes:
+    return hashlib.blake2b("/".join(map(str, (run, *parts))).encode(), digest_size=16).digest()
+
+
+# ---- the parent ------------------------------------------------------------------------------------
+def run_ranks_bench(*, socket, device, ranks, seconds, layers, kv_heads, head_dim, block_tokens, chunk_tokens,
+                    dtype_bytes, mla, chunks, batch, pool_gb, progress) -> dict:
+    from tierd.bench.common import BenchError, private_daemon
+
+    if ranks < 1:
+        raise BenchError(f"--ranks {ranks}: at least 1")
+    heads, row = (1, 576 * dtype_bytes) if mla else (kv_heads, 2 * head_dim * dtype_bytes)
+    block_bytes = block_tokens * heads * row
+    object_bytes = layers * (chunk_tokens // block_tokens) * block_bytes
+    resident = (1 if mla else ranks) * chunks * object_bytes
+    churn = ranks * 4 * DEPTH * batch * object_bytes  # store-phase objects in flight and just committed
+    pool_bytes = int(pool_gb * 2**30) if pool_gb else resident + churn + (512 << 20)
+    if device == "cuda":
+        from tierd_client import native
+
+        progress.phase("building the native kernels (cached after the first time)")
+        native.load(timeout=900)  # once here: the workers find it built
+    run = os.urandom(8).hex()
+    cfg = dict(device=device, ranks=ranks, seconds=seconds, layers=layers, heads=heads, row=row,
+               block_tokens=block_tokens, chunk_tokens=chunk_tokens, dtype_bytes=dtype_bytes, mla=mla, chunks=chunks,
+               batch=batch, run=run)
+    extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}") if device == "cuda" else ()
+    progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
+    ctx = private_daemon(pool_bytes, extra) if socket is None else contextlib.nullcontext(socket)
+    with ctx as endpoint:
+        progress.phase(f"starting {ranks} rank processes")
+        procs = [subprocess.Popen([sys.executable, "-m", "tierd.bench.ranks"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+                 for _ in range(ranks)]
+        try:
+            for i, p in enumerate(procs):
+                p.stdin.write(json.dumps({**cfg, "rank": i, "endpoint": endpoint}) + "\n")
+                p.stdin.flush()
+            for i, p in enumerate(procs):  # each registered and stored its resident chunks
+                line = p.stdout.readline()
+                if line.strip() != "ready":
+                    p.wait(30)
+                    raise BenchError(f"rank {i} did not start (exit {p.poll()}): {line.strip()[:500]}")
+            phases = _phases(device)
+            start = time.time() + 0.5
+            for p in procs:
+                p.stdin.write(json.dumps({"start": start}) + "\n")
+                p.stdin.flush()
+            progress.phase(f"{len(phases)} windows of {seconds:g} s, all ranks at once")
+            outs = []
+            for i, p in enumerate(procs):
+                out, _ = p.communicate(timeout=len(phases) * (seconds + GAP_S) + 300)
+                if p.returncode != 0 or not out.strip():
+                    raise BenchError(f"rank {i} failed (exit {p.returncode}); see its stderr above")
+                outs.append(json.loads(out.strip().splitlines()[-1]))
+            _clear(endpoint, namespace_of(cfg))  # leave nothing behind in the operator's daemon
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return _aggregate(cfg, outs, object_bytes, block_bytes)
+
+
+def namespace_of(cfg: dict) -> dict:
+    from tierd_client.layouts import namespace
+
+    return namespace("tierd-bench-ranks", cfg["run"], world_size=cfg["ranks"])
+
+
+def _clear(endpoint: str, ns: dict) -> None:
+    from tierd_client import TierdClient
+
+    with TierdClient(endpoint, timeout_s=30, name="tierd-bench-ranks") as client:
+        client.call("CLEAR", {"namespace": ns})
+
+
+def _phases(device: str) -> tuple[str, ...]:
+    return PHASES_SOLO + PHASES_ALL + RAW[device]
+
+
+def _aggregate(cfg: dict, outs: list[dict], object_bytes: int, block_bytes: int) -> dict:
+    outs.sort(key=lambda o: o["rank"])
+    agg = {ph: round(sum(o["gbps"][ph] for o in outs), 3) for ph in _phases(cfg["device"])}
+    raw = {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"} if cfg["device"] == "cuda" else \
+        {"store": "raw", "retrieve": "raw", "both": "raw"}
+    out = {
+        "device": cfg["device"], "bench": "ranks", "ranks": cfg["ranks"], "layout": "mla" if cfg["mla"] else "mha",
+        "layers": cfg["layers"], "block_bytes": block_bytes, "object_bytes": object_bytes,
+        "chunks": cfg["chunks"], "batch": cfg["batch"], "window_s": cfg["seconds"],
+        "gpus": sorted({o.get("gpu") for o in outs if o.get("gpu") is not None}),
+        "aggregate_gbps": agg,
+        "ratio_to_raw": {k: round(agg[k] / agg[v], 3) if agg[v] else None for k, v in raw.items()},
+        "ratio_to_one_rank": {k: round(agg[k] / agg["solo_" + k], 3) if agg["solo_" + k] else None
+                              for k in PHASES_ALL},
+        "per_rank": [{"rank": o["rank"], "gpu": o.get("gpu"), "gbps": o["gbps"],
+                      "stored_objects": o["stored_objects"], "verified": o["verified"]} for o in outs],
+        "verified": all(o["verified"] for o in outs),
+    }
+    if cfg["mla"]:
+        out["one_copy"] = all(o["stored_objects"] == 0 for o in outs if o["rank"] != 0)
+        out["verified"] = out["verified"] and out["one_copy"]
+    return out
+
+
+def ranks_table(r: dict) -> str:
+    from tierd.report import _bytes, _rows
+
+    a, ratio, one = r["aggregate_gbps"], r["ratio_to_raw"], r["ratio_to_one_rank"]
+    base = {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"} if r["device"] == "cuda" else \
+        dict.fromkeys(PHASES_ALL, "raw")
+    rows = [("layout", f"{r['layout']} on {r['device']}: {r['ranks']} ranks ({len(r['gpus']) or 'no'} GPUs), "
+                       f"{r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
+                       f"{_bytes(r['object_bytes'])} per chunk"),
+            ("windows", f"{r['window_s']:g} s each, requests of {r['batch']} chunks, {DEPTH} in flight per rank")]
+    for k in PHASES_ALL:
+        rows.append((f"{k}, all ranks", f"{a[k]:.2f} GB/s  ({ratio[k]:.2f}x raw {a[base[k]]:.2f} GB/s at the same "
+                                        f"time; {one[k]:.2f}x one rank alone {a['solo_' + k]:.2f} GB/s)"))
+    for o in r["per_rank"]:
+        g = o["gbps"]
+        rows.append((f"rank {o['rank']}" + (f" (GPU {o['gpu']})" if o["gpu"] is not None else ""),
+                     f"store {g['store']:.2f}, retrieve {g['retrieve']:.2f}, both {g['both']:.2f} GB/s; "
+                     f"{o['stored_objects']} objects stored"))
+    if "one_copy" in r:
+        rows.append(("MLA", "one copy in the pool (only rank 0 stored)" if r["one_copy"] else "NOT one copy"))
+    rows.append(("verified", "yes, every rank's every byte" if r["verified"] else "NO: restored bytes differ"))
+    return _rows(rows)
+
+
+# ---- a worker (one rank) --------------------------------------------------------------------------
+class _Rank:
+    """One rank's KV buffer, registered, with store/retrieve returning futures and a raw copy."""
+
+    def __init__(self, cfg: dict, client):
+        self.cfg, self.client = cfg, client
+        self.rank, self.device = cfg["rank"], cfg["device"]
+        self.bpc = cfg["chunk_tokens"] // cfg["block_tokens"]
+        self.region = cfg["chunks"] * self.bpc
+        self.num_blocks = 2 * self.region  # resident chunks' blocks, then the blocks restored into
+        self.block_bytes = cfg["block_tokens"] * cfg["heads"] * cfg["row"]
+        self.object_bytes = cfg["layers"] * self.bpc * self.block_bytes
+        self.request_bytes = cfg["batch"] * self.object_bytes
+        seed = 0 if cfg["mla"] else self.rank + 1  # replicated ranks hold the same bytes
+        from tierd_client.layouts import block_span, group, layout
+
+        ns = namespace_of(cfg)
+        self.ns, self.gpu = ns, None
+        if self.device == "cuda":
+            self._cuda_init(seed, ns, block_span, group, layout)
+        else:
+            self._cpu_init(seed, ns, block_span, group, layout)
+
+    def _spans(self, block_span, shape_strides):
+        return [block_span(shape, strides, 1, 0, tensor=0, offset=li * self.num_blocks * self.block_bytes)
+                for li, (shape, strides) in enumerate(shape_strides)]
+
+    def _cpu_init(self, seed, ns, block_span, group, layout):
+        import numpy as np
+
+        from tierd.bench.common import fill_pattern
+        from tierd_client.shm import SharedBuffer
+
+        c = self.cfg
+        self.buf = SharedBuffer(c["layers"] * self.num_blocks * self.block_bytes, prefix="tierd-bench-ranks")
+        self.kv = self.buf.array.reshape(c["layers"], self.num_blocks, self.block_bytes)
+        fill_pattern(self.kv[:, : self.region], seed=0x9E3779B1 + seed)
+        shape = [((self.num_blocks, self.block_bytes), (self.block_bytes, 1))] * c["layers"]
+        lay = layout(ns, self.rank, c["chunk_tokens"], [self.buf.ref()],
+                     [group("full", c["block_tokens"], self._spans(block_span, shape))], replicated=c["mla"])
+        self.client.register(f"bench-rank-{self.rank}", lay)
+        self._raw = (np.empty(self.request_bytes, np.uint8), np.empty(self.request_bytes, np.uint8))
+        np.copyto(self._raw[1], self._raw[0])
+
+    def _cuda_init(self, seed, ns, block_span, group, layout):
+        import torch
+
+        from tierd.protocol.layout import PageLayout
+        from tierd_client.cuda_ipc import share_cuda_tensors
+        from tierd_client.cuda_stage import Stager
+        from tierd_client.staged_rank import StagedRank
+
+        c = self.cfg
+        self.gpu = self.rank % torch.cuda.device_count()
+        torch.cuda.set_device(self.gpu)
+        dev = self.dev = torch.device("cuda", self.gpu)
+        self.torch = torch
+        buf = torch.empty(c["layers"] * self.num_blocks * self.block_bytes, dtype=torch.uint8, device=dev)
+        self.kv = buf.view(c["layers"], self.num_blocks, self.block_bytes)
+        self.kv[:, : self.region].random_(0, 256, generator=torch.Generator(device=dev).manual_seed(seed))
+        views = buf.view(c["layers"], self.num_blocks, c["block_tokens"], c["heads"], c["row"]).permute(0, 1, 3, 2, 4)
+        shape = [(tuple(views[li].shape), tuple(views[li].stride())) for li in range(c["layers"])]
+        refs, _ = share_cuda_tensors([buf])
+        lay = layout(ns, self.rank, c["chunk_tokens"], refs, [group("full", c["block_tokens"],
+                     self._spans(block_span, shape))], device="cuda", replicated=c["mla"])
+        stager = Stager(PageLayout.from_wire(lay), [buf], max(256 << 20, 2 * DEPTH * self.request_bytes))
+        lay["staging"] = stager.ref
+        self.client.register(f"bench-rank-{self.rank}", lay, timeout=300)
+        self.staged = StagedRank(self.client, f"bench-rank-{self.rank}", stager, request_bytes=self.request_bytes,
+                                 timeout_s=300)
+        n = self.request_bytes
+        self._host = (torch.empty(n, dtype=torch.uint8, pin_memory=True), torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._dev = (torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev))
+        self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
+
+    # ---- requests: each returns something ``finish`` waits on, and the bytes it moves ---------------
+    def chunks(self, keys: list[bytes], base: int, first: int) -> list[dict]:
+        return [{"key": k, "blocks": [list(range(base + (first + i) % self.cfg["chunks"] * self.bpc,
+                                                 base + ((first + i) % self.cfg["chunks"] + 1) * self.bpc))]}
+                for i, k in enumerate(keys)]
+
+    def store(self, keys, first: int, touch=None):
+        chunks = self.chunks(keys, 0, first)
+        if self.device == "cuda":
+            return self.staged.store(chunks, touch=touch)
+        return self.client.store_async(f"bench-rank-{self.rank}", chunks, touch=touch)
+
+    def retrieve(self, keys, first: int):
+        chunks = self.chunks(keys, self.region, first)
+        if self.device == "cuda":
+            return self.staged.retrieve(chunks)
+        return self.client.retrieve_async(f"bench-rank-{self.rank}", chunks)
+
+    def finish(self, fut) -> tuple[int, int]:
+        """Wait for a request; (bytes it moved, objects it stored)."""
+        res = fut.result()
+        if "results" in res:
+            bad = [r for r in res["results"] if r not in ("stored", "exists")]
+            if bad:
+                raise RuntimeError(f"rank {self.rank}: store answered {bad[:4]}: is the pool large enough?")
+            n = res["results"].count("stored")
+            return n * self.object_bytes, n
+        if not all(res["ok"]):
+            raise RuntimeError(f"rank {self.rank}: retrieve failed for blocks {res['failed'][:8]}")
+        if "done" in res:
+            res["done"].synchronize()  # the blocks are in the KV
+        return len(res["ok"]) * self.object_bytes, 0
+
+    def raw(self, which: str):
+        """One raw copy of a request's bytes (``which``: d2h, h2d, both; CPU: memcpy)."""
+        if self.device != "cuda":
+            import numpy as np
+
+            np.copyto(self._raw[1], self._raw[0])
+            return self.request_bytes  # counted as a store's bytes are: once
+        torch = self.torch
+        if which in ("d2h", "both"):
+            with torch.cuda.stream(self._streams[0]):
+                self._host[0].copy_(self._dev[0], non_blocking=True)
+        if which in ("h2d", "both"):
+            with torch.cuda.stream(self._streams[1]):
+                self._dev[1].copy_(self._host[1], non_blocking=True)
+        return self._streams
+
+    def raw_done(self, streams) -> None:
+        for s in streams:
+            s.synchronize()
+
+    def verify(self, keys: list[bytes]) -> bool:
+        futs = [self.retrieve(keys[i: i + self.cfg["batch"]], i) for i in range(0, len(keys), self.cfg["batch"])]
+        for f in futs:
+            self.finish(f)
+        a, b = self.kv[:, : self.region], self.kv[:, self.region:]
+        if self.device == "cuda":
+            return bool(self.torch.equal(a, b))
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+
+    def close(self) -> None:
+        if self.device == "cuda":
+            self.staged.close()
+        else:
+            self.buf.close()
+
+
+def _window(rank: _Rank, phase: str, start: float, end: float, resident: list[bytes], counter: list[int]) -> tuple:
+    """Run ``phase`` from ``start`` to ``end`` (wall clock); (bytes completed inside, objects stored)."""
+    c = rank.cfg
+    active = not phase.startswith("solo_") or rank.rank == 0
+    while time.time() < start:
+        time.sleep(min(0.01, max(0.0, start - time.time())))
+    if not active:
+        time.sleep(max(0.0, end - time.time()))
+        return 0, 0
+    moved = stored = 0
+    kind = phase.removeprefix("solo_")
+    if kind.startswith("raw"):
+        which = kind.removeprefix("raw_") if "_" in kind else "memcpy"
+        inflight: deque = deque()
+        while time.time() < end:
+            if rank.device == "cuda":
+                inflight.append(rank.raw(which))
+                if len(inflight) >= DEPTH:
+                    rank.raw_done(inflight.popleft())
+                    if time.time() <= end:
+                        moved += rank.request_bytes * (2 if which == "both" else 1)
+            else:
+                moved += rank.raw(which)
+        while inflight:
+            rank.raw_done(inflight.popleft())
+        return moved, 0
+    batch, n = c["batch"], c["chunks"]
+    inflight = deque()
+    i = 0
+    while time.time() < end:
+        if kind in ("store", "both"):
+            keys = [_key(c["run"], "churn", counter[0] + j) for j in range(batch)]
+            counter[0] += batch
+            inflight.append(rank.store(keys, i, touch=resident))
+        if kind in ("retrieve", "both"):
+            first = i % n
+            keys = [resident[(first + j) % n] for j in range(batch)]
+            inflight.append(rank.retrieve(keys, first))
+        i += batch
+        while len(inflight) >= DEPTH * (2 if kind == "both" else 1):
+            got, objs = rank.finish(inflight.popleft())
+            stored += objs
+            if time.time() <= end:
+                moved += got
+    while inflight:
+        stored += rank.finish(inflight.popleft())[1]
+    return moved, stored
+
+
+def worker_main() -> None:
+    cfg = json.loads(sys.stdin.readline())
+    from tierd_client import TierdClient
+
+    with TierdClient(cfg["endpoint"], timeout_s=300, connect_timeout_s=60,
+                     name=f"tierd-bench-rank-{cfg['rank']}") as client:
+        client.wait_ready(60)
+        rank = _Rank(cfg, client)
+        try:
+            # the ranks of one engine name the same chunks (each stores its part; replicated: rank 0's serves all)
+            resident = [_key(cfg["run"], "resident", j) for j in range(cfg["chunks"])]
+            stored = 0
+            futs = [rank.store(resident[j: j + cfg["batch"]], j) for j in range(0, cfg["chunks"], cfg["batch"])]
+            for f in futs:
+                stored += rank.finish(f)[1]
+            print("ready", flush=True)
+            start = json.loads(sys.stdin.readline())["start"]
+            gbps, counter = {}, [0]
+            for k, phase in enumerate(_phases(cfg["device"])):
+                ws = start + k * (cfg["seconds"] + GAP_S)
+                moved, objs = _window(rank, phase, ws, ws + cfg["seconds"], resident, counter)
+                stored += objs
+                gbps[phase] = round(moved / cfg["seconds"] / 1e9, 3)
+            verified = rank.verify(resident)
+        finally:
+            rank.close()
+        client.unregister(f"bench-rank-{cfg['rank']}")
+    print(json.dumps({"rank": cfg["rank"], "gpu": rank.gpu, "gbps": gbps, "stored_objects": stored,
+                      "verified": verified}), flush=True)
+
+
+if __name__ == "__main__":
+    worker_main()
