@@ -4,6 +4,7 @@
 # python is the engine). Logs and JSON go to $OUT (default ./gpu-out); steps are time-boxed.
 #   TESTS   gpu test files ("none" skips them)     BENCHES  layouts: llama 8k 16k mla (see below)
 #   INTERFERENCE=1  also run the interference bench  BENCH_ARGS  extra `tierd bench` arguments
+#   RANKS  rank-process benches: "2" (2 ranks), "2mla" (2 replicated MLA ranks)
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -54,4 +55,10 @@ for kind in ${BENCHES:-llama 8k 16k mla}; do
   esac
 done
 if [ "${INTERFERENCE:-0}" = 1 ]; then bench interference --interference; fi
+for r in ${RANKS:-}; do                                          # e.g. RANKS="2 2mla": N rank processes at once
+  case $r in
+    *mla) bench "ranks${r}" --ranks "${r%mla}" --mla --layers 61 ;;
+    *) bench "ranks$r" --ranks "$r" ;;
+  esac
+done
 cat "$OUT/bench.log" | grep -v "^==" | tail -n 80

@@ -53,7 +53,7 @@ def run_ranks_bench(*, socket, device, ranks, seconds, layers, kv_heads, head_di
     block_bytes = block_tokens * heads * row
     object_bytes = layers * (chunk_tokens // block_tokens) * block_bytes
     resident = (1 if mla else ranks) * chunks * object_bytes
-    churn = ranks * 4 * DEPTH * batch * object_bytes  # store-phase objects in flight and just committed
+    churn = ranks * 2 * DEPTH * batch * object_bytes  # store-phase objects in flight and just committed
     pool_bytes = int(pool_gb * 2**30) if pool_gb else resident + churn + (512 << 20)
     if device == "cuda":
         from tierd_client import native
