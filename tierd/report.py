@@ -83,8 +83,6 @@ def _l2_rows(l2: dict | None) -> list[tuple[str, object]]:
 
 def bench_table(r: dict) -> str:
     if r.get("bench") == "ranks":
-        from tierd.bench.ranks import ranks_table
-
         return ranks_table(r)
     rows = [
         ("layout", f"{r['layout']} on {r['device']}: {r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
@@ -112,4 +110,28 @@ def bench_table(r: dict) -> str:
                      f"({row['raw_dma_copy_gbps']:.1f} GB/s)"))
     rows.append(("baseline", f"{r['baseline_gbps']:.2f} GB/s  ({r.get('baseline', 'memcpy of the same bytes')})"))
     rows.append(("verified", "yes, every byte" if r["verified"] else "NO: restored bytes differ"))
+    return _rows(rows)
+
+
+def ranks_table(r: dict) -> str:
+    from tierd.bench.ranks import DEPTH, PHASES_ALL
+
+    a, ratio, one = r["aggregate_gbps"], r["ratio_to_raw"], r["ratio_to_one_rank"]
+    base = {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"} if r["device"] == "cuda" else \
+        dict.fromkeys(PHASES_ALL, "raw")
+    rows = [("layout", f"{r['layout']} on {r['device']}: {r['ranks']} ranks ({len(r['gpus']) or 'no'} GPUs), "
+                       f"{r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
+                       f"{_bytes(r['object_bytes'])} per chunk"),
+            ("windows", f"{r['window_s']:g} s each, requests of {r['batch']} chunks, {DEPTH} in flight per rank")]
+    for k in PHASES_ALL:
+        rows.append((f"{k}, all ranks", f"{a[k]:.2f} GB/s  ({ratio[k]:.2f}x raw {a[base[k]]:.2f} GB/s at the same "
+                                        f"time; {one[k]:.2f}x one rank alone {a['solo_' + k]:.2f} GB/s)"))
+    for o in r["per_rank"]:
+        g = o["gbps"]
+        rows.append((f"rank {o['rank']}" + (f" (GPU {o['gpu']})" if o["gpu"] is not None else ""),
+                     f"store {g['store']:.2f}, retrieve {g['retrieve']:.2f}, both {g['both']:.2f} GB/s; "
+                     f"{o['stored_objects']} objects stored"))
+    if "one_copy" in r:
+        rows.append(("MLA", "one copy in the pool (only rank 0 stored)" if r["one_copy"] else "NOT one copy"))
+    rows.append(("verified", "yes, every rank's every byte" if r["verified"] else "NO: restored bytes differ"))
     return _rows(rows)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
+
+import msgspec
 
 
 class ErrorCode(enum.Enum):
@@ -31,3 +34,24 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         self.req_id = req_id
+
+
+def validation_error(exc: msgspec.ValidationError) -> ProtocolError:
+    """msgspec says "<what> - at `$.chunks[3].blocks[1][0]`"; we say "chunks[3].blocks[1][0]: <what>".
+    A tensor handle that does not decode is a memory the daemon cannot map: LAYOUT_INVALID."""
+    text = str(exc)
+    what, sep, where = text.rpartition(" - at `")
+    if sep:
+        path = where.rstrip("`").removeprefix("$").lstrip(".")
+        code = ErrorCode.LAYOUT_INVALID if ".handle" in path else ErrorCode.BAD_REQUEST
+        return ProtocolError(code, f"{path or 'body'}: {what}")
+    return ProtocolError(ErrorCode.BAD_REQUEST, text)
+
+
+def convert(obj: Any, typ: type, path: str = "") -> Any:
+    """``obj`` (plain data, as a test or tool builds it) as ``typ``, with the edge's error codes."""
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as exc:
+        err = validation_error(exc)
+        raise ProtocolError(err.code, f"{path}.{err.message}" if path else err.message) from None

@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.errors import ErrorCode, ProtocolError, convert
 
 MAX_TENSORS = 4096
 MAX_GROUPS = 64
@@ -56,8 +56,6 @@ class Wire(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_wire(cls, m: object, path: str = ""):
-        from tierd.protocol.messages import convert
-
         return convert(m, cls, path)
 
 

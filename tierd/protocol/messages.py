@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.errors import ErrorCode, ProtocolError, convert, validation_error  # noqa: F401 - convert: re-exported
 from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES
 from tierd.protocol.layout import (
     MAX_GROUPS,
@@ -217,18 +217,6 @@ REPLIES: dict[str, type | None] = {
 _DECODERS = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
 
 
-def _bad_request(exc: msgspec.ValidationError) -> ProtocolError:
-    """msgspec says "<what> - at `$.chunks[3].blocks[1][0]`"; we say "chunks[3].blocks[1][0]: <what>".
-    A tensor handle that does not decode is a memory the daemon cannot map: LAYOUT_INVALID."""
-    text = str(exc)
-    what, sep, where = text.rpartition(" - at `")
-    if sep:
-        path = where.rstrip("`").removeprefix("$").lstrip(".")
-        code = ErrorCode.LAYOUT_INVALID if ".handle" in path else ErrorCode.BAD_REQUEST
-        return ProtocolError(code, f"{path or 'body'}: {what}")
-    return ProtocolError(ErrorCode.BAD_REQUEST, text)
-
-
 def decode(op: str, body: bytes | memoryview) -> Message:
     """The typed request of ``op`` from its msgpack body; raises ProtocolError."""
     dec = _DECODERS.get(op)
@@ -237,15 +225,6 @@ def decode(op: str, body: bytes | memoryview) -> Message:
     try:
         return dec.decode(body)
     except msgspec.ValidationError as exc:
-        raise _bad_request(exc) from None
+        raise validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable body: {exc}") from None
-
-
-def convert(obj: Any, typ: type, path: str = "") -> Any:
-    """``obj`` (plain data, as a test or tool builds it) as ``typ``, with the edge's error codes."""
-    try:
-        return msgspec.convert(obj, typ)
-    except msgspec.ValidationError as exc:
-        err = _bad_request(exc)
-        raise ProtocolError(err.code, f"{path}.{err.message}" if path else err.message) from None
