@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
+from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 from tierd_client.session import Session
 
@@ -21,6 +23,10 @@ class TierdClient(Session):
 
     def lookup_async(self, namespace: dict, keys: list[bytes], groups: list[dict], chunk_tokens: int,
                      *, replicated: bool = False, lease: bool = True, timeout: float | None = None) -> Future:
+        # the daemon folds at most MAX_LOOKUP_PARTS (keys x groups x ranks) per LOOKUP: a longer
+        # prompt is looked up by its longest prefix that fits (a hit is a prefix anyway)
+        ranks = 1 if replicated else int(namespace.get("world_size", 1))
+        keys = keys[: max(1, MAX_LOOKUP_PARTS // (max(1, len(groups)) * max(1, ranks)))]
         body = {"namespace": namespace, "keys": keys, "groups": groups, "chunk_tokens": chunk_tokens,
                 "replicated": replicated, "lease": lease}
         return self.call_async("LOOKUP", body, timeout)
@@ -33,18 +39,25 @@ class TierdClient(Session):
 
     def store_async(self, instance: str, chunks: list[dict], touch: list[bytes] | None = None,
                     timeout: float | None = None, event: bytes | None = None) -> Future:
-        body = {"instance": instance, "chunks": chunks}
-        if touch:
-            body["touch"] = touch
-        if event is not None:
-            body["event"] = event  # CUDA: IPC event the daemon's gather waits on
-        return self.call_async("STORE", body, timeout)
+        parts = _split(chunks)
+        futs = []
+        for i, part in enumerate(parts):
+            body = {"instance": instance, "chunks": part}
+            if touch and i == 0:
+                body["touch"] = touch
+            if event is not None:
+                body["event"] = event  # CUDA: IPC event the daemon's gather waits on
+            futs.append(self.call_async("STORE", body, timeout))
+        return futs[0] if len(futs) == 1 else _joined(futs, lambda rs: {"results": [x for r in rs for x in r["results"]]})
 
     def store(self, *args, **kwargs) -> dict:
         return self.store_async(*args, **kwargs).result()
 
     def retrieve_async(self, instance: str, chunks: list[dict], lease: int = 0, timeout: float | None = None) -> Future:
-        return self.call_async("RETRIEVE", {"instance": instance, "chunks": chunks, "lease": lease}, timeout)
+        futs = [self.call_async("RETRIEVE", {"instance": instance, "chunks": part, "lease": lease}, timeout)
+                for part in _split(chunks)]
+        return futs[0] if len(futs) == 1 else _joined(futs, lambda rs: {"ok": [x for r in rs for x in r["ok"]],
+                                                                         "failed": [x for r in rs for x in r["failed"]]})
 
     def retrieve(self, *args, **kwargs) -> dict:
         return self.retrieve_async(*args, **kwargs).result()
@@ -64,3 +77,30 @@ class TierdClient(Session):
     def __exit__(self, *exc):
         self.close()
 
+
+def _split(chunks: list[dict]) -> list[list[dict]]:
+    """``chunks`` in requests of at most MAX_REQUEST_PARTS chunks x groups (the daemon's bound)."""
+    groups = max(1, len(chunks[0]["blocks"])) if chunks else 1
+    step = max(1, MAX_REQUEST_PARTS // groups)
+    return [chunks[i: i + step] for i in range(0, len(chunks), step)] or [chunks]
+
+
+def _joined(futs: list[Future], merge) -> Future:
+    """One future for several requests: their replies merged in order, or the first failure."""
+    out: Future = Future()
+    left, lock = [len(futs)], threading.Lock()
+
+    def one(_f: Future) -> None:
+        with lock:  # callbacks run on the I/O thread, or here for a future already done
+            left[0] -= 1
+            if left[0]:
+                return
+        for f in futs:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+        out.set_result(merge([f.result() for f in futs]))
+
+    for f in futs:
+        f.add_done_callback(one)
+    return out

@@ -64,3 +64,15 @@ def test_limits_bound_allocation():
     t0 = time.perf_counter()
     assert codec.decode_request(frame, 1 << 24)[2] == messages.Ping()
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_containers_nested_too_deeply_are_a_bad_request_that_keeps_its_req_id():
+    """Was: a PING body nested a million arrays deep was answered INTERNAL (RecursionError), req_id 0."""
+    for depth in (10_000, 1_000_000):
+        frame = b"\x93\xa4PING\x05\x81\xa1x" + b"\x91" * depth + b"\xc0"  # {"x": [[[...]]]}
+        with pytest.raises(ProtocolError) as err:
+            codec.decode_request(frame, 1 << 26)
+        assert err.value.code is ErrorCode.BAD_REQUEST and err.value.req_id == 5
+        assert "nested too deeply" in err.value.message
+    op, req_id, _ = codec.decode_request(b"\x93\xa4PING\x05\x81\xa1x" + b"\x91" * 100 + b"\xc0", 1 << 26)  # control
+    assert (op, req_id) == ("PING", 5)

@@ -164,3 +164,28 @@ def test_copy_items_view_the_objects_own_bytes(pool):
     base = obj.view()
     assert np.shares_memory(full_item.view, base) and np.shares_memory(slide_item.view, base)
     assert full_item.view.nbytes == slide_item.view.nbytes == 2 * 4 * BLOCK_BYTES
+
+
+def test_a_request_is_bounded_in_chunks_times_groups():
+    from tierd.protocol import MAX_REQUEST_PARTS
+
+    g = geo(FULL, SLIDE)
+    ok = [chunk(i, [0, 1, 2, 3], [4, 5, 6, 7]) for i in range(MAX_REQUEST_PARTS // 2)]
+    g.check(ok)
+    with pytest.raises(ProtocolError) as err:
+        g.check(ok + [chunk(0, [0, 1, 2, 3], [4, 5, 6, 7])])
+    assert err.value.code is ErrorCode.BAD_REQUEST
+    assert err.value.message == (f"chunks: {MAX_REQUEST_PARTS // 2 + 1} chunks x 2 groups is more than "
+                                 f"{MAX_REQUEST_PARTS} parts in one request: split it (tierd_client does)")
+
+
+def test_every_chunk_after_a_rejected_one_is_rejected_and_none_before(pool):
+    tight = Pool(ceiling=4 * 2048, initial=0, align=256, segment_bytes=4 * 2048)  # room for four objects
+    try:
+        g = geo(FULL)
+        chunks = [chunk(i, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]) for i in range(8)]
+        plan = plan_store(g, chunks, tight, NS, 0)
+        assert plan.results == ["stored"] * 4 + ["rejected"] * 4
+        assert len(plan.objs) == 4
+    finally:
+        tight.close()

@@ -24,7 +24,7 @@ from tierd.config import Settings
 from tierd.peer import Peer
 from tierd.planner import CopyPlan, Geometry, plan_retrieve, plan_store
 from tierd.pool.pool import Pool
-from tierd.protocol import PROTOCOL_VERSION
+from tierd.protocol import MAX_LOOKUP_PARTS, PROTOCOL_VERSION
 from tierd.protocol import messages as m
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.registry import Instance, Registry, Session, instance_key
@@ -282,6 +282,11 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
     for i, spec in enumerate(msg.groups):
         spec.check_chunk(msg.chunk_tokens, f"groups[{i}]")
     ns = msg.namespace
+    ranks = 1 if msg.replicated else ns.world_size
+    if len(msg.keys) * len(msg.groups) * ranks > MAX_LOOKUP_PARTS:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"keys: {len(msg.keys)} keys x {len(msg.groups)} groups x {ranks} "
+                            f"ranks is more than {MAX_LOOKUP_PARTS} parts in one LOOKUP: look up a prefix of the "
+                            "keys (tierd_client does)")
     tenant = call.tenant
     ns_id = scoped_namespace_id(tenant, ns)
     registered = tier.registry.registered_layout(ns_id)

@@ -23,6 +23,7 @@ import numpy as np
 
 from tierd.pool.index import Obj
 from tierd.pool.pool import EXISTS, Pool
+from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import GroupKind, PageLayout
 from tierd.protocol.messages import Chunk
@@ -96,6 +97,9 @@ class Geometry:
         """Every chunk names one block list per group, of the group's length, each id null or in
         range. Raises BAD_REQUEST naming the first bad id."""
         ngroups, null = len(self.blocks_per_chunk), self.null
+        if len(chunks) * ngroups > MAX_REQUEST_PARTS:
+            raise _bad("chunks", f"{len(chunks)} chunks x {ngroups} groups is more than {MAX_REQUEST_PARTS} parts "
+                                 "in one request: split it (tierd_client does)")
         for i, c in enumerate(chunks):
             if len(c.blocks) != ngroups:
                 raise _bad(f"chunks[{i}].blocks", f"{len(c.blocks)} groups, the layout has {ngroups}")
@@ -134,8 +138,9 @@ def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: 
     """Reserve room for the chunks' objects; the plan's objects are pinned and not yet visible
     (``pool.commit`` once copied, ``pool.abort`` otherwise)."""
     plan = CopyPlan()
+    holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
     for i, c in enumerate(chunks):
-        if geo.has_full and "rejected" in plan.results:
+        if holed:
             plan.results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
             continue
         split = [split_nulls(ids, geo.null, geo.positions[g]) for g, ids in enumerate(c.blocks)]
@@ -172,6 +177,7 @@ def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: 
                 items.append((g, CopyItem(ids, pos, bpc, view[off: off + geo.group_bytes[g]],
                                           geo.staged(staged_at, i, g)), geo.group_bytes[g] * len(ids) // bpc))
         if status == "rejected":
+            holed = geo.has_full
             pool.abort(new)  # all groups of a chunk or none
         else:
             plan.objs.extend(new)

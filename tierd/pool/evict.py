@@ -16,8 +16,9 @@ For a slot of class C, in order (each evicts no more than it must):
    coldest objects of other classes whose objects are all unpinned.
 A window's objects number at most window / their slot size: a small constant times the
 allocation's size over theirs. With ``only`` (a namespace at its byte quota) every victim is
-that namespace's. The searches are bounded (SCAN objects per LRU, WINDOWS windows); when they
-find nothing the allocation fails with nothing evicted.
+that namespace's. The searches are bounded (PASS pinned objects per class's LRU, each moved to
+its end; SCAN per search of other classes' windows; WINDOWS windows); when they find nothing
+the allocation fails with nothing evicted.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from collections.abc import Iterator
 from tierd.pool.index import Obj
 from tierd.pool.slabs import SizeClass, Slab
 
-SCAN = 1024  # pinned objects skipped in one LRU before giving up
+SCAN = 1024  # pinned objects skipped in one search of the coldest windows before giving up
+PASS = 8 * SCAN  # pinned objects one search of a class's LRU passes (and moves behind) at most
 WINDOWS = 64  # windows tried for a class with nothing of its own to evict...
 WORK = 1 << 16  # ...and slabs plus objects looked at in them, at most
 
@@ -54,7 +56,7 @@ def plan(pool, cls: SizeClass, only: bytes | None = None) -> Plan | None:
         return None  # larger than any segment the ceiling allows: evicting cannot help
     if cls.open_slabs or slabs.can_carve(cls):  # every slab in open_slabs has a free slot
         return FREE
-    victim = next(_unpinned(_lru(pool, cls, only)), None)
+    victim = _first_unpinned(pool, cls, only)
     coldest = _coldest_windows(pool, cls, only)
     if victim is not None:  # rebalance: a colder window of another class, tried once
         for anchor, window in coldest:
@@ -96,6 +98,25 @@ def _lru(pool, cls: SizeClass, only: bytes | None):
     if only is None:
         return pool.lru.get(cls, ())
     return pool.nslru.get((only, cls), ())
+
+
+def _first_unpinned(pool, cls: SizeClass, only: bytes | None) -> Obj | None:
+    """The least recent unpinned object of ``cls``. The pinned ones passed on the way (leased or
+    being read: in use) are touched, so no later search passes them again while they stay pinned:
+    each pin costs one pass at most, whatever the number of stores (a cap on the pass instead let
+    leases on a class's coldest objects starve every later store of the class)."""
+    passed = []
+    found = None
+    for o in _lru(pool, cls, only):
+        if not o.pins:
+            found = o
+            break
+        passed.append(o)
+        if len(passed) >= PASS:  # a class pinned through: bounded, and the next search starts past these
+            break
+    if passed:
+        pool._touch_prefix(passed)
+    return found
 
 
 def _unpinned(objs) -> Iterator[Obj]:

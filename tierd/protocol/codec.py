@@ -80,6 +80,8 @@ def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"a request is a 3-element array [op: str, req_id: int, body: map]:"
                             f" {exc}", req_id=_peek_req_id(frame)) from None
+    except RecursionError:  # containers nested thousands deep: the decoder's recursion gives out
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "containers nested too deeply", req_id=_peek_req_id(frame)) from None
     if not 0 <= req_id <= _MAX_REQ_ID:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be a non-negative 63-bit integer")
     return op, req_id, body

@@ -228,3 +228,5 @@ def decode(op: str, body: bytes | memoryview) -> Message:
         raise validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable body: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "body: containers nested too deeply") from None

@@ -1,0 +1,76 @@
+"""What one request may ask of the daemon's main loop is bounded at decode (docs/protocol.md
+section 19), and tierd_client stays within the bounds by itself: a STORE or RETRIEVE larger than
+MAX_REQUEST_PARTS goes as several requests, a LOOKUP larger than MAX_LOOKUP_PARTS asks for the
+longest prefix that fits. Against a real daemon."""
+
+from __future__ import annotations
+
+import numpy as np
+from kv import FakeRank, GroupGeom, keys
+from util import chunk, raw  # noqa: F401 - fixture
+
+from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
+
+BLOCKS = 4 * (MAX_REQUEST_PARTS + 300)  # one block per chunk below: chunks of 4 tokens, blocks of 4
+
+
+def rank() -> FakeRank:
+    return FakeRank([GroupGeom("full", layers=1, block_bytes=64)], num_blocks=2 * BLOCKS, chunk_tokens=4)
+
+
+def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(client_factory, daemon_factory):
+    d = daemon_factory(pool_mb=64)
+    client = client_factory(d)
+    r = rank()
+    try:
+        client.register("big", r.layout())
+        n = MAX_REQUEST_PARTS + 300
+        ks = keys(n)
+        before = d.status()["stores"]
+        res = client.store("big", [chunk(k, [i]) for i, k in enumerate(ks)])
+        assert res["results"] == ["stored"] * n
+        assert d.status()["stores"] - before == 2  # two requests
+        r.kv[0][:, BLOCKS:] = 0
+        out = client.retrieve("big", [chunk(k, [BLOCKS + i]) for i, k in enumerate(ks)])
+        assert out == {"ok": [True] * n, "failed": []}
+        np.testing.assert_array_equal(r.kv[0][:, BLOCKS:BLOCKS + n], r.kv[0][:, :n])
+    finally:
+        r.close()
+
+
+def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(daemon, raw):
+    r = rank()
+    try:
+        w = raw(daemon)
+        w.hello()
+        w.ok("REGISTER", {"instance": "big", "layout": r.layout()})
+        n = MAX_REQUEST_PARTS + 1
+        ok, reply = w.call("STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]})
+        assert not ok and reply["code"] == "BAD_REQUEST" and f"more than {MAX_REQUEST_PARTS} parts" in reply["message"]
+        assert daemon.status()["objects"] == 0
+        ok, reply = w.call("RETRIEVE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]})
+        assert not ok and reply["code"] == "BAD_REQUEST"
+        # control: at the bound it is one request, stored
+        ok, reply = w.call("STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n - 1))]})
+        assert ok and reply["results"] == ["stored"] * (n - 1)
+    finally:
+        r.close()
+
+
+def test_a_lookup_past_the_bound_is_refused_and_the_client_asks_for_a_prefix(daemon, raw, client):
+    world = 64
+    rk = FakeRank([GroupGeom("full", layers=1, block_bytes=64)], num_blocks=64, chunk_tokens=4, world_size=world,
+                  replicated=False)
+    try:
+        ks = keys(MAX_LOOKUP_PARTS // world + 10)
+        body = {"namespace": rk.ns, "keys": ks, "groups": rk.specs(), "chunk_tokens": 4, "lease": False}
+        w = raw(daemon)
+        w.hello()
+        ok, reply = w.call("LOOKUP", body)
+        assert not ok and reply["code"] == "BAD_REQUEST" and f"x {world} ranks is more than" in reply["message"]
+        got = client.lookup(rk.ns, ks, rk.specs(), 4, lease=False)  # the client shortens it: a miss, answered
+        assert got["chunks"] == 0
+        ok, reply = w.call("LOOKUP", {**body, "keys": ks[: MAX_LOOKUP_PARTS // world]})  # control: at the bound
+        assert ok and reply["chunks"] == 0
+    finally:
+        rk.close()
