@@ -70,7 +70,9 @@ CHILD = textwrap.dedent("""
 
 
 def test_sigkilled_client_is_reaped(daemon_factory, client_factory):
-    d = daemon_factory(*HB)
+    # the heartbeat path: with --drop-on-disconnect (the default) the closed connection would drop
+    # the session first (tests/test_router_notify.py)
+    d = daemon_factory(*HB, "--no-drop-on-disconnect")
     child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(TESTS), endpoint=d.endpoint)],
                              stdout=subprocess.PIPE, text=True)
     shm = []

@@ -47,6 +47,9 @@ class Settings:
     eviction_log: int = _opt(65536, "Chunks evicted from the pool the daemon remembers for EVICTED (the "
                              "connectors' router events); 0 keeps none (EVICTED then only says 'missed').",
                              min=0, max=1 << 24)
+    drop_on_disconnect: bool = _opt(True, "Drop a client's session (its leases and registered ranks) as soon "
+                                    "as its connection closes, not only after --heartbeat-timeout-s of "
+                                    "silence.")
     # ---- tenants and per-client limits (docs/protocol.md section 21) ----
     tcp_token_file: str = _opt(None, "File of 'TENANT TOKEN' lines: a tcp:// client's HELLO must carry one of the "
                                "tokens and acts as that tenant (TENANT 'admin' is an operator).")

@@ -158,7 +158,7 @@ class Registry:
         session.last_seen = time.monotonic()
         return session
 
-    def close_session(self, identity: bytes, reason: str) -> None:
+    def close_session(self, identity: bytes, reason: str, level: int = logging.INFO) -> None:
         session = self.sessions.pop(identity, None)
         if session is None:
             return
@@ -170,7 +170,8 @@ class Registry:
             self.release(lease_id)
         for inst_id in list(session.instances):
             self.unregister(inst_id)
-        log.info("session %s (%s pid %d) closed: %s", identity.hex()[:12], session.name, session.pid, reason)
+        log.log(level, "session %s (%s pid %d) closed: %s", identity.hex()[:12], session.name, session.pid,
+                reason)
 
     def reap(self, now: float) -> tuple[int, int]:
         """Expire leases past their TTL and sessions silent for too long: (sessions, leases) gone."""

@@ -20,6 +20,7 @@ import zmq
 
 from tierd import __version__, endpoint, handlers, warm
 from tierd.config import Settings
+from tierd.disconnects import ConnectionWatch
 from tierd.handlers import Call, Job, Tier
 from tierd.peer import Peer, parse_peer_address
 from tierd.pool.pool import Pool
@@ -42,6 +43,7 @@ HOUSEKEEPING_S = 0.2
 GC_FREEZE_S = 5.0
 SHUTDOWN_GRACE_S = 8.0
 RECV_BURST = 256  # requests taken per wake-up before copies are finished and housekeeping runs
+BATCH_BYTES = 8 << 20  # ... read before any is handled, at most (the batch's frames are all in memory)
 NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
 SESSIONLESS_OPS = ("HELLO",)
 
@@ -58,6 +60,9 @@ class Daemon:
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # per part: a frame up to twice the limit is read and answered TOO_LARGE; beyond, the peer is dropped
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.max_frame_bytes)
+        # a client's closed connection drops its session at once (tierd.disconnects), not at the heartbeat
+        # timeout
+        self.watch = ConnectionWatch(self.router) if settings.drop_on_disconnect else None
         # the endpoint first: a second daemon on a served socket is refused before it backs (and
         # pins) a pool; clients that connect meanwhile are answered once the loop runs
         self._bind()
@@ -159,6 +164,8 @@ class Daemon:
         poller.register(self.board.wake_r, zmq.POLLIN)
         if self.l2 is not None:
             poller.register(self.l2.wake_r, zmq.POLLIN)
+        if self.watch is not None:
+            poller.register(self.watch.monitor, zmq.POLLIN)
         next_house = time.monotonic()
         stop_deadline = None
         log.info("tierd %s serving %s (pool ceiling %.2f GiB, backed %.2f GiB%s)", __version__, self.settings.socket,
@@ -167,6 +174,9 @@ class Daemon:
             for sock, _ in poller.poll(self._poll_ms()):
                 if sock is self.router:
                     self._recv_burst()
+                elif self.watch is not None and sock is self.watch.monitor:
+                    self.watch.drain()
+                    self._drop_disconnected()
                 elif sock == self.board.wake_r:
                     self.board.answer(self.status)
             self._finish_jobs()
@@ -198,17 +208,49 @@ class Daemon:
         signal.signal(signal.SIGINT, self.stop)
 
     def _recv_burst(self) -> None:
-        for _ in range(RECV_BURST):
-            try:
-                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            envelope = [parts[0].bytes]
-            if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours to echo
-                self._error(envelope, 0, ErrorCode.BAD_REQUEST, f"a request is one frame, got {len(parts) - 1}", "?")
-                continue
-            frame = parts[1]
-            self._on_request(envelope, frame.buffer, self._peer(frame))
+        """Up to RECV_BURST requests; in batches read whole before any is handled, so that the
+        connection events that came before them are known first (tierd.disconnects)."""
+        left = RECV_BURST
+        while left > 0:
+            batch, nbytes = [], 0
+            while left > 0 and nbytes < BATCH_BYTES:
+                try:
+                    parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    left = 0
+                    break
+                left -= 1
+                batch.append(parts)
+                nbytes += parts[-1].buffer.nbytes
+            watch = self.watch
+            if watch is not None:
+                watch.drain()
+            for parts in batch:
+                envelope = [parts[0].bytes]
+                frame = parts[-1]
+                peer = self._peer(frame)
+                if watch is not None:
+                    watch.saw(envelope[0], frame, peer.uid)
+                if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours to echo
+                    self._error(envelope, 0, ErrorCode.BAD_REQUEST,
+                                f"a request is one frame, got {len(parts) - 1}", "?")
+                    continue
+                self._on_request(envelope, frame.buffer, peer)
+            if watch is not None:
+                self._drop_disconnected()
+
+    def _drop_disconnected(self) -> None:
+        """Sessions whose connection closed go now, as a heartbeat timeout would take them."""
+        reg = self.registry
+        for identity, uid in self.watch.ended():
+            session = reg.sessions.get(identity)
+            if session is None or session.uid != uid:
+                continue  # gone already (BYE), or another user's connection on its identity ended
+            leases = len(session.leases)
+            reg.close_session(identity, reason="its connection closed", level=logging.DEBUG)
+            self.stats.add("sessions_disconnected")
+            if leases:
+                self.stats.add("leases_expired", leases)
 
     def _peer(self, frame: zmq.Frame) -> Peer:
         """The sender's credentials (SO_PEERCRED on ipc://), from the message's Peer-Address."""
@@ -349,6 +391,8 @@ class Daemon:
         log.info("stopped")
 
     def _unbind(self, linger_ms: int = 0) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.router.close(linger=linger_ms)
         if self.inbox is not None:
             self.inbox.close()

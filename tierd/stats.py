@@ -25,6 +25,7 @@ COUNTERS = (
     ("leases_granted", "leases handed out by LOOKUP"),
     ("leases_expired", "leases dropped by TTL or by their client's death"),
     ("sessions_reaped", "clients dropped after --heartbeat-timeout-s of silence"),
+    ("sessions_disconnected", "clients dropped at once when their connection closed"),
     ("evicted_polls", "EVICTED requests answered"),
     ("evicted_keys", "chunk keys EVICTED replies carried"),
     ("evicted_missed", "EVICTED replies that said missed: the caller may have lost removals"),

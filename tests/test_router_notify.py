@@ -1,0 +1,322 @@
+"""A client whose connection closes loses its session at once (``--drop-on-disconnect``, on by
+default; docs/protocol.md section 6, tierd/disconnects.py): a SIGKILLed client's leases and
+ranks are freed within about a second, over ipc:// and tcp://, where without the setting they
+stay until the heartbeat timeout. A client whose routing identity a new connection took over
+keeps its session when the old connection closes; a clean BYE still works; an empty frame is
+still a BAD_REQUEST. Real daemons, real client processes, real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import free_port
+from kv import GroupGeom
+from util import ranks, raw  # noqa: F401 - fixtures
+from wire import Raw, pack, wait_for
+
+from tierd.disconnects import ConnectionWatch
+
+TESTS = Path(__file__).resolve().parent
+
+# A client process: registers a rank, stores two chunks, holds a lease on them, then idles (its
+# heartbeats keep it alive) until it is killed. ``identity``: its DEALER's routing identity.
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from kv import FakeRank, GroupGeom, keys
+    from wire import Raw
+    rank = FakeRank([GroupGeom("full")])
+    print("SHM", *[b.path for b in rank.bufs], flush=True)
+    identity = bytes.fromhex({identity!r}) if {identity!r} else None
+    if {raw!r}:
+        c = Raw({endpoint!r}, identity)
+        c.hello()
+        c.ok("REGISTER", {{"instance": "doomed", "layout": rank.layout()}})
+        ks = keys(2)
+        chunks = [{{"key": k, "blocks": [list(range(4 * i, 4 * i + 4))]}} for i, k in enumerate(ks)]
+        c.ok("STORE", {{"instance": "doomed", "chunks": chunks}})
+        body = {{"namespace": rank.ns, "keys": ks, "groups": rank.specs(), "chunk_tokens": 16}}
+        reply = c.ok("LOOKUP", body)
+    else:
+        from tierd_client import TierdClient
+        c = TierdClient({endpoint!r}, timeout_s=10, token="")
+        c.wait_ready(10)
+        c.register("doomed", rank.layout())
+        ks = keys(2)
+        c.store("doomed", [{{"key": k, "blocks": [list(range(4 * i, 4 * i + 4))]}} for i, k in enumerate(ks)])
+        reply = c.lookup(rank.ns, ks, rank.specs(), 16)
+    assert reply["chunks"] == 2 and reply["lease"]
+    print("LEASE", reply["lease"], flush=True)
+    print("READY", flush=True)
+    time.sleep(120)
+""")
+
+
+class Child:
+    def __init__(self, endpoint: str, identity: bytes | None = None, raw: bool = False):
+        code = CHILD.format(tests=str(TESTS), endpoint=endpoint, identity=identity.hex() if identity else "",
+                            raw=raw)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        self.shm: list[str] = []
+        self.lease = 0
+        for line in self.proc.stdout:
+            if line.startswith("SHM"):
+                self.shm = line.split()[1:]
+            elif line.startswith("LEASE"):
+                self.lease = int(line.split()[1])
+            elif line.startswith("READY"):
+                return
+        raise AssertionError(f"the client exited early with {self.proc.wait()}")
+
+    def kill(self) -> float:
+        """SIGKILL; returns when it died (monotonic)."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(5)
+        return time.monotonic()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for p in self.shm:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+@pytest.fixture
+def children():
+    made: list[Child] = []
+
+    def make(*args, **kw) -> Child:
+        c = Child(*args, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def held(d) -> dict:
+    st = d.status()
+    return {"sessions": st["sessions"], "instances": [i["instance"] for i in st["instances"]],
+            "leases": st["leases_active"]}
+
+
+HELD = {"sessions": 1, "instances": ["doomed"], "leases": 1}
+FREED = {"sessions": 0, "instances": [], "leases": 0}
+
+
+def assert_freed_at_once(d, child: Child) -> None:
+    assert held(d) == HELD
+    died = child.kill()
+    wait_for(lambda: held(d) == FREED, 5, interval=0.02, what="the killed client's session to go")
+    took = time.monotonic() - died
+    assert took < 1.0, f"freed {took:.2f} s after the kill"
+    st = d.status()
+    assert st["sessions_disconnected"] == 1 and st["sessions_reaped"] == 0 and st["leases_expired"] == 1
+    assert st["objects"] == 2
+    op = Raw(d.endpoint)
+    try:
+        op.hello()
+        assert op.ok("CLEAR", {})["evicted"] == 2  # no longer leased
+    finally:
+        op.close()
+
+
+def test_a_sigkilled_clients_leases_and_ranks_are_freed_at_once(daemon, children):
+    assert_freed_at_once(daemon, children(daemon.endpoint))
+
+
+def test_a_sigkilled_raw_client_over_tcp_is_freed_at_once(daemon_factory, children):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = daemon_factory("--socket", endpoint, "--insecure-tcp")
+    d.endpoint = endpoint
+    assert_freed_at_once(d, children(endpoint, raw=True))
+
+
+def test_without_drop_on_disconnect_they_stay_until_the_heartbeat_timeout(daemon_factory, children):
+    """The negative control: the same kill with --no-drop-on-disconnect."""
+    d = daemon_factory("--no-drop-on-disconnect", "--heartbeat-timeout-s", "3")
+    child = children(d.endpoint)
+    died = child.kill()
+    time.sleep(1.5)
+    assert held(d) == HELD  # what the daemon did before: nothing until the timeout
+    wait_for(lambda: held(d) == FREED, 6, what="the heartbeat timeout to reap the killed client")
+    assert time.monotonic() - died >= 3.0
+    st = d.status()
+    assert st["sessions_reaped"] == 1 and st["sessions_disconnected"] == 0
+
+
+def test_a_session_whose_identity_a_new_connection_took_over_stays_when_the_old_one_closes(daemon, children,
+                                                                                          raw):
+    """ROUTER_HANDOVER: a second connection with the same routing identity (a client that
+    reconnected before its old connection was seen to close) takes the session over; the old
+    connection's end must not drop it."""
+    identity = os.urandom(16)
+    child = children(daemon.endpoint, identity=identity, raw=True)
+    new = raw(daemon, identity)
+    assert new.ok("PING", {})["boot_id"]  # the session of that identity, now on this connection
+    child.kill()
+    time.sleep(1.5)
+    assert held(daemon) == HELD
+    st = daemon.status()
+    assert st["sessions_disconnected"] == 0
+    assert new.ok("RELEASE", {"lease": child.lease}) == {}  # the session, with its lease, is this one's
+    new.close()  # and when this connection closes, it goes
+    wait_for(lambda: daemon.status()["sessions"] == 0, 5, what="the session to go with its last connection")
+    st = daemon.status()
+    assert st["sessions_disconnected"] == 1 and not st["instances"]
+
+
+def test_a_reconnecting_client_library_gets_its_session_back(daemon, client_factory, ranks):
+    """A daemon restart: the client reconnects with the same routing identity, says HELLO and
+    registers again; the old connection's end (seen by the old daemon only) costs nothing."""
+    c = client_factory(daemon, timeout_s=15)
+    rank = ranks(GroupGeom("full"))
+    c.register("r", rank.layout())
+    daemon.restart()
+    wait_for(lambda: held(daemon)["instances"] == ["r"], 10, what="the client to register again")
+    time.sleep(1.0)
+    st = daemon.status()
+    assert st["sessions"] == 1 and st["sessions_disconnected"] == 0
+    assert c.ping()["boot_id"] == st["boot_id"]
+
+
+def test_a_clean_bye_still_works(daemon, client_factory, ranks):
+    c = client_factory(daemon)
+    c.register("r", ranks(GroupGeom("full")).layout())
+    assert held(daemon)["sessions"] == 1
+    c.close()  # BYE, answered, then the connection closes
+    wait_for(lambda: held(daemon) == FREED, 5, what="BYE to free the session")
+    time.sleep(0.3)
+    st = daemon.status()
+    assert st["sessions_disconnected"] == 0 and st["errors"] == 0  # BYE took it; nothing else happened
+
+
+def test_an_empty_frame_is_still_a_bad_request(daemon, raw):
+    r = raw(daemon)
+    r.hello()
+    r.send(b"")
+    req_id, ok, body = r.recv()
+    assert (req_id, ok, body["code"]) == (0, False, "BAD_REQUEST")
+    assert r.ok("PING", {})  # and the session is still there
+    r.send(pack(["PING", 5, {}]))
+    assert r.recv()[:2] == [5, True]
+    assert daemon.status()["sessions"] == 1
+
+
+# ---- the watch on its own, with a real ROUTER ------------------------------------------------------
+class Watched:
+    """A ROUTER with a ConnectionWatch, handled in the daemon's order: read a batch, drain the
+    monitor, attribute the batch's messages, then ask what ended."""
+
+    def __init__(self, tmp_path):
+        self.ctx = zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.watch = ConnectionWatch(self.router)
+        self.endpoint = f"ipc://{tmp_path}/w.sock"
+        self.router.bind(self.endpoint)
+        self.socks = []
+
+    def dealer(self, identity: bytes) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, identity)
+        s.connect(self.endpoint)
+        self.socks.append(s)
+        return s
+
+    def batch(self) -> list[tuple[bytes, int]]:
+        """(identity, fd) of each message of the batch."""
+        assert self.router.poll(5000)
+        got = []
+        while self.router.poll(100):
+            got.append(self.router.recv_multipart(copy=False))
+        self.watch.drain()
+        for parts in got:
+            self.watch.saw(parts[0].bytes, parts[-1], 0)
+        return [(parts[0].bytes, parts[-1].get(zmq.SRCFD)) for parts in got]
+
+    def ended(self) -> list[tuple[bytes, int]]:
+        self.watch.drain()
+        return self.watch.ended()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        self.watch.close()
+        self.router.close(linger=0)
+
+
+@pytest.fixture
+def watched(tmp_path):
+    w = Watched(tmp_path)
+    yield w
+    w.close()
+
+
+def test_a_new_connection_on_the_fd_of_one_that_closed_is_another_connection(watched):
+    """B connects on the fd A's closed connection had, and B's message is read before A's
+    disconnect is handled: A is dropped, B is not."""
+    w = watched
+    a = w.dealer(b"A")
+    a.send(b"x")
+    (_, fd_a), = w.batch()
+    assert w.ended() == []
+    a.close()
+    time.sleep(0.2)  # A's disconnect waits in the monitor, unread
+    w.dealer(b"B").send(b"y")
+    time.sleep(0.2)
+    (who, fd_b), = w.batch()
+    assert who == b"B" and fd_b == fd_a, "the kernel did not reuse the fd: nothing to tell apart"
+    assert w.watch.ended() == [(b"A", 0)]
+    w.socks[-1].close(linger=0)
+    time.sleep(0.2)
+    assert w.ended() == [(b"B", 0)]
+
+
+def test_an_identity_that_reconnected_on_the_same_fd_is_not_dropped(watched):
+    """The same routing identity closes and comes back on a new connection that gets the same
+    fd; its message comes in the batch that also brings the old connection's end: kept. It is
+    dropped when the new connection closes."""
+    w = watched
+    old = w.dealer(b"I")
+    old.send(b"x")
+    (_, fd_old), = w.batch()
+    old.close()
+    time.sleep(0.2)
+    new = w.dealer(b"I")
+    new.send(b"y")
+    time.sleep(0.2)
+    (who, fd_new), = w.batch()
+    assert who == b"I" and fd_new == fd_old, "the kernel did not reuse the fd: nothing to tell apart"
+    assert w.watch.ended() == []
+    new.close()
+    time.sleep(0.2)
+    assert w.ended() == [(b"I", 0)]
+
+
+def test_a_connection_that_handed_its_identity_over_drops_nothing_when_it_closes(watched):
+    w = watched
+    first = w.dealer(b"I")
+    first.send(b"x")
+    w.batch()
+    second = w.dealer(b"I")  # ROUTER_HANDOVER: the identity moves to this connection
+    second.send(b"y")
+    w.batch()
+    first.close()
+    time.sleep(0.2)
+    assert w.ended() == []
+    second.close()
+    time.sleep(0.2)
+    assert w.ended() == [(b"I", 0)]
