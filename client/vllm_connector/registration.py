@@ -76,10 +76,10 @@ class RankRegistration:
                                      dtype=str(ts[0].dtype) if ts else ""))
         self.layout = layout_desc(self.geo.namespace, rank, self.geo.chunk_tokens, refs, groups,
                                   device=device, replicated=self.geo.replicated)
+        self.rank = rank
         if device == "cuda":
             self.stager = self._stager(tensors, where)
             self.layout["staging"] = self.stager.ref
-        self.rank = rank
         self.ready(wait_s=self.cfg.connect_timeout_s)
         return self.stager
 
