@@ -31,6 +31,7 @@ import queue
 import threading
 from concurrent.futures import Future
 
+from tierd.protocol import MAX_REQUEST_PARTS
 from tierd_client.cuda_stage import Stager
 
 MIN_REQUESTS_IN_FLIGHT = 4  # per direction: enough to keep a copy engine busy between requests
@@ -73,7 +74,9 @@ class StagedRank:
             raise ValueError(f"a staging buffer of {stager.nbytes} bytes cannot hold a chunk each way "
                              f"({stager.chunk_bytes} bytes)")
         cap = min(request_bytes or half, max(stager.chunk_bytes, half // MIN_REQUESTS_IN_FLIGHT))
-        self.per_request = max(1, cap // stager.chunk_bytes)
+        # and within the daemon's bound on one request (chunks x groups), as TierdClient splits its own
+        bound = MAX_REQUEST_PARTS // max(1, len(stager.groups))
+        self.per_request = max(1, min(cap // stager.chunk_bytes, bound))
         self.rings = {"STORE": Ring(0, half, timeout_s), "RETRIEVE": Ring(half, half, timeout_s)}
         self._jobs = {op: queue.SimpleQueue() for op in self.rings}
         self._waits: queue.SimpleQueue = queue.SimpleQueue()  # (event, then): rare waits, off the I/O thread

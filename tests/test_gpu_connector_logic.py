@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.layout import GroupKind, PageLayout
 from tierd_client.layouts import block_span, group, layout, namespace
-from tierd_client.staged_rank import _join, _merge_stores
+from tierd_client.staged_rank import StagedRank, _join, _merge_stores
 from tierd_client.vllm_connector.config import STAGING_AUTO_CAP_MB, STAGING_AUTO_CHUNKS, ConnectorConfig
 from tierd_client.vllm_connector.geometry import Geometry, Group
 from tierd_client.vllm_connector.registration import chunk_bytes, staging_bytes
@@ -169,3 +170,17 @@ def test_a_whole_job_merges_its_requests_in_order():
     parts[1].set_result({"results": ["exists"]})
     parts[0].set_result({"results": ["stored", "stored"]})
     assert out.result(0) == {"results": ["stored", "stored", "exists"]}
+
+
+@pytest.mark.parametrize("groups,chunk,staging,expect", [
+    (1, 128 << 10, 2 * MiB, 2),  # the connector's auto size for the GPU test: a quarter of a half
+    (1, 1024, 64 * MiB, MAX_REQUEST_PARTS),  # tiny chunks: the daemon's bound on a request
+    (3, 1024, 64 * MiB, MAX_REQUEST_PARTS // 3),
+])
+def test_staged_requests_stay_within_the_daemons_bound(groups, chunk, staging, expect):
+    stager = SimpleNamespace(nbytes=staging, chunk_bytes=chunk, groups=[None] * groups)
+    rank = StagedRank(SimpleNamespace(), "e/0", stager)
+    try:
+        assert rank.per_request == expect
+    finally:
+        rank.close()
