@@ -7,6 +7,8 @@ import threading
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
+
+MAX_REQUEST_IDS = 1 << 20  # block ids per request: at most ~5 MiB of frame
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 from tierd_client.session import Session
 
@@ -81,7 +83,8 @@ class TierdClient(Session):
 def _split(chunks: list[dict]) -> list[list[dict]]:
     """``chunks`` in requests of at most MAX_REQUEST_PARTS chunks x groups (the daemon's bound)."""
     groups = max(1, len(chunks[0]["blocks"])) if chunks else 1
-    step = max(1, MAX_REQUEST_PARTS // groups)
+    ids = max(1, sum(len(b) for b in chunks[0]["blocks"])) if chunks else 1
+    step = max(1, min(MAX_REQUEST_PARTS // groups, MAX_REQUEST_IDS // ids))  # and frames well under --max-frame-mb
     return [chunks[i: i + step] for i in range(0, len(chunks), step)] or [chunks]
 
 

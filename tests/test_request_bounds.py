@@ -46,7 +46,7 @@ def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(dae
         w.ok("REGISTER", {"instance": "big", "layout": r.layout()})
         n = MAX_REQUEST_PARTS + 1
         ok, reply = w.call("STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]})
-        assert not ok and reply["code"] == "BAD_REQUEST" and f"more than {MAX_REQUEST_PARTS} parts" in reply["message"]
+        assert not ok and reply["code"] == "BAD_REQUEST" and str(MAX_REQUEST_PARTS) in reply["message"], reply
         assert daemon.status()["objects"] == 0
         ok, reply = w.call("RETRIEVE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]})
         assert not ok and reply["code"] == "BAD_REQUEST"

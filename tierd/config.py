@@ -42,7 +42,7 @@ class Settings:
     workers: int = _opt(0, "Copy threads shared by every rank's copy lane; 0: two per CPU core, 16 to 64.", min=0, max=1024)
     heartbeat_timeout_s: float = _opt(30.0, "Seconds without a message after which a client is dead: its leases and registrations go.", min=0.1)
     lease_ttl_s: float = _opt(60.0, "Seconds a LOOKUP lease keeps its objects from eviction unless released or consumed.", min=0.1)
-    max_frame_mb: int = _opt(64, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
+    max_frame_mb: int = _opt(16, "Largest request frame accepted, in MiB; larger ones get a TOO_LARGE error.", min=1)
     log_level: str = _opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     eviction_log: int = _opt(65536, "Chunks evicted from the pool the daemon remembers for EVICTED (the "
                              "connectors' router events); 0 keeps none (EVICTED then only says 'missed').",
@@ -55,7 +55,11 @@ class Settings:
                                "tokens and acts as that tenant (TENANT 'admin' is an operator).")
     insecure_tcp: bool = _opt(False, "Accept tcp:// clients without a token, all as the daemon's own tenant with "
                               "operator rights (trusted networks only).")
-    max_sessions_per_peer: int = _opt(256, "Sessions one user (uid; on tcp:// one tenant) may hold at once.", min=1)
+    max_sessions_per_peer: int = _opt(256, "Sessions one user (uid; on tcp:// one tenant) may hold at once; "
+                                      "twice as many connections (more are closed at once).", min=1)
+    max_connections: int = _opt(0, "Client connections at once (each holds a file descriptor); more are closed "
+                                "at once. 0: half the daemon's descriptor limit (raised to its hard limit "
+                                "at start).", min=0)
     max_instances_per_tenant: int = _opt(1024, "Ranks one tenant may have registered at once.", min=1)
     max_files_per_tenant: int = _opt(4096, "Shared-memory files one tenant's registered ranks may hold open "
                                      "(each file is opened once per rank, whatever the number of its tensors).", min=1)

@@ -23,19 +23,41 @@ drop it). A disconnect the monitor missed leaves the session to the heartbeat ti
 
 Cost: one ``SRCFD`` read per message (~0.4 us) and a dict look-up; a dict update only when an
 identity changes connection; one monitor drain per batch.
+
+Connection caps (always on): every connection costs the daemon a file descriptor before it says
+anything, and libzmq aborts the process when an accept fails for lack of descriptors (EMFILE).
+So each accepted connection is counted, per peer (its uid from SO_PEERCRED on ipc://; all of
+tcp:// together) and in all; one past ``max_per_peer`` or ``max_total`` is shut down at once
+(``shutdown(2)`` on a duplicate of its descriptor: libzmq sees the end of the stream and closes
+it; the descriptor itself is never closed here, so no other connection can be hit).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import struct
+import time
+
 import zmq
+
+log = logging.getLogger("tierd")
+_CRED = struct.Struct("3i")
+NOT_UNIX = -1  # the peer key of connections without credentials (tcp://)
 
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _INPROC = "inproc://tierd-router-monitor-{}"
 
 
 class ConnectionWatch:
-    def __init__(self, router: zmq.Socket):
+    def __init__(self, router: zmq.Socket, max_total: int = 1 << 30, max_per_peer: int = 1 << 30):
         self.router = router
+        self.max_total, self.max_per_peer = max_total, max_per_peer
+        self._open: dict[int, int] = {}  # fd -> its peer (uid, or NOT_UNIX)
+        self._per_peer: dict[int, int] = {}
+        self.refused = 0
+        self._said = 0.0
         addr = _INPROC.format(id(self))
         router.monitor(addr, EVENTS)
         self.monitor = router.context.socket(zmq.PAIR)
@@ -88,12 +110,53 @@ class ConnectionWatch:
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._gen[fd] = self._gen.get(fd, 0) + 1
+                self._accepted(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._gone(fd)
                 key = (self._gen.get(fd, 0) << 32) | fd
                 members = self._members.pop(key, None)
                 if members is not None:
                     uid, identities = members
                     self._ended += [(identity, key, uid) for identity in identities]
+
+    # ---- caps -----------------------------------------------------------------------------------
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    def _accepted(self, fd: int) -> None:
+        peer, dup = NOT_UNIX, None
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+            if dup.family == socket.AF_UNIX:
+                peer = _CRED.unpack(dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+            n = self._per_peer.get(peer, 0)
+            if len(self._open) >= self.max_total or n >= self.max_per_peer:
+                dup.shutdown(socket.SHUT_RDWR)  # libzmq reads the end and closes it (a DISCONNECTED follows)
+                self.refused += 1
+                now = time.monotonic()
+                if now - self._said > 10:
+                    self._said = now
+                    who = "tcp://" if peer == NOT_UNIX else f"uid {peer}"
+                    log.warning("closed a new connection of %s: %d connections in all (--max-connections %d), "
+                                "%d of its own (2 x --max-sessions-per-peer = %d)", who, len(self._open),
+                                self.max_total, n, self.max_per_peer)
+        except OSError:  # gone already, or no descriptor left to look: counted, its disconnect uncounts it
+            pass
+        finally:
+            if dup is not None:
+                dup.close()  # the duplicate only
+        self._open[fd] = peer
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+
+    def _gone(self, fd: int) -> None:
+        peer = self._open.pop(fd, None)
+        if peer is not None:
+            n = self._per_peer[peer] - 1
+            if n:
+                self._per_peer[peer] = n
+            else:
+                del self._per_peer[peer]
 
     def ended(self) -> list[tuple[bytes, int]]:
         """``(identity, uid)`` of every identity whose connection ended and that no later message

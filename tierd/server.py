@@ -60,9 +60,11 @@ class Daemon:
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # per part: a frame up to twice the limit is read and answered TOO_LARGE; beyond, the peer is dropped
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.max_frame_bytes)
-        # a client's closed connection drops its session at once (tierd.disconnects), not at the heartbeat
-        # timeout
-        self.watch = ConnectionWatch(self.router) if settings.drop_on_disconnect else None
+        # connections are capped (each costs a descriptor; libzmq aborts when none is left to accept
+        # with), and a client's closed connection drops its session at once, not at the heartbeat
+        # timeout (tierd.disconnects)
+        self.max_connections = _connection_cap(settings)
+        self.watch = ConnectionWatch(self.router, self.max_connections, 2 * settings.max_sessions_per_peer)
         # the endpoint first: a second daemon on a served socket is refused before it backs (and
         # pins) a pool; clients that connect meanwhile are answered once the loop runs
         self._bind()
@@ -242,7 +244,10 @@ class Daemon:
     def _drop_disconnected(self) -> None:
         """Sessions whose connection closed go now, as a heartbeat timeout would take them."""
         reg = self.registry
-        for identity, uid in self.watch.ended():
+        ended = self.watch.ended()
+        if not self.settings.drop_on_disconnect:
+            return
+        for identity, uid in ended:
             session = reg.sessions.get(identity)
             if session is None or session.uid != uid:
                 continue  # gone already (BYE), or another user's connection on its identity ended
@@ -399,6 +404,22 @@ class Daemon:
         self.endpoint.close()  # our socket file goes, then the lock
         os.close(self._stop_r)
         os.close(self._stop_w)
+
+
+def _connection_cap(settings: Settings) -> int:
+    """--max-connections, or (0) half the descriptors this process may open, raised first to the
+    hard limit: the other half is for shared-memory files, pool segments and the rest."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    half = (1 << 20) if soft == resource.RLIM_INFINITY else max(64, soft // 2)
+    return min(settings.max_connections, half) if settings.max_connections else half
 
 
 def _second_tier(settings: Settings, pool: Pool):

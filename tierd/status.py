@@ -127,6 +127,11 @@ def build_status(daemon) -> dict:
     out["leased_bytes"] = sum(reg.leased_bytes.values())
     out["gc_frozen_objects"] = gc.get_freeze_count()
     out["sessions"] = len(reg.sessions)
+    watch = daemon.watch
+    out["connections"] = {"open": watch.connections, "max": daemon.max_connections, "closed_over_cap": watch.refused}
+    inbox = daemon.inbox
+    out["fd_inbox"] = None if inbox is None else {"waiting": inbox.waiting, "received": inbox.received,
+                                                  "refused": inbox.refused}
     now = time.monotonic()
     out["instances"] = [
         {

@@ -17,7 +17,9 @@ from msgspec import Meta
 
 from tierd.protocol.errors import ErrorCode, ProtocolError, convert, validation_error  # noqa: F401 - convert: re-exported
 from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES
+from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.layout import (
+    MAX_BLOCKS_PER_CHUNK,
     MAX_GROUPS,
     ChunkTokens,
     GroupSpec,
@@ -78,10 +80,10 @@ class Chunk(msgspec.Struct, frozen=True):
     """One chunk of a STORE or RETRIEVE: its key and, per engine group, its block ids."""
 
     key: Key
-    blocks: Annotated[list[list[int]], Meta(max_length=MAX_GROUPS)]
+    blocks: Annotated[list[Annotated[list[int], Meta(max_length=MAX_BLOCKS_PER_CHUNK)]], Meta(max_length=MAX_GROUPS)]
 
 
-Chunks = Annotated[list[Chunk], Meta(max_length=MAX_CHUNKS)]
+Chunks = Annotated[list[Chunk], Meta(max_length=MAX_REQUEST_PARTS)]  # a chunk is at least one part
 
 
 Event = Annotated[bytes, Meta(min_length=IPC_EVENT_BYTES, max_length=IPC_EVENT_BYTES)]
