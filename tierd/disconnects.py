@@ -41,6 +41,7 @@ import struct
 import time
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("tierd")
 _CRED = struct.Struct("3i")
@@ -96,8 +97,6 @@ class ConnectionWatch:
     # ---- per batch ------------------------------------------------------------------------------
     def drain(self) -> None:
         """Take every event the monitor has (call after reading a batch, before attributing it)."""
-        from zmq.utils.monitor import parse_monitor_message
-
         while True:
             try:
                 msg = self.monitor.recv_multipart(zmq.NOBLOCK)
@@ -138,8 +137,8 @@ class ConnectionWatch:
                 if now - self._said > 10:
                     self._said = now
                     who = "tcp://" if peer == NOT_UNIX else f"uid {peer}"
-                    log.warning("closed a new connection of %s: %d connections in all (--max-connections %d), "
-                                "%d of its own (2 x --max-sessions-per-peer = %d)", who, len(self._open),
+                    log.warning("closed a new connection of %s: %d connections in all (--max-connections "
+                                "%d), %d of its own (2 x --max-sessions-per-peer = %d)", who, len(self._open),
                                 self.max_total, n, self.max_per_peer)
         except OSError:  # gone already, or no descriptor left to look: counted, its disconnect uncounts it
             pass

@@ -91,7 +91,7 @@ class EvictionLog:
         first, each once, at most ``limit``; ``cursor`` is the seq of the last one returned, or the
         current seq when nothing more of ``ns`` is held; ``missed`` when a record of ``ns`` (or,
         for a namespace with none held, any record) newer than ``since`` fell out."""
-        limit = max(0, min(limit, MAX_REPLY_KEYS))
+        limit = max(1, min(limit, MAX_REPLY_KEYS))
         space = self._spaces.get(ns)
         if space is None:
             return self.seq, [], since < self.forgot
