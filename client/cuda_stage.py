@@ -55,7 +55,9 @@ class GroupCopy:
 class Stager:
     """A rank's staging buffer, its stream and its fence; gathers and scatters by block id."""
 
-    def __init__(self, layout: PageLayout, tensors, staging_bytes: int, impl: str = "auto"):
+    def __init__(self, layout: PageLayout, tensors, staging_bytes: int, impl: str = "auto", ctas: int = 0):
+        """``ctas``: CTAs per gather/scatter kernel (0: GRID_PER_SM per multiprocessor). Fewer leave
+        more of the GPU to the engine's own kernels running at the same time, at a lower copy rate."""
         import torch
 
         self.torch = torch
@@ -86,6 +88,7 @@ class Stager:
         refs, _ = share_cuda_tensors([self.buf])
         self.ref = refs[0]
         self.sm = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.grid = ctas if ctas > 0 else self.sm * GRID_PER_SM
         self.lock = threading.Lock()  # the stream is fed from the engine's thread and the client's I/O thread
         self._peers: dict[bytes, object] = {}
 
@@ -165,7 +168,7 @@ class Stager:
                 desc = _upload(torch, np.stack([ids, offs]), stream, self.device)
                 fn = mod.scatter if scatter else mod.gather
                 fn(gc.table.data_ptr(), gc.layers, desc[0].data_ptr(), desc[1].data_ptr(), len(ids),
-                   self.buf.data_ptr(), bpc * bb, bb, gc.run_bytes, gc.runs, gc.vec, self.sm * GRID_PER_SM,
+                   self.buf.data_ptr(), bpc * bb, bb, gc.run_bytes, gc.runs, gc.vec, self.grid,
                    stream.cuda_stream)
                 continue
             dev = _upload(torch, np.stack([ids, item, pos]), stream, self.device)

@@ -166,6 +166,8 @@ def _status_socket(socket: str) -> dict:
 @click.option("--staging-mb", default=1024, show_default=True, help="CUDA: the engine's staging buffer, MiB.")
 @click.option("--impl", type=click.Choice(["auto", "kernel", "torch"]), default="auto", show_default=True,
               help="CUDA: engine-side gather/scatter: native kernels, the torch fallback, or kernels once built.")
+@click.option("--ctas", default=0, show_default=True, type=click.IntRange(min=0),
+              help="CUDA: CTAs per engine-side gather/scatter kernel (0: 8 per multiprocessor).")
 @click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1),
               help="Engine processes (TP ranks) on one daemon at once, each its own KV buffer (CUDA: GPU rank % "
                    "GPUs); timed in shared windows next to raw copies run the same way.")

@@ -11,7 +11,7 @@ __all__ = ["BenchError", "run_bench"]
 
 def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
               batch, rounds, pool_gb, progress: bool, interference: bool = False, staging_mb: int = 1024,
-              impl: str = "auto", ranks: int = 1, seconds: float = 2.0) -> dict:
+              impl: str = "auto", ranks: int = 1, seconds: float = 2.0, ctas: int = 0) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
     if ranks < 1 or seconds <= 0:
@@ -38,7 +38,7 @@ def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk
     if device == "cuda":
         from tierd.bench.cuda import run_cuda_bench
 
-        return run_cuda_bench(**kw, interference=interference, staging_mb=staging_mb, impl=impl)
+        return run_cuda_bench(**kw, interference=interference, staging_mb=staging_mb, impl=impl, ctas=ctas)
     if interference:
         raise BenchError("--interference measures GPU steps: it needs --device cuda")
     from tierd.bench.cpu import run_cpu_bench

@@ -95,7 +95,7 @@ def _baselines(torch, buf, total: int, block_bytes: int, blocks: list[int], dev)
 
 def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
                    batch, rounds, pool_gb, progress, interference: bool = False, staging_mb: int = 1024,
-                   impl: str = "auto") -> dict:
+                   impl: str = "auto", ctas: int = 0) -> dict:
     import torch
 
     from tierd.bench.common import BenchError, private_daemon
@@ -130,7 +130,7 @@ def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_to
     refs, _ = share_cuda_tensors([buf])
     ns = namespace("tierd-bench-cuda", uuid.uuid4().hex)
     lay = layout(ns, 0, chunk_tokens, refs, [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")], device="cuda")
-    stager = Stager(PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl)
+    stager = Stager(PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl, ctas)
     lay["staging"] = stager.ref
     specs = group_specs(lay)
     pool_bytes = int(pool_gb * 2**30) if pool_gb else int((4 if interference else 2) * total * 1.05) + 24 * object_bytes + (512 << 20)
@@ -253,6 +253,7 @@ def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_to
         "lookup_keys": len(lk),
         "lookups_per_s": round(lookups_seq, 1),
         "impl": "kernel" if native.get() is not None and impl != "torch" else "torch",
+        "ctas": stager.grid,
         "native": native.state(),
         "register_s": round(register_s, 3),
         "bench_build_s": round(build_s, 3),
