@@ -73,7 +73,8 @@ class Daemon:
         except BaseException:
             self._unbind()
             raise
-        self.stats.install(self.board.ask)  # /metrics is scraped on the HTTP thread: ask the main loop
+        self.stats.install(self.board.ask, _l2_families if self.l2 is not None else None)  # /metrics is
+        # scraped on the HTTP thread: it asks the main loop
 
     def _open(self, settings: Settings) -> None:
         self.cuda = _cuda_support(settings)
@@ -420,6 +421,13 @@ def _connection_cap(settings: Settings) -> int:
             pass
     half = (1 << 20) if soft == resource.RLIM_INFINITY else max(64, soft // 2)
     return min(settings.max_connections, half) if settings.max_connections else half
+
+
+def _l2_families(status: dict):
+    """The ``tierd_l2_*`` metric families of a /status (with --l2-url)."""
+    from tierd.tier2.metrics import families
+
+    return families(status.get("l2"))
 
 
 def _second_tier(settings: Settings, pool: Pool):

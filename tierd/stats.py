@@ -66,15 +66,17 @@ class Stats:
         if nbytes is not None:
             self.op_bytes.labels(op).observe(nbytes)
 
-    def install(self, gauges) -> None:
-        """``gauges()`` returns the live /status dict; scraped values come from it."""
-        self.registry.register(_Collector(self, gauges))
+    def install(self, gauges, extra=None) -> None:
+        """``gauges()`` returns the live /status dict; scraped values come from it. ``extra(status)``
+        yields more families (the second tier's: given by the daemon, so nothing here imports it)."""
+        self.registry.register(_Collector(self, gauges, extra))
 
 
 class _Collector:
-    def __init__(self, stats: Stats, gauges):
+    def __init__(self, stats: Stats, gauges, extra=None):
         self.stats = stats
         self.gauges = gauges
+        self.extra = extra
 
     def describe(self):
         return []
@@ -106,10 +108,8 @@ class _Collector:
                                 value=evlog["records"])
         yield GaugeMetricFamily("tierd_eviction_log_seq", "the eviction log's last seq (chunks recorded this "
                                 "boot)", value=evlog["seq"])
-        if status.get("l2") is not None:  # --l2-url
-            from tierd.tier2.metrics import families
-
-            yield from families(status["l2"])
+        if self.extra is not None:
+            yield from self.extra(status)
         warm = status.get("warm_restart")
         if warm is not None:  # --pool-dir
             yield GaugeMetricFamily("tierd_warm_restart_objects", "objects recovered at start (0: cold)",
