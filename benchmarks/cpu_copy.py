@@ -43,9 +43,15 @@ class OldGather:
         data = np.frombuffer(self._map, dtype=np.uint8)
         from numpy.lib.stride_tricks import as_strided
 
-        self.layers = [as_strided(data[s.offset:], shape=(s.num_blocks, s.runs, s.run_bytes),
-                                  strides=(s.block_stride, s.run_stride, 1), writeable=True)
-                       for s in lay.groups[0].layers]
+        self.layers = [
+            as_strided(
+                data[s.offset :],
+                shape=(s.num_blocks, s.runs, s.run_bytes),
+                strides=(s.block_stride, s.run_stride, 1),
+                writeable=True,
+            )
+            for s in lay.groups[0].layers
+        ]
 
     def store(self, group: int, items) -> None:
         ref_store(self.layers, items)
@@ -85,21 +91,25 @@ def ceiling(folder: str, repeats: int) -> dict:
 
         def rd():
             for s in range(0, n, step):
-                os.preadv(fd, [view[s:s + step]], s)
+                os.preadv(fd, [view[s : s + step]], s)
 
         def wr():
             for s in range(0, n, step):
-                os.pwritev(fd, [view[s:s + step]], s)
+                os.pwritev(fd, [view[s : s + step]], s)
 
-        return {"memcpy": best_gbps(lambda: np.copyto(dst, src), n, repeats),
-                "preadv_1MiB": best_gbps(rd, n, repeats), "pwritev_1MiB": best_gbps(wr, n, repeats)}
+        return {
+            "memcpy": best_gbps(lambda: np.copyto(dst, src), n, repeats),
+            "preadv_1MiB": best_gbps(rd, n, repeats),
+            "pwritev_1MiB": best_gbps(wr, n, repeats),
+        }
     finally:
         os.close(fd)
         os.unlink(path)
 
 
-def run(folder: str, layers: int, chunks: int, batch: int, block_bytes: int, ids_kind: str,
-        repeats: int) -> dict:
+def run(
+    folder: str, layers: int, chunks: int, batch: int, block_bytes: int, ids_kind: str, repeats: int
+) -> dict:
     bpc = 16
     nb = 2 * chunks * bpc
     nbytes = layers * nb * block_bytes
@@ -110,13 +120,30 @@ def run(folder: str, layers: int, chunks: int, batch: int, block_bytes: int, ids
         os.pwrite(fd, b"\x02" * min(1 << 24, nbytes - off), off)
     os.close(fd)
     try:
-        lay = PageLayout.from_wire({
-            "namespace": {"model": "m", "fingerprint": "f", "world_size": 1}, "rank": 0,
-            "chunk_tokens": bpc * 16,
-            "tensors": [{"handle": {"kind": "shm", "path": path, "offset": 0}, "nbytes": nbytes}],
-            "groups": [{"kind": "full", "block_tokens": 16, "layers": [
-                {"tensor": 0, "offset": li * nb * block_bytes, "block_stride": block_bytes, "num_blocks": nb,
-                 "run_bytes": block_bytes} for li in range(layers)]}]})
+        lay = PageLayout.from_wire(
+            {
+                "namespace": {"model": "m", "fingerprint": "f", "world_size": 1},
+                "rank": 0,
+                "chunk_tokens": bpc * 16,
+                "tensors": [{"handle": {"kind": "shm", "path": path, "offset": 0}, "nbytes": nbytes}],
+                "groups": [
+                    {
+                        "kind": "full",
+                        "block_tokens": 16,
+                        "layers": [
+                            {
+                                "tensor": 0,
+                                "offset": li * nb * block_bytes,
+                                "block_stride": block_bytes,
+                                "num_blocks": nb,
+                                "run_bytes": block_bytes,
+                            }
+                            for li in range(layers)
+                        ],
+                    }
+                ],
+            }
+        )
         obj = layers * bpc * block_bytes
         pool = np.empty(chunks * obj, np.uint8)
         pool[:] = 3
@@ -125,15 +152,19 @@ def run(folder: str, layers: int, chunks: int, batch: int, block_bytes: int, ids
             blocks = [np.arange(c * bpc, (c + 1) * bpc) for c in range(chunks)]
         else:
             blocks = [rng.choice(nb, bpc, replace=False) for _ in range(chunks)]
-        items = [CopyItem(b.astype(np.int64), np.arange(bpc), bpc, pool[c * obj:(c + 1) * obj])
-                 for c, b in enumerate(blocks)]
+        items = [
+            CopyItem(b.astype(np.int64), np.arange(bpc), bpc, pool[c * obj : (c + 1) * obj])
+            for c, b in enumerate(blocks)
+        ]
         out = {"run_bytes": block_bytes, "ids": ids_kind}
         for name, mem in (("old", OldGather(path, nbytes, lay)), ("new", CpuRankMemory(lay))):
             try:
                 for op in ("store", "retrieve"):
+
                     def go(op=op, mem=mem):
                         for i in range(0, chunks, batch):
-                            getattr(mem, op)(0, items[i:i + batch])
+                            getattr(mem, op)(0, items[i : i + batch])
+
                     out[f"{name}_{op}"] = best_gbps(go, chunks * obj, repeats)
             finally:
                 mem.close()
@@ -162,13 +193,17 @@ def main() -> None:
             print(json.dumps(row))
         elif "ceiling" in row:
             c = row["ceiling"]
-            print(f"kernel ceiling on {a.dir}: memcpy {c['memcpy']} GB/s, preadv {c['preadv_1MiB']}, "
-                  f"pwritev {c['pwritev_1MiB']} (1 MiB per call)")
+            print(
+                f"kernel ceiling on {a.dir}: memcpy {c['memcpy']} GB/s, preadv {c['preadv_1MiB']}, "
+                f"pwritev {c['pwritev_1MiB']} (1 MiB per call)"
+            )
         else:
-            print(f"{row['run_bytes'] >> 10:>3} KiB {row['ids']:<11}  store old {row['old_store']:>5} "
-                  f"new {row['new_store']:>5} ({row['store_ratio']:.2f}x)   retrieve old "
-                  f"{row['old_retrieve']:>5} new {row['new_retrieve']:>5} "
-                  f"({row['retrieve_ratio']:.2f}x) GB/s")
+            print(
+                f"{row['run_bytes'] >> 10:>3} KiB {row['ids']:<11}  store old {row['old_store']:>5} "
+                f"new {row['new_store']:>5} ({row['store_ratio']:.2f}x)   retrieve old "
+                f"{row['old_retrieve']:>5} new {row['new_retrieve']:>5} "
+                f"({row['retrieve_ratio']:.2f}x) GB/s"
+            )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,15 @@ def main() -> None:
     try:
         gs = []
         for gi in range(args.groups):
-            spans = [block_span((nb, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=gi, offset=li * nb * BLOCK_BYTES)
-                     for li in range(LAYERS)]
-            gs.append(group("full" if gi == 0 else "sliding", BLOCK_TOKENS, spans, window_tokens=0 if gi == 0 else 512))
+            spans = [
+                block_span((nb, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=gi, offset=li * nb * BLOCK_BYTES)
+                for li in range(LAYERS)
+            ]
+            gs.append(
+                group(
+                    "full" if gi == 0 else "sliding", BLOCK_TOKENS, spans, window_tokens=0 if gi == 0 else 512
+                )
+            )
         lay = layout(namespace("bench", uuid.uuid4().hex), 0, CHUNK, [b.ref() for b in bufs], gs)
         ident = b"h" * 16
         handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
@@ -52,15 +58,21 @@ def main() -> None:
         bpc = CHUNK // BLOCK_TOKENS
         store_t, retrieve_t = [], []
         for rep in range(args.repeats):
-            chunks = [{"key": uuid.uuid4().bytes, "blocks": [list(range(j * bpc, (j + 1) * bpc))] * args.groups}
-                      for j in range(args.chunks)]
-            frame = codec.encode_request("STORE", rep, {"instance": "i", "chunks": chunks, "deadline": time.time() + 60})
+            chunks = [
+                {"key": uuid.uuid4().bytes, "blocks": [list(range(j * bpc, (j + 1) * bpc))] * args.groups}
+                for j in range(args.chunks)
+            ]
+            frame = codec.encode_request(
+                "STORE", rep, {"instance": "i", "chunks": chunks, "deadline": time.time() + 60}
+            )
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
             job = handlers.store(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
             store_t.append(time.perf_counter() - t0)
             d.pool.commit(job.plan.objs)
-            frame = codec.encode_request("RETRIEVE", rep, {"instance": "i", "chunks": chunks, "deadline": time.time() + 60})
+            frame = codec.encode_request(
+                "RETRIEVE", rep, {"instance": "i", "chunks": chunks, "deadline": time.time() + 60}
+            )
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
             job = handlers.retrieve(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
@@ -68,9 +80,11 @@ def main() -> None:
             d.pool.unpin(job.plan.objs)
             d.pool.clear()
         for name, t in (("STORE", store_t), ("RETRIEVE", retrieve_t)):
-            t = sorted(t[len(t) // 10:])
-            print(f"{name} handler, {args.chunks} chunks x {args.groups} group(s) x {LAYERS} layers: "
-                  f"p50 {statistics.median(t) * 1e3:.3f} ms, p90 {t[int(len(t) * 0.9)] * 1e3:.3f} ms")
+            t = sorted(t[len(t) // 10 :])
+            print(
+                f"{name} handler, {args.chunks} chunks x {args.groups} group(s) x {LAYERS} layers: "
+                f"p50 {statistics.median(t) * 1e3:.3f} ms, p90 {t[int(len(t) * 0.9)] * 1e3:.3f} ms"
+            )
     finally:
         d.close()
         for b in bufs:

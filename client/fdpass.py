@@ -20,7 +20,7 @@ def fd_socket_path(url: str) -> str | None:
     """The daemon's descriptor socket for ``url`` (None for tcp:// and abstract ipc://@ names)."""
     if not url.startswith("ipc://") or url.startswith("ipc://@"):
         return None
-    return os.path.abspath(url[len("ipc://"):]) + ".fds"
+    return os.path.abspath(url[len("ipc://") :]) + ".fds"
 
 
 def new_ticket() -> bytes:
@@ -36,7 +36,9 @@ def send_fds(url: str, ticket: bytes, fds: list[int], timeout_s: float = 5.0) ->
         s.settimeout(timeout_s)
         s.connect(path)
         for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
-            socket.send_fds(s, [MAGIC + ticket], fds[i:i + MAX_FDS_PER_MESSAGE])
+            socket.send_fds(s, [MAGIC + ticket], fds[i : i + MAX_FDS_PER_MESSAGE])
             reply = s.recv(512)
             if not reply.startswith(b"ok"):
-                raise OSError(f"the daemon refused the descriptors: {reply[2:].decode(errors='replace') or 'closed'}")
+                raise OSError(
+                    f"the daemon refused the descriptors: {reply[2:].decode(errors='replace') or 'closed'}"
+                )

@@ -57,7 +57,9 @@ def block_span(
         else:
             outer.append([n, s])
     if len(outer) > 1:
-        raise UnsupportedLayout(f"a block spans {len(outer)} strided levels {outer} plus a run of {run} bytes")
+        raise UnsupportedLayout(
+            f"a block spans {len(outer)} strided levels {outer} plus a run of {run} bytes"
+        )
     runs, run_stride = (outer[0][0], outer[0][1]) if outer else (1, 0)
     return {
         "tensor": tensor,
@@ -74,17 +76,42 @@ def namespace(model: str, fingerprint: str, world_size: int = 1, salt: str = "")
     return {"model": model, "fingerprint": fingerprint, "world_size": world_size, "salt": salt}
 
 
-def group(kind: str, block_tokens: int, layers: list[dict], *, window_tokens: int = 0, dtype: str = "") -> dict:
-    return {"kind": kind, "block_tokens": block_tokens, "window_tokens": window_tokens, "dtype": dtype, "layers": layers}
+def group(
+    kind: str, block_tokens: int, layers: list[dict], *, window_tokens: int = 0, dtype: str = ""
+) -> dict:
+    return {
+        "kind": kind,
+        "block_tokens": block_tokens,
+        "window_tokens": window_tokens,
+        "dtype": dtype,
+        "layers": layers,
+    }
 
 
-def layout(ns: dict, rank: int, chunk_tokens: int, tensors: list[dict], groups: list[dict], *,
-           device: str = "cpu", replicated: bool = False) -> dict:
-    return {"namespace": ns, "rank": rank, "replicated": replicated, "chunk_tokens": chunk_tokens,
-            "device": device, "tensors": tensors, "groups": groups}
+def layout(
+    ns: dict,
+    rank: int,
+    chunk_tokens: int,
+    tensors: list[dict],
+    groups: list[dict],
+    *,
+    device: str = "cpu",
+    replicated: bool = False,
+) -> dict:
+    return {
+        "namespace": ns,
+        "rank": rank,
+        "replicated": replicated,
+        "chunk_tokens": chunk_tokens,
+        "device": device,
+        "tensors": tensors,
+        "groups": groups,
+    }
 
 
 def group_specs(layout_: dict) -> list[dict]:
     """The per-group part of a layout that LOOKUP needs."""
-    return [{"kind": g["kind"], "block_tokens": g["block_tokens"], "window_tokens": g.get("window_tokens", 0)}
-            for g in layout_["groups"]]
+    return [
+        {"kind": g["kind"], "block_tokens": g["block_tokens"], "window_tokens": g.get("window_tokens", 0)}
+        for g in layout_["groups"]
+    ]

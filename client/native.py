@@ -53,7 +53,9 @@ def cache_dir() -> Path:
     import torch
 
     src = source_path().read_bytes()
-    tag = hashlib.sha256(src + torch.__version__.encode() + str(torch.version.cuda or torch.version.hip).encode())
+    tag = hashlib.sha256(
+        src + torch.__version__.encode() + str(torch.version.cuda or torch.version.hip).encode()
+    )
     base = Path(_config["cache"]).expanduser()
     return base / tag.hexdigest()[:16]
 
@@ -94,7 +96,9 @@ def _run() -> None:
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback
         with _lock:
             _state, _error = "failed", f"{type(exc).__name__}: {exc}"
-        log.warning("native gather/scatter unavailable, using the torch fallback: %s", _error.splitlines()[0][:500])
+        log.warning(
+            "native gather/scatter unavailable, using the torch fallback: %s", _error.splitlines()[0][:500]
+        )
     else:
         with _lock:
             _state, _module = "ready", mod

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from tierd.config import default_socket
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode
-
 from tierd_client.errors import DaemonUnavailable, TierdError
 from tierd_client.transport import Pending, Transport
 
@@ -109,8 +108,9 @@ class Session(Transport):
         """The daemon's error if it refused our last HELLO (e.g. UNSUPPORTED_VERSION), else None."""
         return self._hello_error
 
-    def register_async(self, instance: str, layout: dict, timeout: float | None = None,
-                       publish: object | None = None) -> Future:
+    def register_async(
+        self, instance: str, layout: dict, timeout: float | None = None, publish: object | None = None
+    ) -> Future:
         """REGISTER a rank's page layout; once accepted it is re-sent after a daemon restart.
         ``publish`` (optional): ``open()``/``close()`` around every REGISTER of it (module doc)."""
         done: Future = Future()
@@ -125,8 +125,11 @@ class Session(Transport):
 
         fut: Future = Future()
         fut.add_done_callback(finish)
-        self._submit(self._request("REGISTER", {"instance": instance, "layout": layout}, timeout, future=fut,
-                                   publish=publish))
+        self._submit(
+            self._request(
+                "REGISTER", {"instance": instance, "layout": layout}, timeout, future=fut, publish=publish
+            )
+        )
         return done
 
     def leave_now(self, unregister: tuple[str, ...] = ()) -> None:
@@ -173,15 +176,22 @@ class Session(Transport):
             self._front.append(then)
 
     def _reregister(self, reg: _Registration) -> Pending:
-        return self._request("REGISTER", {"instance": reg.instance, "layout": reg.layout},
-                             callback=self._on_reregister, publish=reg.publish)
+        return self._request(
+            "REGISTER",
+            {"instance": reg.instance, "layout": reg.layout},
+            callback=self._on_reregister,
+            publish=reg.publish,
+        )
 
     def _on_connect(self, reconnect: bool) -> None:
         # a new daemon (or the same one after a blip, or one that came up after our first HELLO
         # expired): new session, same registrations
         if (reconnect or self._hello is None) and not self._recovering and not self._leaving:
-            log.info("connected to tierd at %s; saying HELLO%s", self.url,
-                     " and re-registering" if self._registrations else "")
+            log.info(
+                "connected to tierd at %s; saying HELLO%s",
+                self.url,
+                " and re-registering" if self._registrations else "",
+            )
             self._resync()
 
     def _on_reply(self, p: Pending, ok: bool, body: dict) -> None:
@@ -196,7 +206,11 @@ class Session(Transport):
                     log.info("tierd at %s lost this session; saying HELLO and re-registering", self.url)
                     self._resync(then=p)  # STORE/RETRIEVE keep their wall-clock deadline
                 return
-            reg = self._registrations.get(p.body.get("instance")) if code == ErrorCode.UNKNOWN_INSTANCE.name else None
+            reg = (
+                self._registrations.get(p.body.get("instance"))
+                if code == ErrorCode.UNKNOWN_INSTANCE.name
+                else None
+            )
             if reg is not None:  # the daemon dropped this rank only (e.g. UNREGISTER elsewhere)
                 p.retried = True
                 self._front += [self._reregister(reg), p]

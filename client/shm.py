@@ -98,7 +98,9 @@ def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]], Pub
         if not storage.is_shared():
             share = getattr(storage, "_share_fd_cpu_", None)
             if share is None:
-                raise RuntimeError("this torch has no UntypedStorage._share_fd_cpu_: tierd cannot share its CPU KV cache")
+                raise RuntimeError(
+                    "this torch has no UntypedStorage._share_fd_cpu_: tierd cannot share its CPU KV cache"
+                )
             share()  # swaps the storage's data pointer: every view of it follows
         base = storage.data_ptr()
         if base not in by_storage:
@@ -109,8 +111,12 @@ def share_torch_tensors(tensors) -> tuple[list[dict], list[tuple[int, int]], Pub
                 path = None  # unnamed: handed over as a descriptor
             except RuntimeError:  # shared by torch's file_system strategy before we saw it: named
                 if not path.startswith("/dev/shm/") or path.endswith("(deleted)"):
-                    raise RuntimeError(f"tensor storage lives in {path!r}, which the daemon cannot map") from None
-            refs.append({"handle": {"kind": "shm", "path": path, "offset": offset}, "nbytes": storage.nbytes()})
+                    raise RuntimeError(
+                        f"tensor storage lives in {path!r}, which the daemon cannot map"
+                    ) from None
+            refs.append(
+                {"handle": {"kind": "shm", "path": path, "offset": offset}, "nbytes": storage.nbytes()}
+            )
         where.append((by_storage[base], t.data_ptr() - base))
     publication = Publication(list(fds.values())) if fds else None
     for n, i in enumerate(fds):

@@ -65,14 +65,23 @@ class Ring:
 
 
 class StagedRank:
-    def __init__(self, client, instance: str, stager: Stager, null: int = -1,
-                 request_bytes: int | None = None, timeout_s: float | None = None):
+    def __init__(
+        self,
+        client,
+        instance: str,
+        stager: Stager,
+        null: int = -1,
+        request_bytes: int | None = None,
+        timeout_s: float | None = None,
+    ):
         self.client, self.instance, self.stager, self.null = client, instance, stager, null
         self.timeout_s = timeout_s
         half = stager.nbytes // 2 // stager.chunk_bytes * stager.chunk_bytes
         if half < stager.chunk_bytes:
-            raise ValueError(f"a staging buffer of {stager.nbytes} bytes cannot hold a chunk each way "
-                             f"({stager.chunk_bytes} bytes)")
+            raise ValueError(
+                f"a staging buffer of {stager.nbytes} bytes cannot hold a chunk each way "
+                f"({stager.chunk_bytes} bytes)"
+            )
         cap = min(request_bytes or half, max(stager.chunk_bytes, half // MIN_REQUESTS_IN_FLIGHT))
         # and within the daemon's bound on one request (chunks x groups), as TierdClient splits its own
         bound = MAX_REQUEST_PARTS // max(1, len(stager.groups))
@@ -80,8 +89,12 @@ class StagedRank:
         self.rings = {"STORE": Ring(0, half, timeout_s), "RETRIEVE": Ring(half, half, timeout_s)}
         self._jobs = {op: queue.SimpleQueue() for op in self.rings}
         self._waits: queue.SimpleQueue = queue.SimpleQueue()  # (event, then): rare waits, off the I/O thread
-        self._threads = [threading.Thread(target=self._submitter, args=(op,), daemon=True,
-                                          name=f"tierd-stage-{op.lower()}") for op in self.rings]
+        self._threads = [
+            threading.Thread(
+                target=self._submitter, args=(op,), daemon=True, name=f"tierd-stage-{op.lower()}"
+            )
+            for op in self.rings
+        ]
         self._threads.append(threading.Thread(target=self._wait_events, daemon=True, name="tierd-stage-wait"))
         for t in self._threads:
             t.start()
@@ -144,8 +157,9 @@ class StagedRank:
         at = ring.take(size)
         body = {"instance": self.instance, "chunks": batch, "staged_at": at}
         if op == "STORE":
-            body["event"] = self.stager.gather([c["blocks"] for c in batch], at, after=kw["after"],
-                                               null=self.null)
+            body["event"] = self.stager.gather(
+                [c["blocks"] for c in batch], at, after=kw["after"], null=self.null
+            )
             if first and kw["touch"]:
                 body["touch"] = kw["touch"]
             gathered = self.stager.recorded()
@@ -190,8 +204,14 @@ class StagedRank:
         reply = fut.result()
         try:
             skip = {(int(g), int(b)) for g, b in reply.get("failed", ())}
-            done = self.stager.scatter([c["blocks"] for c in batch], at, null=self.null, skip=skip,
-                                       after=reply.get("event"), ready=ready)
+            done = self.stager.scatter(
+                [c["blocks"] for c in batch],
+                at,
+                null=self.null,
+                skip=skip,
+                after=reply.get("event"),
+                ready=ready,
+            )
         except BaseException as e:  # noqa: BLE001 - the load failed: the engine recomputes
             out.set_exception(e)
             return
@@ -201,19 +221,19 @@ class StagedRank:
         """One reply; its ``done`` follows every part's scatter (the parts' answers, and so their
         scatters, may come in any order: an event recorded now, when all are queued)."""
         done = replies[0]["done"] if len(replies) == 1 else self.scatters_done() if replies else None
-        return {"ok": [x for r in replies for x in r["ok"]],
-                "failed": [x for r in replies for x in r["failed"]], "done": done}
+        return {
+            "ok": [x for r in replies for x in r["ok"]],
+            "failed": [x for r in replies for x in r["failed"]],
+            "done": done,
+        }
 
     def _batches(self, chunks: list[dict]):
         for i in range(0, len(chunks), self.per_request):
-            yield chunks[i: i + self.per_request]
+            yield chunks[i : i + self.per_request]
 
 
 def _merge_stores(replies: list[dict]) -> dict:
     return {"results": [x for r in replies for x in r["results"]]}
-
-
-
 
 
 def _chain(src: Future, dst: Future) -> None:

@@ -159,7 +159,9 @@ class Transport:
                 try:
                     p.publish.open(self.url)
                 except OSError as exc:
-                    self._fail(p, TierdError("LAYOUT_INVALID", f"cannot publish {p.body.get('instance')}: {exc}"))
+                    self._fail(
+                        p, TierdError("LAYOUT_INVALID", f"cannot publish {p.body.get('instance')}: {exc}")
+                    )
                     continue
             req_id = next(self._ids)
             try:
@@ -187,7 +189,9 @@ class Transport:
                 self._connected = False
                 lost, self._pending = list(self._pending.values()), {}
                 if lost:
-                    log.warning("tierd at %s disconnected; failing %d requests in flight", self.url, len(lost))
+                    log.warning(
+                        "tierd at %s disconnected; failing %d requests in flight", self.url, len(lost)
+                    )
                 for p in lost:
                     self._fail(p, DaemonUnavailable(self.url))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -247,4 +251,6 @@ class Transport:
             try:
                 p.publish.close()
             except OSError as exc:
-                log.warning("tierd: withdrawing the shared-memory names of %s failed: %s", p.body.get("instance"), exc)
+                log.warning(
+                    "tierd: withdrawing the shared-memory names of %s failed: %s", p.body.get("instance"), exc
+                )

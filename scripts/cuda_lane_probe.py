@@ -14,11 +14,11 @@ import time
 import numpy as np
 import torch
 
-from tierd.transfer import cuda as tc
-from tierd_client import native
-from tierd.transfer.items import CopyItem
-from tierd_client.layouts import block_span, group
 from tierd.protocol.layout import GroupLayout
+from tierd.transfer import cuda as tc
+from tierd.transfer.items import CopyItem
+from tierd_client import native
+from tierd_client.layouts import block_span, group
 
 DEV = 0
 LAYERS, BLOCK_TOKENS, HEADS, ROW, BPC = 32, 16, 8, 512, 16  # 64 KiB blocks, 32 MiB chunks
@@ -67,12 +67,19 @@ def main():
     nbytes = chunks * obj
     nblocks = chunks * BPC
     buf = torch.randint(0, 256, (LAYERS * nblocks * block,), dtype=torch.uint8, device=DEV)
-    spans = [block_span((nblocks, block), (block, 1), 1, 0, tensor=0, offset=l * nblocks * block) for l in range(LAYERS)]
+    spans = [
+        block_span((nblocks, block), (block, 1), 1, 0, tensor=0, offset=l * nblocks * block)
+        for l in range(LAYERS)
+    ]
     grp = GroupLayout.from_wire(group("full", BLOCK_TOKENS, spans), "g")
     dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    out = {"gib": round(nbytes / 2**30, 3), "chunks": chunks, "object_mib": obj >> 20,
-           "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(),
-           "shmem_thp": open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read().strip()}
+    out = {
+        "gib": round(nbytes / 2**30, 3),
+        "chunks": chunks,
+        "object_mib": obj >> 20,
+        "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip(),
+        "shmem_thp": open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read().strip(),
+    }
     for kind in ("cudaHostAlloc", "memfd", "memfd-thp", "anon-4k", "anon-thp"):
         t = time.perf_counter()
         arr, keep, addr = host(kind, nbytes)
@@ -85,25 +92,51 @@ def main():
         g = tc.GroupCopy(grp, [buf], torch, DEV)
         per = [16, 1]  # chunks per call: a 16-chunk request, and one chunk
         for n in per:
-            items = [CopyItem(np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64), np.arange(BPC, dtype=np.int64), BPC,
-                              arr[c * obj : (c + 1) * obj]) for c in range(chunks)]
+            items = [
+                CopyItem(
+                    np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64),
+                    np.arange(BPC, dtype=np.int64),
+                    BPC,
+                    arr[c * obj : (c + 1) * obj],
+                )
+                for c in range(chunks)
+            ]
             calls = [items[i : i + n] for i in range(0, chunks, n)]
-            r[f"lane_store_{n}"] = round(nbytes / best(lambda: [t.wait() for t in [lane.store(g, c, mod) for c in calls]]) / 1e9, 2)
-            r[f"lane_retrieve_{n}"] = round(nbytes / best(lambda: [t.wait() for t in [lane.retrieve(g, c, mod) for c in calls]]) / 1e9, 2)
+            r[f"lane_store_{n}"] = round(
+                nbytes / best(lambda: [t.wait() for t in [lane.store(g, c, mod) for c in calls]]) / 1e9, 2
+            )
+            r[f"lane_retrieve_{n}"] = round(
+                nbytes / best(lambda: [t.wait() for t in [lane.retrieve(g, c, mod) for c in calls]]) / 1e9, 2
+            )
         if kind in ("cudaHostAlloc", "anon-thp"):  # a bigger staging ring: does slot size matter?
             big = tc.Lane(torch, DEV, tc.HostPinner())
             big.slot_bytes = 256 << 20
-            items = [CopyItem(np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64), np.arange(BPC, dtype=np.int64), BPC,
-                              arr[c * obj : (c + 1) * obj]) for c in range(chunks)]
+            items = [
+                CopyItem(
+                    np.arange(c * BPC, (c + 1) * BPC, dtype=np.int64),
+                    np.arange(BPC, dtype=np.int64),
+                    BPC,
+                    arr[c * obj : (c + 1) * obj],
+                )
+                for c in range(chunks)
+            ]
             calls = [items[i : i + 16] for i in range(0, chunks, 16)]
-            r["lane_store_16_slot256"] = round(nbytes / best(lambda: [t.wait() for t in [big.store(g, c, mod) for c in calls]]) / 1e9, 2)
-            r["lane_retrieve_16_slot256"] = round(nbytes / best(lambda: [t.wait() for t in [big.retrieve(g, c, mod) for c in calls]]) / 1e9, 2)
+            r["lane_store_16_slot256"] = round(
+                nbytes / best(lambda: [t.wait() for t in [big.store(g, c, mod) for c in calls]]) / 1e9, 2
+            )
+            r["lane_retrieve_16_slot256"] = round(
+                nbytes / best(lambda: [t.wait() for t in [big.retrieve(g, c, mod) for c in calls]]) / 1e9, 2
+            )
             big.close()
         st = lane.stats
         r["lane_host_us_per_call"] = round(st["host_s"] / st["calls"] * 1e6, 1)
         r["dmas_per_call"] = round(st["dmas"] / st["calls"], 2)
         with open("/proc/meminfo") as f:
-            r["meminfo"] = {ln.split(":")[0]: ln.split(":")[1].strip() for ln in f if "HugePages" in ln and "Anon" in ln or "ShmemHuge" in ln}
+            r["meminfo"] = {
+                ln.split(":")[0]: ln.split(":")[1].strip()
+                for ln in f
+                if "HugePages" in ln and "Anon" in ln or "ShmemHuge" in ln
+            }
         lane.close()
         ht = arr = items = None
         if addr is not None:

@@ -37,8 +37,19 @@ class DaemonProcess:
         self.start()
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "tierd", "serve", "--socket", self.endpoint, "--http-port", str(self.http_port),
-               "--log-level", "debug", *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierd",
+            "serve",
+            "--socket",
+            self.endpoint,
+            "--http-port",
+            str(self.http_port),
+            "--log-level",
+            "debug",
+            *self.args,
+        ]
         self._log = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 30

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from tiny_model import build_tiny_llama
 
 # What every vLLM-on-CPU test process should run with: in-process engine core (starts 2.5x faster and

@@ -14,13 +14,30 @@ from tiny_model import build_tiny_llama
 HERE = Path(__file__).resolve().parent
 
 
-def run_engine(tmp: Path, name: str, batches, url: str | None = None, pause_after: int = -1, timeout: float = 240,
-               model: str | None = None, args: tuple[str, ...] = ()):
+def run_engine(
+    tmp: Path,
+    name: str,
+    batches,
+    url: str | None = None,
+    pause_after: int = -1,
+    timeout: float = 240,
+    model: str | None = None,
+    args: tuple[str, ...] = (),
+):
     """Start ``vllm_engine_run.py`` in a new process (the tiny Llama unless ``model``)."""
     pfile, out = tmp / f"{name}.prompts.json", tmp / f"{name}.out.json"
     pfile.write_text(json.dumps(batches))
-    cmd = [sys.executable, str(HERE / "vllm_engine_run.py"), "--model", model or build_tiny_llama(), "--prompts",
-           str(pfile), "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        str(HERE / "vllm_engine_run.py"),
+        "--model",
+        model or build_tiny_llama(),
+        "--prompts",
+        str(pfile),
+        "--out",
+        str(out),
+        *args,
+    ]
     if url:
         cmd += ["--url", url]
     if pause_after >= 0:

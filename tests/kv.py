@@ -34,8 +34,12 @@ class FakeRank:
     replicated: bool = False
 
     def __post_init__(self):
-        self.bufs = [SharedBuffer(g.layers * self.num_blocks * g.block_bytes, prefix="tierd-test") for g in self.groups]
-        self.kv = [b.array.reshape(g.layers, self.num_blocks, g.block_bytes) for b, g in zip(self.bufs, self.groups)]
+        self.bufs = [
+            SharedBuffer(g.layers * self.num_blocks * g.block_bytes, prefix="tierd-test") for g in self.groups
+        ]
+        self.kv = [
+            b.array.reshape(g.layers, self.num_blocks, g.block_bytes) for b, g in zip(self.bufs, self.groups)
+        ]
         rng = np.random.default_rng(self.rank * 7919 + 1)
         for kv in self.kv:
             kv[:] = rng.integers(0, 255, kv.shape, dtype=np.uint8)
@@ -47,14 +51,32 @@ class FakeRank:
     def layout(self) -> dict:
         groups = []
         for gi, g in enumerate(self.groups):
-            spans = [block_span((self.num_blocks, g.block_bytes), (g.block_bytes, 1), 1, 0, tensor=gi,
-                                offset=l * self.num_blocks * g.block_bytes) for l in range(g.layers)]
+            spans = [
+                block_span(
+                    (self.num_blocks, g.block_bytes),
+                    (g.block_bytes, 1),
+                    1,
+                    0,
+                    tensor=gi,
+                    offset=l * self.num_blocks * g.block_bytes,
+                )
+                for l in range(g.layers)
+            ]
             groups.append(group(g.kind, g.block_tokens, spans, window_tokens=g.window_tokens))
-        return layout(self.ns, self.rank, self.chunk_tokens, [b.ref() for b in self.bufs], groups,
-                      replicated=self.replicated)
+        return layout(
+            self.ns,
+            self.rank,
+            self.chunk_tokens,
+            [b.ref() for b in self.bufs],
+            groups,
+            replicated=self.replicated,
+        )
 
     def specs(self) -> list[dict]:
-        return [{"kind": g.kind, "block_tokens": g.block_tokens, "window_tokens": g.window_tokens} for g in self.groups]
+        return [
+            {"kind": g.kind, "block_tokens": g.block_tokens, "window_tokens": g.window_tokens}
+            for g in self.groups
+        ]
 
     def bpc(self, gi: int) -> int:
         g = self.groups[gi]

@@ -38,8 +38,14 @@ class Case:
         out = []
         for s in self.group.layers:
             start = s.offset + block * s.block_stride
-            out.append(np.concatenate([flat[start + r * s.run_stride : start + r * s.run_stride + s.run_bytes]
-                                       for r in range(s.runs)]))
+            out.append(
+                np.concatenate(
+                    [
+                        flat[start + r * s.run_stride : start + r * s.run_stride + s.run_bytes]
+                        for r in range(s.runs)
+                    ]
+                )
+            )
         return np.stack(out)
 
 
@@ -50,8 +56,21 @@ def _group(name, spans, bpc, kind="full", block_tokens=16):
     return GroupLayout.from_wire(g, name)
 
 
-def vllm_case(torch, kind: str, device, *, layers=3, blocks=8, heads=2, tokens=4, c=16, r=1, bpc=2,
-              dtype=None, mla=False) -> Case:
+def vllm_case(
+    torch,
+    kind: str,
+    device,
+    *,
+    layers=3,
+    blocks=8,
+    heads=2,
+    tokens=4,
+    c=16,
+    r=1,
+    bpc=2,
+    dtype=None,
+    mla=False,
+) -> Case:
     """vLLM 0.33: one buffer, physical order ``kind``, per-layer logical [B, H, N, C] views with B in
     kernel blocks (``r`` per manager block)."""
     dtype = dtype or torch.bfloat16
@@ -65,8 +84,17 @@ def vllm_case(torch, kind: str, device, *, layers=3, blocks=8, heads=2, tokens=4
     spans = []
     for layer in range(layers):
         v = logical[layer]
-        spans.append(block_span(tuple(v.shape), tuple(v.stride()), itemsize, 0, tensor=0,
-                                offset=v.storage_offset() * itemsize, blocks_per_block=r))
+        spans.append(
+            block_span(
+                tuple(v.shape),
+                tuple(v.stride()),
+                itemsize,
+                0,
+                tensor=0,
+                offset=v.storage_offset() * itemsize,
+                blocks_per_block=r,
+            )
+        )
     name = ("MLA-" if mla else "") + kind + (f"-r{r}" if r > 1 else "")
     return Case(name, buf, _group(name, spans, bpc, block_tokens=tokens * r), bpc)
 
@@ -87,7 +115,10 @@ def all_cases(torch, device) -> list[Case]:
     cases = [vllm_case(torch, k, device) for k in VLLM_LAYOUTS]
     cases += [vllm_case(torch, k, device, r=2) for k in VLLM_LAYOUTS]
     cases += [vllm_case(torch, "LBNHC", device, mla=True), vllm_case(torch, "LBNHC", device, mla=True, r=2)]
-    cases += [state_case(torch, device), state_case(torch, device, state_bytes=1001, page_bytes=1030, name="state-odd")]
+    cases += [
+        state_case(torch, device),
+        state_case(torch, device, state_bytes=1001, page_bytes=1030, name="state-odd"),
+    ]
     return cases
 
 

@@ -229,4 +229,3 @@ def evicted(workdir: Path, started: list) -> dict:
     out["dst_b"] = rb.digests(8)
     out["status_a"], out["status_b"] = a.status(), b.status()
     return out
-

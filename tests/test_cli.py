@@ -7,14 +7,15 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
 
 def tierd(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "tierd", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tierd", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 BAD = [
@@ -37,7 +38,11 @@ BAD = [
 def test_invalid_settings_exit_2_with_a_clear_message(tmp_path):
     sock = f"ipc://{tmp_path}/never.sock"
     for args, flag in BAD:
-        full = ["serve", "--http-port", "-1", "--socket", sock, *args] if "--socket" not in args else ["serve", "--http-port", "-1", *args]
+        full = (
+            ["serve", "--http-port", "-1", "--socket", sock, *args]
+            if "--socket" not in args
+            else ["serve", "--http-port", "-1", *args]
+        )
         res = tierd(*full)
         assert res.returncode == 2, (args, res.returncode, res.stderr)
         assert flag in res.stderr, (args, res.stderr)
@@ -49,10 +54,26 @@ def test_serve_help_shows_units_and_defaults():
     res = tierd("serve", "--help")
     assert res.returncode == 0
     out = " ".join(res.stdout.split())  # undo click's wrapping
-    for needle in ["--l1-size-gb", "GiB", "[default: 8.0]", "--l1-init-size-gb", "[default: 0.0]", "MiB",
-                   "[default: 4096]", "--heartbeat-timeout-s", "Seconds", "[default: 30.0]", "[default: 60.0]",
-                   "--separate-object-groups / --no-separate-object-groups", "[default: -1]", "[default: 0600]",
-                   "[default: 64]", "[default: 9800]", "ipc://", "tcp://"]:
+    for needle in [
+        "--l1-size-gb",
+        "GiB",
+        "[default: 8.0]",
+        "--l1-init-size-gb",
+        "[default: 0.0]",
+        "MiB",
+        "[default: 4096]",
+        "--heartbeat-timeout-s",
+        "Seconds",
+        "[default: 30.0]",
+        "[default: 60.0]",
+        "--separate-object-groups / --no-separate-object-groups",
+        "[default: -1]",
+        "[default: 0600]",
+        "[default: 64]",
+        "[default: 9800]",
+        "ipc://",
+        "tcp://",
+    ]:
         assert needle in out, needle
     assert tierd("--version").stdout.startswith("tierd")
 
@@ -63,8 +84,18 @@ def test_status_prints_a_table_and_json(daemon, client, ranks):
     client.store("rank-zero", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(keys(3))])
     res = tierd("status", "--url", daemon.http)
     assert res.returncode == 0, res.stderr
-    for needle in ["memory", "objects", "lookups", "stores", "evictions", "instances (1)", "rank-zero", "test-model",
-                   "rank 0/1", daemon.endpoint]:
+    for needle in [
+        "memory",
+        "objects",
+        "lookups",
+        "stores",
+        "evictions",
+        "instances (1)",
+        "rank-zero",
+        "test-model",
+        "rank 0/1",
+        daemon.endpoint,
+    ]:
         assert needle in res.stdout, needle
     res = tierd("status", "--url", daemon.http, "--json")
     assert res.returncode == 0
@@ -105,9 +136,25 @@ def test_serve_with_http_port_0_logs_the_port_it_picked(tmp_path):
     import signal
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "tierd", "serve", "--socket", f"ipc://{tmp_path}/t.sock",
-                             "--http-port", "0", "--l1-size-gb", "0.01", "--log-level", "warning"],
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tierd",
+            "serve",
+            "--socket",
+            f"ipc://{tmp_path}/t.sock",
+            "--http-port",
+            "0",
+            "--l1-size-gb",
+            "0.01",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         line = proc.stderr.readline()
         assert "HTTP on http://127.0.0.1:" in line, line

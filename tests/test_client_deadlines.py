@@ -6,10 +6,10 @@ import signal
 import time
 
 import pytest
-
 from kv import GroupGeom, keys
-from tierd_client import DaemonUnavailable, DeadlineExceeded, TierdClient, TierdError
 from util import chunk, ranks  # noqa: F401 - fixtures
+
+from tierd_client import DaemonUnavailable, DeadlineExceeded, TierdClient, TierdError
 
 
 def test_no_daemon_fails_fast(tmp_path):

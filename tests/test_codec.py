@@ -20,7 +20,9 @@ def fails(frame, max_bytes=MAX):
 
 
 def test_round_trip():
-    frame = codec.encode_request("STORE", 12, {"instance": "x", "chunks": [{"key": b"k" * 16, "blocks": [[1, -1]]}]})
+    frame = codec.encode_request(
+        "STORE", 12, {"instance": "x", "chunks": [{"key": b"k" * 16, "blocks": [[1, -1]]}]}
+    )
     op, req_id, msg = codec.decode_request(frame, MAX)
     assert (op, req_id) == ("STORE", 12)
     assert msg == messages.Store("x", [messages.Chunk(b"k" * 16, [[1, -1]])])
@@ -36,17 +38,29 @@ def test_too_large_keeps_req_id():
 
 def test_bad_body_keeps_req_id():
     ext = msgpack.ExtType(1, b"")
-    assert fails(msgpack.packb(["RELEASE", 7, {"lease": ext}], use_bin_type=True)) == (ErrorCode.BAD_REQUEST, 7)
+    assert fails(msgpack.packb(["RELEASE", 7, {"lease": ext}], use_bin_type=True)) == (
+        ErrorCode.BAD_REQUEST,
+        7,
+    )
     assert fails(msgpack.packb(["PING", 8, {1: 2}])) == (ErrorCode.BAD_REQUEST, 8)
     assert fails(msgpack.packb(["PING", 9, []])) == (ErrorCode.BAD_REQUEST, 9)
     assert fails(msgpack.packb([1, 10, {}])) == (ErrorCode.BAD_REQUEST, 10)
 
 
-@pytest.mark.parametrize("frame", [
-    b"", b"\xc1", b"\x93", msgpack.packb(["PING", -1, {}]), msgpack.packb(["PING", True, {}]),
-    msgpack.packb(["PING", "5", {}]), msgpack.packb([b"x" * 5000, 5, {1: 2}]), msgpack.packb(["PING", 1]),
-    msgpack.packb({"op": "PING"}),
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",
+        b"\x93",
+        msgpack.packb(["PING", -1, {}]),
+        msgpack.packb(["PING", True, {}]),
+        msgpack.packb(["PING", "5", {}]),
+        msgpack.packb([b"x" * 5000, 5, {1: 2}]),
+        msgpack.packb(["PING", 1]),
+        msgpack.packb({"op": "PING"}),
+    ],
+)
 def test_unrecoverable_req_id(frame):
     code, req_id = fails(frame)
     assert code is ErrorCode.BAD_REQUEST and req_id is None
@@ -74,5 +88,7 @@ def test_containers_nested_too_deeply_are_a_bad_request_that_keeps_its_req_id():
             codec.decode_request(frame, 1 << 26)
         assert err.value.code is ErrorCode.BAD_REQUEST and err.value.req_id == 5
         assert "nested too deeply" in err.value.message
-    op, req_id, _ = codec.decode_request(b"\x93\xa4PING\x05\x81\xa1x" + b"\x91" * 100 + b"\xc0", 1 << 26)  # control
+    op, req_id, _ = codec.decode_request(
+        b"\x93\xa4PING\x05\x81\xa1x" + b"\x91" * 100 + b"\xc0", 1 << 26
+    )  # control
     assert (op, req_id) == ("PING", 5)

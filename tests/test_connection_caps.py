@@ -82,16 +82,34 @@ def test_a_flood_of_silent_connections_does_not_kill_a_daemon_with_few_descripto
     connections. Without the cap libzmq aborted the daemon (SIGABRT) once accept hit EMFILE."""
     endpoint = f"ipc://{tmp_path}/tierd.sock"
     log = open(tmp_path / "daemon.log", "wb")
-    proc = subprocess.Popen(["prlimit", "--nofile=256:256", sys.executable, "-m", "tierd", "serve", "--socket",
-                             endpoint, "--http-port", "-1", "--l1-size-gb", "0.05"], stdout=log,
-                            stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            "prlimit",
+            "--nofile=256:256",
+            sys.executable,
+            "-m",
+            "tierd",
+            "serve",
+            "--socket",
+            endpoint,
+            "--http-port",
+            "-1",
+            "--l1-size-gb",
+            "0.05",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     ctx = socks = None
     try:
         c = TierdClient(endpoint, timeout_s=10, connect_timeout_s=20, name="probe")
         boot = c.ping()["boot_id"]
         ctx, socks = connect(endpoint, 400)
         time.sleep(3)
-        assert proc.poll() is None, f"the daemon died ({proc.returncode}): {(tmp_path / 'daemon.log').read_text()[-800:]}"
+        assert proc.poll() is None, (
+            f"the daemon died ({proc.returncode}): {(tmp_path / 'daemon.log').read_text()[-800:]}"
+        )
         assert c.ping()["boot_id"] == boot  # the same daemon, still answering a client it had
         c.close()
     finally:

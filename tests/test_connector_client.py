@@ -9,8 +9,8 @@ import time
 
 import pytest
 import zmq
-
 from conftest import DaemonProcess
+
 from tierd.protocol import codec
 from tierd.protocol.errors import ErrorCode
 from tierd_client import DaemonUnavailable, TierdClient, TierdError
@@ -90,8 +90,10 @@ def _old_daemon(endpoint: str, stop: threading.Event, seen: list[str]) -> None:
             op, req_id, _ = codec.decode_request(frame, 1 << 20)
             seen.append(op)
             if op == "HELLO":
-                reply = codec.encode_reply(req_id, {"protocol": 1, "boot_id": "0" * 32, "null_block_id": -1,
-                                                    "heartbeat_timeout_s": 30.0})
+                reply = codec.encode_reply(
+                    req_id,
+                    {"protocol": 1, "boot_id": "0" * 32, "null_block_id": -1, "heartbeat_timeout_s": 30.0},
+                )
             else:
                 reply = codec.encode_error(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
             sock.send_multipart([ident, reply])

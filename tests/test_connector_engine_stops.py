@@ -71,8 +71,12 @@ def daemon_shm_fds(d: DaemonProcess) -> int:
 
 def figures(d: DaemonProcess) -> dict:
     s = d.status()
-    return {"shm_files": shm_files(), "sessions": s["sessions"], "daemon_shm_fds": daemon_shm_fds(d),
-            "shmem_mib": shmem_mib()}
+    return {
+        "shm_files": shm_files(),
+        "sessions": s["sessions"],
+        "daemon_shm_fds": daemon_shm_fds(d),
+        "shmem_mib": shmem_mib(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -84,29 +88,57 @@ def daemon(tmp_path_factory):
 
 def start_server(d: DaemonProcess, tmp: Path):
     port = free_port()
-    cfg = {"kv_connector": "TierdConnector", "kv_connector_module_path": "tierd_client.vllm_connector",
-           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"tierd.url": d.endpoint}}
+    cfg = {
+        "kv_connector": "TierdConnector",
+        "kv_connector_module_path": "tierd_client.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"tierd.url": d.endpoint},
+    }
     env = {**os.environ, **VLLM_CPU_ENV}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: EngineCore and Worker processes
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", build_tiny_llama(), "--port", str(port),
-         "--max-model-len", "2048", "--block-size", "32", "--enforce-eager", "--max-num-seqs", "4",
-         "--kv-transfer-config", json.dumps(cfg)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            build_tiny_llama(),
+            "--port",
+            str(port),
+            "--max-model-len",
+            "2048",
+            "--block-size",
+            "32",
+            "--enforce-eager",
+            "--max-num-seqs",
+            "4",
+            "--kv-transfer-config",
+            json.dumps(cfg),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             break
         except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()[-4000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()[
+                -4000:
+            ]
             time.sleep(0.5)
     rng = random.Random(port)
-    body = json.dumps({"model": build_tiny_llama(), "prompt": [rng.randrange(3, 1000) for _ in range(600)],
-                       "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    body = json.dumps(
+        {"model": build_tiny_llama(), "prompt": [rng.randrange(3, 1000) for _ in range(600)], "max_tokens": 4}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     json.loads(urllib.request.urlopen(req, timeout=120).read())
     return proc, log
 
@@ -166,7 +198,9 @@ def stop_and_check(daemon, proc, log, stop, before, vllm_before) -> None:
     assert wait_for(lambda: daemon.status()["sessions"] <= before["sessions"] + 2 * bool(alive), settle)
     settled = figures(daemon)
     orphans = [(p.pid, p.name()) for p in alive]
-    for p in alive:  # vLLM 0.32 leaves its EngineCore running when the server is SIGKILLed: clean up as a supervisor would
+    for p in (
+        alive
+    ):  # vLLM 0.32 leaves its EngineCore running when the server is SIGKILLed: clean up as a supervisor would
         p.kill()
     psutil.wait_procs(alive, timeout=30)
     assert wait_for(lambda: daemon.status()["sessions"] == before["sessions"], settle)
@@ -182,6 +216,19 @@ def stop_and_check(daemon, proc, log, stop, before, vllm_before) -> None:
     record = os.environ.get("TIERD_RECORD_STOPS")
     if record:
         with open(record, "a") as f:
-            f.write(json.dumps({"stop": stop, "exit_s": round(exit_s, 2), "orphans": orphans, "vllm_shm_left": vllm_left,
-                                "before": before,
-                                "during": during, "at_exit": at_exit, "settled": settled, "final": final}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "stop": stop,
+                        "exit_s": round(exit_s, 2),
+                        "orphans": orphans,
+                        "vllm_shm_left": vllm_left,
+                        "before": before,
+                        "during": during,
+                        "at_exit": at_exit,
+                        "settled": settled,
+                        "final": final,
+                    }
+                )
+                + "\n"
+            )

@@ -60,9 +60,15 @@ def world(tiny_model, daemon, tmp_path):
     endpoint = f"ipc://{tmp_path}/kv-events.sock"
     made = []
 
-    def engine(groups=(GroupDef("full", block_size=BLOCK),), **kw):
-        e = SimEngine(tiny_model, daemon.endpoint, list(groups), chunk_tokens=CHUNK,
-                      kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}, **kw)
+    def engine(groups=(GroupDef("full", block_size=BLOCK),), **kw):  # noqa: B008 - one frozen default
+        e = SimEngine(
+            tiny_model,
+            daemon.endpoint,
+            list(groups),
+            chunk_tokens=CHUNK,
+            kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint},
+            **kw,
+        )
         made.append(e)
         return e
 
@@ -103,17 +109,27 @@ def test_a_router_receives_block_stored_on_cpu_for_each_chunk_the_tier_stored(wo
     per = CHUNK // BLOCK
     hashes = [maybe_convert_block_hash(h) for h in req.block_hashes]  # as vLLM publishes them
     for j, ev in enumerate(stored):
-        assert ev.block_hashes == hashes[j * per:(j + 1) * per]  # vLLM's own hashes of those blocks
+        assert ev.block_hashes == hashes[j * per : (j + 1) * per]  # vLLM's own hashes of those blocks
         assert ev.parent_block_hash == (hashes[j * per - 1] if j else None)
-        assert ev.token_ids == tokens[j * CHUNK:(j + 1) * CHUNK]
+        assert ev.token_ids == tokens[j * CHUNK : (j + 1) * CHUNK]
         assert ev.block_size == BLOCK and ev.group_idx == 0 and ev.kv_cache_spec_kind == "full_attention"
     # the same blocks were announced on the GPU by vLLM itself: the router can match them
-    gpu_hashes = {h for ev in events if isinstance(ev, BlockStored) and ev.medium == "GPU" for h in ev.block_hashes}
-    assert set(hashes[:3 * per]) <= gpu_hashes
+    gpu_hashes = {
+        h for ev in events if isinstance(ev, BlockStored) and ev.medium == "GPU" for h in ev.block_hashes
+    }
+    assert set(hashes[: 3 * per]) <= gpu_hashes
     record = os.environ.get("TIERD_RECORD_EVENTS")
     if record:  # figures for the issue: what the router got for this one request
-        rows = [{"type": type(ev).__name__, "medium": ev.medium, "group_idx": ev.group_idx,
-                 "blocks": len(ev.block_hashes), "tokens": len(getattr(ev, "token_ids", ()))} for ev in events]
+        rows = [
+            {
+                "type": type(ev).__name__,
+                "medium": ev.medium,
+                "group_idx": ev.group_idx,
+                "blocks": len(ev.block_hashes),
+                "tokens": len(getattr(ev, "token_ids", ())),
+            }
+            for ev in events
+        ]
         with open(record, "w") as f:
             json.dump(rows, f, indent=1)
 
@@ -184,8 +200,9 @@ def test_a_daemon_without_eviction_reports_leaves_stores_on(world, daemon):
     assert len(cpu(router.drain(), BlockStored)) == 2
 
 
-def test_chunks_the_daemon_evicted_reach_the_router_as_block_removed(tiny_model, daemon_factory, ranks,
-                                                                     tmp_path):
+def test_chunks_the_daemon_evicted_reach_the_router_as_block_removed(
+    tiny_model, daemon_factory, ranks, tmp_path
+):
     """A real eviction: another namespace's objects fill the daemon's 2 MiB pool, which evicts
     this engine's chunks; the engine's next steps poll EVICTED and the router receives
     BlockRemoved (medium CPU) with exactly the hashes of the BlockStored it got for them."""
@@ -194,8 +211,13 @@ def test_chunks_the_daemon_evicted_reach_the_router_as_block_removed(tiny_model,
 
     d = daemon_factory(pool_mb=2)
     endpoint = f"ipc://{tmp_path}/kv-events-evict.sock"
-    e = SimEngine(tiny_model, d.endpoint, [GroupDef("full", block_size=BLOCK)], chunk_tokens=CHUNK,
-                  kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
+    e = SimEngine(
+        tiny_model,
+        d.endpoint,
+        [GroupDef("full", block_size=BLOCK)],
+        chunk_tokens=CHUNK,
+        kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint},
+    )
     router = Router(endpoint)
     other = Raw(d.endpoint)
     try:
@@ -216,8 +238,9 @@ def test_chunks_the_daemon_evicted_reach_the_router_as_block_removed(tiny_model,
         cap = d.status()["memory_configured_bytes"] // 4096
         for _ in range(3):
             ks = keys(cap // 2)
-            chunks = [{"key": k, "blocks": [list(range(4 * (i % 16), 4 * (i % 16) + 4))]}
-                      for i, k in enumerate(ks)]
+            chunks = [
+                {"key": k, "blocks": [list(range(4 * (i % 16), 4 * (i % 16) + 4))]} for i, k in enumerate(ks)
+            ]
             assert "stored" in other.ok("STORE", {"instance": "filler", "chunks": chunks})["results"]
         assert d.status()["evictions"] >= 3
         # vLLM publishes connector events when it steps: a short request (below one chunk) steps it

@@ -18,10 +18,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_sim import make_vllm_config  # noqa: E402
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm_sim import make_vllm_config  # noqa: E402
 
 from tierd_client.vllm_connector import TierdConnector  # noqa: E402
 from tierd_client.vllm_connector.metadata import ChunkIO, StoreJob, TierdMetadata  # noqa: E402
@@ -34,7 +33,9 @@ PAUSE = 1.0
 def worker(tiny_model, daemon):
     vc = make_vllm_config(tiny_model, daemon.endpoint, BLOCK, CHUNK, extra={"tierd.timeout_s": 20})
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8)
-    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+    )
     w = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
     w.register_kv_caches({"l0": torch.randint(-100, 100, (NUM_BLOCKS, BLOCK, 8), dtype=torch.int8)})
     yield w
@@ -45,10 +46,12 @@ def paused_store(daemon, w, blocks):
     """Send a STORE of ``blocks`` while the daemon is stopped; it resumes PAUSE s later."""
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     threading.Timer(PAUSE, os.kill, (daemon.proc.pid, signal.SIGCONT)).start()
-    w.bind_connector_metadata(TierdMetadata(stores=[StoreJob("r", [ChunkIO(uuid.uuid4().bytes, [blocks])], [])]))
+    w.bind_connector_metadata(
+        TierdMetadata(stores=[StoreJob("r", [ChunkIO(uuid.uuid4().bytes, [blocks])], [])])
+    )
     w.wait_for_save()
     w.clear_connector_metadata()
-    (fut, _), = w.worker.stores
+    ((fut, _),) = w.worker.stores
     return fut
 
 
@@ -79,7 +82,10 @@ def test_new_block_ids_cover_every_group_including_ones_tierd_does_not_store():
     from tierd_client.vllm_connector.scheduler import new_block_ids
 
     so = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(block_ids=([1, 2], [3], [4, 5])), SimpleNamespace(block_ids=None)],
+        scheduled_new_reqs=[
+            SimpleNamespace(block_ids=([1, 2], [3], [4, 5])),
+            SimpleNamespace(block_ids=None),
+        ],
         scheduled_cached_reqs=SimpleNamespace(new_block_ids=[([6], [], [7]), None]),
     )
     assert new_block_ids(so) == {1, 2, 3, 4, 5, 6, 7}
@@ -92,9 +98,14 @@ def test_forward_into_a_block_another_group_store_reads_waits(tiny_model, daemon
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8)
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8, sliding_window=BLOCK)
-    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["f0"], full), KVCacheGroupSpec(["s0"], swa)])
+    swa = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.int8, sliding_window=BLOCK
+    )
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["f0"], full), KVCacheGroupSpec(["s0"], swa)],
+    )
     w = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
     page = torch.randint(-100, 100, (NUM_BLOCKS, BLOCK, 8), dtype=torch.int8)
     w.register_kv_caches({"f0": page, "s0": page})
@@ -105,7 +116,7 @@ def test_forward_into_a_block_another_group_store_reads_waits(tiny_model, daemon
         w.bind_connector_metadata(TierdMetadata(stores=[StoreJob("r", [chunk], [])]))
         w.wait_for_save()
         w.clear_connector_metadata()
-        (fut, _), = w.worker.stores
+        ((fut, _),) = w.worker.stores
         t0 = time.monotonic()
         w.handle_preemptions(TierdMetadata(new_blocks={6}))
         assert time.monotonic() - t0 >= PAUSE * 0.8 and fut.done()
@@ -141,14 +152,20 @@ def test_blocks_a_finished_request_frees_wait_for_its_pending_store_before_reuse
         for i, n in enumerate([CHUNK - 1, CHUNK - 1, CHUNK // 2]):
             a.add(f"b{i}", list(range(2000 + 100 * i, 2000 + 100 * i + n)), max_tokens=1)
         so = a.scheduler.schedule()
-        reused = [(r, g, blk) for r in so.num_scheduled_tokens
-                  for g, ids in enumerate(a.scheduler.kv_cache_manager.get_block_ids(r)) for blk in ids
-                  if blk in pending_reads]
+        reused = [
+            (r, g, blk)
+            for r in so.num_scheduled_tokens
+            for g, ids in enumerate(a.scheduler.kv_cache_manager.get_block_ids(r))
+            for blk in ids
+            if blk in pending_reads
+        ]
         assert reused, "the scenario needs B to get some of the blocks A's store reads"
         assert any(g == 0 for _, g, _ in reused) and any(g == 1 for _, g, _ in reused)
         t0 = time.monotonic()
         a.worker.handle_preemptions(so.kv_connector_metadata)
-        assert time.monotonic() - t0 >= PAUSE * 0.5, f"B's forward did not wait for the store (reused {reused})"
+        assert time.monotonic() - t0 >= PAUSE * 0.5, (
+            f"B's forward did not wait for the store (reused {reused})"
+        )
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
         a.close()

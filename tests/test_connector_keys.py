@@ -28,9 +28,14 @@ def lite_request(tokens, *, salt=None, lora=None, mm=None):
     """The attributes the key derivation reads, without importing vLLM (fast subprocesses)."""
     from types import SimpleNamespace as NS
 
-    return NS(all_token_ids=list(tokens), cache_salt=salt, prompt_embeds=None, prompt_token_ids=list(tokens),
-              lora_request=NS(lora_name=lora) if lora else None,
-              mm_features=[NS(identifier=i, mm_position=NS(offset=o, length=n)) for i, o, n in mm or ()])
+    return NS(
+        all_token_ids=list(tokens),
+        cache_salt=salt,
+        prompt_embeds=None,
+        prompt_token_ids=list(tokens),
+        lora_request=NS(lora_name=lora) if lora else None,
+        mm_features=[NS(identifier=i, mm_position=NS(offset=o, length=n)) for i, o, n in mm or ()],
+    )
 
 
 def request(tokens, *, salt=None, lora=None, mm=None):
@@ -45,11 +50,23 @@ def request(tokens, *, salt=None, lora=None, mm=None):
     if mm:
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-        kw["mm_features"] = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
-                                                   mm_position=PlaceholderRange(offset=off, length=n))
-                             for ident, off, n in mm]
-    return Request(request_id="r", prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
-                   pooling_params=None, cache_salt=salt, **kw)
+        kw["mm_features"] = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=ident,
+                mm_position=PlaceholderRange(offset=off, length=n),
+            )
+            for ident, off, n in mm
+        ]
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        cache_salt=salt,
+        **kw,
+    )
 
 
 def keys_for(lite: bool = False) -> dict[str, list[bytes]]:
@@ -76,8 +93,9 @@ def test_keys_are_identical_across_processes_and_hash_seeds():
     runs = []
     for seed in ("0", "12345", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(HERE)], env=env, capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(HERE)], env=env, capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert runs[0] == runs[1] == runs[2]
@@ -92,4 +110,6 @@ def test_keys_separate_salts_adapters_and_images():
     assert k["image-1"][0] == k["image-2"][0] == k["plain"][0]
     assert k["image-1"][1] != k["image-2"][1] != k["plain"][1]
     # salts and adapters change every chunk
-    assert k["salt-a"][0] != k["plain"][0] and k["salt-a"][0] != k["salt-b"][0] and k["lora"][0] != k["plain"][0]
+    assert (
+        k["salt-a"][0] != k["plain"][0] and k["salt-a"][0] != k["salt-b"][0] and k["lora"][0] != k["plain"][0]
+    )

@@ -12,14 +12,19 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_sim import make_vllm_config  # noqa: E402
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec, MLAAttentionSpec,
-    compute_layout_strides, create_kv_cache_views,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    compute_layout_strides,
+    create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm_sim import make_vllm_config  # noqa: E402
 
 from tierd_client.vllm_connector import TierdConnector  # noqa: E402
 from tierd_client.vllm_connector.metadata import ChunkIO, LoadJob, StoreJob, TierdMetadata  # noqa: E402
@@ -37,7 +42,9 @@ def views(layout: KVCacheLayout, spec, names, kernel_block_size=None):
 
 def worker(model, url, spec, names):
     vc = make_vllm_config(model, url, BLOCK, CHUNK, mamba=isinstance(spec, MambaSpec))
-    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(names), spec)])
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(names), spec)]
+    )
     return TierdConnector(vc, KVConnectorRole.WORKER, kcc)
 
 
@@ -62,11 +69,15 @@ def round_trip(model, url, spec, layout, kernel_block_size=None):
         keys = [uuid.uuid4().bytes for _ in range(3)]
         src = [[1 + c * bpc + i for i in range(bpc)] for c in range(3)]
         dst = [[12 + c * bpc + i for i in range(bpc)] for c in range(3)]
-        a.bind_connector_metadata(TierdMetadata(stores=[StoreJob("r", [ChunkIO(k, [ids]) for k, ids in zip(keys, src)], [])]))
+        a.bind_connector_metadata(
+            TierdMetadata(stores=[StoreJob("r", [ChunkIO(k, [ids]) for k, ids in zip(keys, src)], [])])
+        )
         a.wait_for_save()
         a.clear_connector_metadata()
         a.worker.flush()
-        b.bind_connector_metadata(TierdMetadata(loads=[LoadJob("r", 0, [ChunkIO(k, [ids]) for k, ids in zip(keys, dst)])]))
+        b.bind_connector_metadata(
+            TierdMetadata(loads=[LoadJob("r", 0, [ChunkIO(k, [ids]) for k, ids in zip(keys, dst)])])
+        )
         b.start_load_kv(None)
         b.worker.loads["r"][0].result(10)
         finished, failed = b.worker.transfer_results()
@@ -74,7 +85,11 @@ def round_trip(model, url, spec, layout, kernel_block_size=None):
         for name in names:
             for s_ids, d_ids in zip(src, dst):
                 for s, d in zip(s_ids, d_ids):
-                    assert torch.equal(manager_block(kv_b[name], d), manager_block(kv_a[name], s)), (name, s, d)
+                    assert torch.equal(manager_block(kv_b[name], d), manager_block(kv_a[name], s)), (
+                        name,
+                        s,
+                        d,
+                    )
         untouched = [x for x in range(NUM_BLOCKS) if x not in {i for ids in dst for i in ids}]
         assert all(not manager_block(kv_b[n], x).any() for n in names for x in untouched)
     finally:
@@ -88,8 +103,9 @@ def test_attention_views_of_every_layout_round_trip(tiny_model, daemon, layout):
     round_trip(tiny_model, daemon.endpoint, spec, layout)
 
 
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC],
-                         ids=lambda l: l.name)
+@pytest.mark.parametrize(
+    "layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda l: l.name
+)
 def test_kernel_blocks_smaller_than_manager_blocks_round_trip(tiny_model, daemon, layout):
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     round_trip(tiny_model, daemon.endpoint, spec, layout, kernel_block_size=BLOCK // 4)
@@ -101,6 +117,10 @@ def test_mla_latent_pages_round_trip(tiny_model, daemon):
 
 
 def test_mamba_state_pages_round_trip(tiny_model, daemon):
-    spec = MambaSpec(block_size=CHUNK, shapes=((3, 40), (5,)), dtypes=(torch.bfloat16, torch.float32),
-                     mamba_cache_mode="align")
+    spec = MambaSpec(
+        block_size=CHUNK,
+        shapes=((3, 40), (5,)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode="align",
+    )
     round_trip(tiny_model, daemon.endpoint, spec, KVCacheLayout.LBHNC)

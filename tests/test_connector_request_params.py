@@ -83,7 +83,7 @@ def test_max_load_tokens_counts_beyond_the_local_prefix_cache_hit(engines, daemo
     """The cap is on tokens *loaded*: with 1 chunk already in the engine's own prefix cache, a
     cap of 2 chunks ends the hit at chunk 3."""
     b = engines()
-    b.add("warm", stored[:CHUNK + 5], kv_transfer_params={"tierd.skip": True})
+    b.add("warm", stored[: CHUNK + 5], kv_transfer_params={"tierd.skip": True})
     b.run()
     before = counters(daemon)
     b.add("b", stored, kv_transfer_params={"max_load_tokens": 2 * CHUNK})
@@ -132,8 +132,15 @@ def test_tierd_skip_neither_loads_nor_stores(engines, daemon, stored):
     assert b.first_computed("old") == 0 and b.first_computed("new") == 0
 
 
-@pytest.mark.parametrize("params", [{"max_load_tokens": "128"}, {"max_load_tokens": -1},
-                                    {"max_offload_tokens": 1.5}, {"tierd.skip": "maybe"}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_load_tokens": "128"},
+        {"max_load_tokens": -1},
+        {"max_offload_tokens": 1.5},
+        {"tierd.skip": "maybe"},
+    ],
+)
 def test_malformed_params_are_ignored(engines, daemon, stored, params):
     b = engines()
     b.add("b", stored, kv_transfer_params=params)

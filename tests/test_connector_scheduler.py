@@ -104,7 +104,9 @@ def test_cache_salt_separates_prefixes(engines):
     assert b.first_computed("other-tenant") in (0, 3 * CHUNK)
     assert b.first_computed("same-tenant") == 3 * CHUNK
     # the other tenant never read tenant-1's chunks: it computed from 0 or hit its own engine's APC
-    assert b.computed["other-tenant"][0][0] == 0 or b.first_computed("same-tenant") < b.first_computed("other-tenant")
+    assert b.computed["other-tenant"][0][0] == 0 or b.first_computed("same-tenant") < b.first_computed(
+        "other-tenant"
+    )
 
 
 def test_chunk_size_that_is_not_a_block_multiple_is_refused(tiny_model, daemon):
@@ -120,7 +122,9 @@ def _lookups(daemon) -> int:
     return daemon.status()["lookups"]
 
 
-def test_object_evicted_between_lookup_and_retrieve_recomputes(engines, daemon_factory, tiny_model, client_factory):
+def test_object_evicted_between_lookup_and_retrieve_recomputes(
+    engines, daemon_factory, tiny_model, client_factory
+):
     d = daemon_factory("--lease-ttl-s", "0.3")
     tokens = prompt(200, seed=21)
     a = SimEngine(tiny_model, d.endpoint, CONFIGS["single"], chunk_tokens=CHUNK)
@@ -194,7 +198,7 @@ def test_speculative_step_over_a_chunk_boundary_still_stores_the_chunk(engines):
     steps = [n for _, n in a.computed["a"]]
     assert max(steps[1:]) > 1, "the engine never ran a speculative step"
     b = engines(CONFIGS["single"])
-    b.add("b", full[:4 * CHUNK + 1])
+    b.add("b", full[: 4 * CHUNK + 1])
     b.run()
     assert b.first_computed("b") == 4 * CHUNK  # chunk 3 (192..256), crossed by a draft step, was stored
     b.assert_restored("b", full, 4 * CHUNK)
@@ -220,7 +224,9 @@ def test_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_
     def pause_and_abort(so):
         if not held and so.kv_connector_metadata.loads:
             os.kill(daemon.proc.pid, signal.SIGSTOP)  # the RETRIEVE stays in flight
-            held["blocks"] = [blk for ids in b.scheduler.kv_cache_manager.get_block_ids("b") for blk in ids if blk]
+            held["blocks"] = [
+                blk for ids in b.scheduler.kv_cache_manager.get_block_ids("b") for blk in ids if blk
+            ]
             b.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
 
     try:
@@ -228,8 +234,9 @@ def test_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_
         while not held:
             b.step(after_schedule=pause_and_abort)
         pool = b.scheduler.kv_cache_manager.block_pool
-        assert held["blocks"] and all(pool.blocks[i].ref_cnt > 0 for i in held["blocks"]), \
+        assert held["blocks"] and all(pool.blocks[i].ref_cnt > 0 for i in held["blocks"]), (
             "blocks of a request whose load is in flight were freed"
+        )
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
     for _ in range(500):

@@ -111,5 +111,6 @@ def test_first_token_after_a_hit_reads_the_window_it_would_have_computed(pair, w
         changed |= set(np.flatnonzero((now != snap).reshape(len(now), -1).any(axis=1)).tolist())
     assert changed == want_full | want_swa, (
         f"window {window}: the load wrote blocks {sorted(changed - want_full - want_swa)} it must not "
-        f"and missed {sorted((want_full | want_swa) - changed)}")
+        f"and missed {sorted((want_full | want_swa) - changed)}"
+    )
     assert null not in changed

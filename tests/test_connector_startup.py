@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-
 from conftest import ROOT, DaemonProcess, free_port  # noqa: E402
 from vllm_sim import GroupDef, SimEngine, make_vllm_config  # noqa: E402
 
@@ -42,8 +41,13 @@ def test_the_default_url_is_where_the_daemons_default_socket_is(tmp_path, monkey
     url = ConnectorConfig.from_extra({}).url
     assert url == f"ipc://{tmp_path}/tierd/tierd.sock"
     log = open(tmp_path / "daemon.log", "wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "tierd", "serve", "--http-port", str(free_port()),
-                               "--l1-size-gb", "0.25"], cwd=ROOT, env=dict(os.environ), stdout=log, stderr=log)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "tierd", "serve", "--http-port", str(free_port()), "--l1-size-gb", "0.25"],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=log,
+        stderr=log,
+    )
     try:
         client = TierdClient(url, timeout_s=5, connect_timeout_s=20)
         try:
@@ -144,19 +148,37 @@ d.kill()
 """
 
 
-def test_the_connector_says_once_per_rank_in_vllms_log_which_daemon_and_whether_it_registered(tiny_model, tmp_path):
+def test_the_connector_says_once_per_rank_in_vllms_log_which_daemon_and_whether_it_registered(
+    tiny_model, tmp_path
+):
     folder = tmp_path / "d"
     folder.mkdir()
     code = LOG_SCRIPT.format(tests=str(HERE), model=tiny_model, folder=str(folder))
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
     vllm_line = r"\(\S+ pid=\d+\) {level} \d\d-\d\d [\d:]+ \[{file}:\d+\] "
-    down = re.findall(vllm_line.format(level="WARNING", file=r"registration\.py")
-                      + r"tierd: rank 0 runs without the tier for now: no answer from a tierd within 1 s.*at ipc://", out)
-    up = re.findall(vllm_line.format(level="INFO", file=r"registration\.py")
-                    + r"tierd: rank 0 registered with ipc://\S+ as \S+/0 .*the tier is on", out)
-    hello = re.findall(vllm_line.format(level="INFO", file=r"connector\.py") + r"TierdConnector \(worker\) -> ipc://", out)
+    down = re.findall(
+        vllm_line.format(level="WARNING", file=r"registration\.py")
+        + r"tierd: rank 0 runs without the tier for now: no answer from a tierd within 1 s.*at ipc://",
+        out,
+    )
+    up = re.findall(
+        vllm_line.format(level="INFO", file=r"registration\.py")
+        + r"tierd: rank 0 registered with ipc://\S+ as \S+/0 .*the tier is on",
+        out,
+    )
+    hello = re.findall(
+        vllm_line.format(level="INFO", file=r"connector\.py") + r"TierdConnector \(worker\) -> ipc://", out
+    )
     assert len(down) == 1 and len(up) == 1 and len(hello) == 2, out[-4000:]
-    assert "runs without the tier" not in "".join(ln for ln in out.splitlines() if not re.match(r"\(\S+ pid=", ln))
+    assert "runs without the tier" not in "".join(
+        ln for ln in out.splitlines() if not re.match(r"\(\S+ pid=", ln)
+    )

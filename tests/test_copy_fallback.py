@@ -11,6 +11,7 @@ from tierd_client import cuda_gather as gather
 torch = pytest.importorskip("torch")
 
 from kvlayouts import all_cases, check_objects, items_for, object_bytes, vllm_case  # noqa: E402
+
 from tierd_client.layouts import UnsupportedLayout, block_span  # noqa: E402
 
 CASES = all_cases(torch, "cpu")
@@ -23,7 +24,9 @@ def run_store(case, items, slot_bytes):
     staging = torch.zeros(slot_bytes, dtype=torch.uint8)
     for b in plan.batches:
         n = b.i1 - b.i0
-        gather.torch_gather(views, staging, n, case.bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1])
+        gather.torch_gather(
+            views, staging, n, case.bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1]
+        )
         for k, it in enumerate(items[b.i0 : b.i1]):
             it.view[:] = staging[k * plan.obj : (k + 1) * plan.obj].numpy()
     return plan
@@ -38,7 +41,9 @@ def run_retrieve(case, items, slot_bytes, target):
         n = b.i1 - b.i0
         for k, it in enumerate(items[b.i0 : b.i1]):
             staging[k * plan.obj : (k + 1) * plan.obj] = torch.from_numpy(it.view)
-        gather.torch_scatter(views, staging, n, case.bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1])
+        gather.torch_scatter(
+            views, staging, n, case.bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1]
+        )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -53,9 +53,15 @@ def ref_views(data: list[np.ndarray], lay: PageLayout, group: int) -> list[np.nd
     out = []
     for s in lay.groups[group].layers:
         t = lay.tensors[s.tensor]
-        view = data[s.tensor][t.handle.offset: t.handle.offset + t.nbytes]
-        out.append(as_strided(view[s.offset:], shape=(s.num_blocks, s.runs, s.run_bytes),
-                              strides=(s.block_stride, s.run_stride, 1), writeable=True))
+        view = data[s.tensor][t.handle.offset : t.handle.offset + t.nbytes]
+        out.append(
+            as_strided(
+                view[s.offset :],
+                shape=(s.num_blocks, s.runs, s.run_bytes),
+                strides=(s.block_stride, s.run_stride, 1),
+                writeable=True,
+            )
+        )
     return out
 
 
@@ -83,37 +89,69 @@ def geometries():
     """name -> (file bytes, tensors [(offset, nbytes)], layers [span dict]); 16 blocks, block 96 B."""
     nb, bb = 16, 96
     out = {}
-    out["block-contiguous"] = (3 * nb * bb, [(0, 3 * nb * bb)],
-                               [dict(tensor=0, offset=l * nb * bb, block_stride=bb, num_blocks=nb,
-                                     run_bytes=bb) for l in range(3)])
+    out["block-contiguous"] = (
+        3 * nb * bb,
+        [(0, 3 * nb * bb)],
+        [dict(tensor=0, offset=l * nb * bb, block_stride=bb, num_blocks=nb, run_bytes=bb) for l in range(3)],
+    )
     # K/V halves: 2 runs of 48 B, run_stride = half the layer
-    out["kv halves"] = (2 * nb * bb, [(0, 2 * nb * bb)],
-                        [dict(tensor=0, offset=l * nb * bb, block_stride=48, num_blocks=nb, run_bytes=48,
-                              runs=2, run_stride=nb * 48) for l in range(2)])
+    out["kv halves"] = (
+        2 * nb * bb,
+        [(0, 2 * nb * bb)],
+        [
+            dict(
+                tensor=0,
+                offset=l * nb * bb,
+                block_stride=48,
+                num_blocks=nb,
+                run_bytes=48,
+                runs=2,
+                run_stride=nb * 48,
+            )
+            for l in range(2)
+        ],
+    )
     # head-outer: 4 heads of 24 B each, heads far apart
-    out["head-outer"] = (nb * bb, [(0, nb * bb)],
-                         [dict(tensor=0, offset=0, block_stride=24, num_blocks=nb, run_bytes=24, runs=4,
-                               run_stride=nb * 24)])
+    out["head-outer"] = (
+        nb * bb,
+        [(0, nb * bb)],
+        [dict(tensor=0, offset=0, block_stride=24, num_blocks=nb, run_bytes=24, runs=4, run_stride=nb * 24)],
+    )
     # block-outer: [block][layer] in one tensor
-    out["block-outer"] = (nb * 2 * bb, [(0, nb * 2 * bb)],
-                          [dict(tensor=0, offset=l * bb, block_stride=2 * bb, num_blocks=nb, run_bytes=bb)
-                           for l in range(2)])
+    out["block-outer"] = (
+        nb * 2 * bb,
+        [(0, nb * 2 * bb)],
+        [dict(tensor=0, offset=l * bb, block_stride=2 * bb, num_blocks=nb, run_bytes=bb) for l in range(2)],
+    )
     # two tensors at offsets of one file, padded blocks
-    out["two tensors one file"] = (4096, [(64, 2000), (2100, 1900)],
-                                   [dict(tensor=0, offset=8, block_stride=120, num_blocks=nb, run_bytes=96),
-                                    dict(tensor=1, offset=0, block_stride=100, num_blocks=nb, run_bytes=96)])
+    out["two tensors one file"] = (
+        4096,
+        [(64, 2000), (2100, 1900)],
+        [
+            dict(tensor=0, offset=8, block_stride=120, num_blocks=nb, run_bytes=96),
+            dict(tensor=1, offset=0, block_stride=100, num_blocks=nb, run_bytes=96),
+        ],
+    )
     # runs with gaps between them (padded rows)
-    out["padded runs"] = (2048, [(0, 2048)],
-                          [dict(tensor=0, offset=4, block_stride=110, num_blocks=nb, run_bytes=32, runs=3,
-                                run_stride=33)])
+    out["padded runs"] = (
+        2048,
+        [(0, 2048)],
+        [dict(tensor=0, offset=4, block_stride=110, num_blocks=nb, run_bytes=32, runs=3, run_stride=33)],
+    )
     return out
 
 
 def make_layout(files, tensors, spans) -> dict:
-    return {"namespace": {"model": "m", "fingerprint": "f", "world_size": 1}, "rank": 0, "chunk_tokens": 16,
-            "tensors": [{"handle": {"kind": "shm", "path": files[i].path, "offset": off}, "nbytes": n}
-                        for i, (off, n) in enumerate(tensors)],
-            "groups": [{"kind": "full", "block_tokens": 4, "layers": spans}]}
+    return {
+        "namespace": {"model": "m", "fingerprint": "f", "world_size": 1},
+        "rank": 0,
+        "chunk_tokens": 16,
+        "tensors": [
+            {"handle": {"kind": "shm", "path": files[i].path, "offset": off}, "nbytes": n}
+            for i, (off, n) in enumerate(tensors)
+        ],
+        "groups": [{"kind": "full", "block_tokens": 4, "layers": spans}],
+    }
 
 
 def chunks(rng, n_blocks: int, bpc: int, case: str) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -159,8 +197,10 @@ def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch,
         objs = [rng.integers(0, 256, gbytes, dtype=np.uint8) for _ in picks]
         mem.retrieve(0, [CopyItem(ids.astype(np.int64), pos, bpc, o) for (ids, pos), o in zip(picks, objs)])
         expect = engine.copy()
-        ref_retrieve(ref_views([expect] * len(tensors), lay, 0),
-                     [CopyItem(ids.astype(np.int64), pos, bpc, o) for (ids, pos), o in zip(picks, objs)])
+        ref_retrieve(
+            ref_views([expect] * len(tensors), lay, 0),
+            [CopyItem(ids.astype(np.int64), pos, bpc, o) for (ids, pos), o in zip(picks, objs)],
+        )
         assert np.array_equal(f.read(), expect)
     finally:
         mem.close()
@@ -175,19 +215,30 @@ def test_consecutive_blocks_of_a_request_are_one_syscall_per_layer(shm, monkeypa
     calls = []
     for name, tag in (("preadv", "r"), ("pwritev", "w")):
         real = getattr(os, name)
-        monkeypatch.setattr(cpu.os, name, lambda fd, b, at, real=real, tag=tag:
-                            calls.append((tag, len(b), at)) or real(fd, b, at))
+        monkeypatch.setattr(
+            cpu.os,
+            name,
+            lambda fd, b, at, real=real, tag=tag: calls.append((tag, len(b), at)) or real(fd, b, at),
+        )
     mem = CpuRankMemory(lay)
     try:
-        items = [CopyItem(np.arange(i * 4, i * 4 + 4), np.arange(4), 4, np.zeros(3 * 4 * 96, np.uint8))
-                 for i in range(3)]
+        items = [
+            CopyItem(np.arange(i * 4, i * 4 + 4), np.arange(4), 4, np.zeros(3 * 4 * 96, np.uint8))
+            for i in range(3)
+        ]
         mem.store(0, items)
         mem.retrieve(0, items)
     finally:
         mem.close()
     layer = 16 * 96
-    assert calls == [("r", 3, 0), ("r", 3, layer), ("r", 3, 2 * layer), ("w", 3, 0), ("w", 3, layer),
-                     ("w", 3, 2 * layer)]
+    assert calls == [
+        ("r", 3, 0),
+        ("r", 3, layer),
+        ("r", 3, 2 * layer),
+        ("w", 3, 0),
+        ("w", 3, layer),
+        ("w", 3, 2 * layer),
+    ]
 
 
 def test_iovecs_per_syscall_stay_within_iov_max(shm, monkeypatch):

@@ -30,7 +30,10 @@ def test_silent_raw_client_is_reaped(daemon_factory, raw, ranks):
     r.hello()
     r.ok("REGISTER", {"instance": "silent", "layout": rank.layout()})
     ks = keys(3)
-    res = r.ok("STORE", {"instance": "silent", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]})
+    res = r.ok(
+        "STORE",
+        {"instance": "silent", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]},
+    )
     assert res["results"] == ["stored"] * 3
     reply = r.ok("LOOKUP", {"namespace": rank.ns, "keys": ks, "groups": rank.specs(), "chunk_tokens": 16})
     assert reply["chunks"] == 3 and reply["lease"]
@@ -73,8 +76,11 @@ def test_sigkilled_client_is_reaped(daemon_factory, client_factory):
     # the heartbeat path: with --drop-on-disconnect (the default) the closed connection would drop
     # the session first (tests/test_router_notify.py)
     d = daemon_factory(*HB, "--no-drop-on-disconnect")
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(TESTS), endpoint=d.endpoint)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(tests=str(TESTS), endpoint=d.endpoint)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     shm = []
     try:
         for line in child.stdout:
@@ -124,8 +130,13 @@ def test_bye_frees_the_session_its_leases_and_instances_at_once(daemon, raw, ran
     r.hello()
     r.ok("REGISTER", {"instance": "leaving", "layout": rank.layout()})
     ks = keys(2)
-    r.ok("STORE", {"instance": "leaving", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]})
-    assert r.ok("LOOKUP", {"namespace": rank.ns, "keys": ks, "groups": rank.specs(), "chunk_tokens": 16})["lease"]
+    r.ok(
+        "STORE",
+        {"instance": "leaving", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]},
+    )
+    assert r.ok("LOOKUP", {"namespace": rank.ns, "keys": ks, "groups": rank.specs(), "chunk_tokens": 16})[
+        "lease"
+    ]
     assert daemon.status()["leases_active"] == 1
     assert r.ok("BYE", {}) == {}
     st = daemon.status()

@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
-
 from kv import GroupGeom, keys
-from tierd_client import DeadlineExceeded
 from util import chunk, ranks, raw  # noqa: F401 - fixtures
 from wire import wait_for
+
+from tierd_client import DeadlineExceeded
 
 BIG = GroupGeom("full", layers=4, block_bytes=128 << 10, block_tokens=4)  # 2 MiB per chunk
 
@@ -27,12 +27,22 @@ def test_expired_on_arrival(daemon, raw, ranks):
     assert r.error("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": past}) == "EXPIRED"
     st = daemon.status()
     assert st["objects"] == 0 and st["stores"] == 0 and st["errors_by_code"] == {"EXPIRED": 1}
-    assert r.ok("LOOKUP", {"namespace": rank.ns, "keys": [a], "groups": rank.specs(), "chunk_tokens": 16})["chunks"] == 0
+    assert (
+        r.ok("LOOKUP", {"namespace": rank.ns, "keys": [a], "groups": rank.specs(), "chunk_tokens": 16})[
+            "chunks"
+        ]
+        == 0
+    )
     r.ok("STORE", {"instance": "r", "chunks": [chunk(b, range(4))]})
     rank.kv[0][:, 40:44] = 0
-    assert r.error("RETRIEVE", {"instance": "r", "chunks": [chunk(b, range(40, 44))], "deadline": past}) == "EXPIRED"
+    assert (
+        r.error("RETRIEVE", {"instance": "r", "chunks": [chunk(b, range(40, 44))], "deadline": past})
+        == "EXPIRED"
+    )
     assert not rank.kv[0][:, 40:44].any()
-    assert r.ok("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": time.time() + 30})["results"] == ["stored"]
+    assert r.ok("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": time.time() + 30})[
+        "results"
+    ] == ["stored"]
 
 
 def busy_lane(r, ks, seconds):
@@ -59,9 +69,12 @@ def test_store_finishing_after_its_deadline_commits_nothing(daemon_factory, raw,
     queued = busy_lane(r, ks, 1.5)
     late = keys(1)[0]
     rank.kv[0][:, 64:68] = 0
-    store_id = r.send_request("STORE", {"instance": "r", "chunks": [chunk(late, range(4))], "deadline": time.time() + 0.3})
-    retr_id = r.send_request("RETRIEVE", {"instance": "r", "chunks": [chunk(ks[0], range(64, 68))],
-                                          "deadline": time.time() + 0.3})
+    store_id = r.send_request(
+        "STORE", {"instance": "r", "chunks": [chunk(late, range(4))], "deadline": time.time() + 0.3}
+    )
+    retr_id = r.send_request(
+        "RETRIEVE", {"instance": "r", "chunks": [chunk(ks[0], range(64, 68))], "deadline": time.time() + 0.3}
+    )
     replies = {}
     while len(replies) < len(queued) + 2:
         req_id, ok, body = r.recv(30)
@@ -107,6 +120,8 @@ def test_client_giving_up_means_never_stored(daemon_factory, client_factory, ran
         c.store("r", [chunk(late, range(4))], timeout=0.3)
     for f in futs:
         assert all(f.result()["ok"])
-    wait_for(lambda: d.status()["errors_by_code"].get("EXPIRED") == 1, 10, what="the daemon to expire the store")
+    wait_for(
+        lambda: d.status()["errors_by_code"].get("EXPIRED") == 1, 10, what="the daemon to expire the store"
+    )
     assert c.lookup(rank.ns, [late], rank.specs(), 16, lease=False)["chunks"] == 0
     assert d.status()["objects"] == 8

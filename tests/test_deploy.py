@@ -121,15 +121,33 @@ def test_socket_admits_group_tierd_and_its_folder_passes_the_daemons_check():
 
 def test_hardening_leaves_dev_shm_and_gpus_alone():
     svc = unit()["Service"]
-    want = {"NoNewPrivileges": "yes", "CapabilityBoundingSet": "", "ProtectSystem": "strict",
-            "ProtectHome": "yes", "PrivateTmp": "yes", "ProtectKernelTunables": "yes",
-            "ProtectKernelModules": "yes", "ProtectControlGroups": "yes", "RestrictSUIDSGID": "yes",
-            "UMask": "0077"}
+    want = {
+        "NoNewPrivileges": "yes",
+        "CapabilityBoundingSet": "",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "PrivateTmp": "yes",
+        "ProtectKernelTunables": "yes",
+        "ProtectKernelModules": "yes",
+        "ProtectControlGroups": "yes",
+        "RestrictSUIDSGID": "yes",
+        "UMask": "0077",
+    }
     assert {k: svc.get(k) for k in want} == want
     # each of these breaks the daemon (reasons in the unit's comments): GPU device nodes hidden or
     # denied, engines' uids remapped, CUDA IPC cut off, engines' /dev/shm files deleted at stop
-    for key in ("PrivateDevices", "ProtectClock", "DeviceAllow", "DevicePolicy", "PrivateUsers", "PrivateIPC",
-                "ProtectProc", "RemoveIPC", "DynamicUser", "MemoryDenyWriteExecute"):
+    for key in (
+        "PrivateDevices",
+        "ProtectClock",
+        "DeviceAllow",
+        "DevicePolicy",
+        "PrivateUsers",
+        "PrivateIPC",
+        "ProtectProc",
+        "RemoveIPC",
+        "DynamicUser",
+        "MemoryDenyWriteExecute",
+    ):
         assert key not in svc, key
         assert f"{key}=" in UNIT.read_text(), f"the unit should say why {key}= is left out"
 
@@ -141,8 +159,12 @@ def test_systemd_analyze_security_rates_the_unit_ok(tmp_path):
         pytest.skip("systemd-analyze is not installed")
     path = tmp_path / "tierd.service"
     path.write_text(re.sub(r"^ExecStart=\S+", f"ExecStart={sys.executable}", UNIT.read_text(), flags=re.M))
-    run = subprocess.run([analyze, "security", "--offline=yes", "--threshold=40", str(path)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [analyze, "security", "--offline=yes", "--threshold=40", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if "--offline" in run.stderr or "unrecognized option" in run.stderr:
         pytest.skip("systemd-analyze security has no --offline (systemd < 250)")
     score = re.search(r"Overall exposure level for \S+: ([\d.]+)", run.stdout)
@@ -174,7 +196,9 @@ def test_env_file_reads_the_same_in_sh():
         pytest.skip("no sh")
     out = subprocess.run(
         [sh, "-c", 'set -a; . "$1"; printf %s "$TIERD_ARGS"', "sh", str(ENV)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert out.split() == tierd_args()
 

@@ -78,8 +78,12 @@ def test_overwritten_stored_bytes_change_the_output(world, tmp_path):
     client = TierdClient(d.endpoint, timeout_s=10)
     try:
         buf.array[:] = np.random.default_rng(7).integers(0, 255, buf.nbytes, dtype=np.uint8)
-        spans = [block_span((nblocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * nblocks * block_bytes)
-                 for l in range(layers)]
+        spans = [
+            block_span(
+                (nblocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * nblocks * block_bytes
+            )
+            for l in range(layers)
+        ]
         client.register("noise", layout(ns, 0, CHUNK, [buf.ref()], [group("full", block_tokens, spans)]))
         assert client.clear()["evicted"] >= 4 * len(ps)
         chunks, b = [], 0

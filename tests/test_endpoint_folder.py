@@ -70,8 +70,19 @@ def base():
 
 def serve(endpoint: str, *args: str) -> subprocess.CompletedProcess:
     """``tierd serve`` expected to refuse at start-up."""
-    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1", "--l1-size-gb",
-           "0.01", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierd",
+        "serve",
+        "--socket",
+        endpoint,
+        "--http-port",
+        "-1",
+        "--l1-size-gb",
+        "0.01",
+        *args,
+    ]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=20)
     except subprocess.TimeoutExpired:
@@ -104,6 +115,7 @@ def rename_away(path: str):
             return 0
         except OSError as exc:
             return exc.errno
+
     return fn
 
 
@@ -125,6 +137,7 @@ def connect_and_ping(path: str):
         d.close()
         ctx.term()
         return 0 if answered else 98
+
     return fn
 
 
@@ -198,8 +211,14 @@ def test_folder_under_one_others_can_write_is_refused(base, other):
     os.mkdir(parent)
     folder = os.path.join(parent, "run")
     os.mkdir(folder, 0o700)
-    for mode, owner, ok in [(0o777, 0, False), (0o775, 0, False), (0o1777, 0, True), (0o755, 0, True),
-                            (0o755, other[0], False), (0o1777, other[0], False)]:
+    for mode, owner, ok in [
+        (0o777, 0, False),
+        (0o775, 0, False),
+        (0o1777, 0, True),
+        (0o755, 0, True),
+        (0o755, other[0], False),
+        (0o1777, other[0], False),
+    ]:
         os.chmod(parent, mode)
         os.chown(parent, owner, owner)
         if ok:

@@ -24,8 +24,19 @@ REFUSE_WAIT_S = 20  # a second daemon that refuses exits long before; one that s
 
 def second_serve(endpoint: str, *args: str) -> subprocess.CompletedProcess:
     """``tierd serve`` on ``endpoint``, expected to refuse; fails the test if it serves instead."""
-    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1",
-           "--l1-size-gb", "0.01", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierd",
+        "serve",
+        "--socket",
+        endpoint,
+        "--http-port",
+        "-1",
+        "--l1-size-gb",
+        "0.01",
+        *args,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         out, err = proc.communicate(timeout=REFUSE_WAIT_S)

@@ -45,8 +45,13 @@ class Tight:
         return reply
 
     def present(self, k) -> bool:
-        body = {"namespace": self.rank.ns, "keys": [k], "groups": self.rank.specs(), "chunk_tokens": 16,
-                "lease": False}
+        body = {
+            "namespace": self.rank.ns,
+            "keys": [k],
+            "groups": self.rank.specs(),
+            "chunk_tokens": 16,
+            "lease": False,
+        }
         return self.r.ok("LOOKUP", body)["chunks"] == 1
 
 

@@ -8,7 +8,6 @@ import random
 
 import numpy as np
 import pytest
-
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
@@ -121,8 +120,9 @@ def test_leased_prefix_survives_heavy_pressure(tight):
         assert results.count("stored") == cap - 3 and results.count("rejected") == 3
     assert hit(c, rank, a) == 3
     expect = rank.blocks(0, range(12))
-    out = c.retrieve("r", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(a[:3])],
-                     lease=reply["lease"])
+    out = c.retrieve(
+        "r", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(a[:3])], lease=reply["lease"]
+    )
     assert out["ok"] == [True] * 3
     np.testing.assert_array_equal(rank.kv[0][:, 40:52], expect)
 

@@ -206,7 +206,9 @@ def test_another_users_ticket_cannot_be_used(xdaemon, make_user):
     owner, thief = make_user(), make_user()
     ticket = run_as(owner, send_only, xdaemon.endpoint)
     ok, reply = run_as(thief, register_ticket, xdaemon.endpoint, ticket)
-    assert not ok and reply["code"] == "LAYOUT_INVALID" and "no descriptors were sent" in reply["message"], reply
+    assert not ok and reply["code"] == "LAYOUT_INVALID" and "no descriptors were sent" in reply["message"], (
+        reply
+    )
     ok, reply = run_as(owner, register_ticket, xdaemon.endpoint, ticket)  # control: its owner may
     assert ok, reply
     ok, why = run_as(thief, round_trip_by_descriptor, xdaemon.endpoint)  # and the other user its own

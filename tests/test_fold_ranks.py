@@ -3,7 +3,6 @@ namespace stored every group it needs. Replicated (MLA-like) layouts keep one co
 and it serves every rank."""
 
 import numpy as np
-
 from kv import GroupGeom, keys
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 
@@ -83,7 +82,8 @@ def test_replicated_rank0_copy_serves_rank1(daemon, client_factory, ranks):
     assert reply["chunks"] == 3
     expect = r0.blocks(0, range(12))
     assert not np.array_equal(r1.kv[0][:, :12], expect)
-    out = c1.retrieve("tp-1", [chunk(k, range(40 + 4 * c, 44 + 4 * c)) for c, k in enumerate(ks)],
-                      lease=reply["lease"])
+    out = c1.retrieve(
+        "tp-1", [chunk(k, range(40 + 4 * c, 44 + 4 * c)) for c, k in enumerate(ks)], lease=reply["lease"]
+    )
     assert out == {"ok": [True] * 3, "failed": []}
     np.testing.assert_array_equal(r1.kv[0][:, 40:52], expect)

@@ -9,16 +9,16 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import DaemonProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import DaemonProcess
 from kv import FakeRank, GroupGeom, keys
+from util import chunk
+from wire import Raw, pack
+
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode
 from tierd_client import TierdClient
-from util import chunk
-from wire import Raw, pack
 
 CODES = {c.name for c in ErrorCode} - {"INTERNAL"}
 OPS = ["HELLO", "REGISTER", "UNREGISTER", "LOOKUP", "RELEASE", "STORE", "RETRIEVE", "PING", "STATUS", "CLEAR"]
@@ -29,13 +29,18 @@ _sentinels = itertools.count(1 << 62)
 @pytest.fixture(scope="module")
 def fuzzd(tmp_path_factory):
     d = DaemonProcess(tmp_path_factory.mktemp("fuzz"), "--max-frame-mb", "1", pool_mb=16)
-    rank = FakeRank([GroupGeom("full"), GroupGeom("sliding", window_tokens=8), GroupGeom("state", block_tokens=16)],
-                    num_blocks=16)
+    rank = FakeRank(
+        [GroupGeom("full"), GroupGeom("sliding", window_tokens=8), GroupGeom("state", block_tokens=16)],
+        num_blocks=16,
+    )
     r = Raw(d.endpoint)
     r.hello()
     r.ok("REGISTER", {"instance": "fz", "layout": rank.layout()})
     ks = keys(4)
-    r.ok("STORE", {"instance": "fz", "chunks": [chunk(k, range(4), [-1, -1, 2, 3], [i]) for i, k in enumerate(ks)]})
+    r.ok(
+        "STORE",
+        {"instance": "fz", "chunks": [chunk(k, range(4), [-1, -1, 2, 3], [i]) for i, k in enumerate(ks)]},
+    )
     yield d, r, rank, ks
     r.close()
     rank.close()
@@ -78,7 +83,11 @@ def test_fuzz_random_bytes(fuzzd):
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=20,
@@ -93,11 +102,31 @@ def test_fuzz_msgpack_shapes(fuzzd):
         r.hello()
 
         @FUZZ
-        @given(st.sampled_from(OPS) | st.text(max_size=10) | msgpack_values,
-               st.integers(-5, 2**64 - 1) | msgpack_values,
-               st.dictionaries(st.sampled_from(["protocol", "instance", "layout", "keys", "namespace", "chunks",
-                                                "groups", "chunk_tokens", "lease", "deadline", "touch"]) | st.text(max_size=8),
-                               msgpack_values, max_size=6) | msgpack_values)
+        @given(
+            st.sampled_from(OPS) | st.text(max_size=10) | msgpack_values,
+            st.integers(-5, 2**64 - 1) | msgpack_values,
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "protocol",
+                        "instance",
+                        "layout",
+                        "keys",
+                        "namespace",
+                        "chunks",
+                        "groups",
+                        "chunk_tokens",
+                        "lease",
+                        "deadline",
+                        "touch",
+                    ]
+                )
+                | st.text(max_size=8),
+                msgpack_values,
+                max_size=6,
+            )
+            | msgpack_values,
+        )
         def run(op, req_id, body):
             check(exchange(r, pack([op, req_id, body])))
 
@@ -113,10 +142,21 @@ def _templates(rank, ks):
     return {
         "REGISTER": {"instance": "fz2", "layout": lay},
         "UNREGISTER": {"instance": "ghost"},
-        "LOOKUP": {"namespace": ns, "keys": ks, "groups": specs, "chunk_tokens": 16, "replicated": False, "lease": False},
+        "LOOKUP": {
+            "namespace": ns,
+            "keys": ks,
+            "groups": specs,
+            "chunk_tokens": 16,
+            "replicated": False,
+            "lease": False,
+        },
         "RELEASE": {"lease": 12345},
         "STORE": {"instance": "fz", "chunks": [chunk(ks[0], range(4), [-1, -1, 2, 3], [0])], "touch": ks[:1]},
-        "RETRIEVE": {"instance": "fz", "chunks": [chunk(k, range(8, 12), [-1] * 4, [-1]) for k in ks[:2]], "lease": 0},
+        "RETRIEVE": {
+            "instance": "fz",
+            "chunks": [chunk(k, range(8, 12), [-1] * 4, [-1]) for k in ks[:2]],
+            "lease": 0,
+        },
         "HELLO": {"protocol": PROTOCOL_VERSION, "client": "fuzz", "pid": 1},
     }
 
@@ -152,7 +192,12 @@ def test_fuzz_one_bad_field(fuzzd):
     side = Raw(d.endpoint)
 
     @FUZZ
-    @given(st.sampled_from(paths), msgpack_values | st.just(KeyError), st.sampled_from(hello_paths), msgpack_values)
+    @given(
+        st.sampled_from(paths),
+        msgpack_values | st.just(KeyError),
+        st.sampled_from(hello_paths),
+        msgpack_values,
+    )
     def run(where, value, hello_path, hello_value):
         op, path = where
         body = templates[op]

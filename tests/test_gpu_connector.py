@@ -56,8 +56,13 @@ RUNS_STORED = [rt(layout, 10 + i) for i, layout in enumerate(LAYOUTS)] + [
     # more prompt blocks than the cache holds: blocks are handed out again while stores of them
     # may be pending (the block-reuse fence)
     {"name": "pressure", "layout": "LBNHC", "seed": 20, "lengths": [300] * 8, "num_blocks": 80},
-    {"name": "store-unfenced", "seed": 30, "lengths": [200, 140], "store_fence": False,
-     "slow_forward_s": SLOW_FORWARD_S},
+    {
+        "name": "store-unfenced",
+        "seed": 30,
+        "lengths": [200, 140],
+        "store_fence": False,
+        "slow_forward_s": SLOW_FORWARD_S,
+    },
     {"name": "store-fenced", "seed": 31, "lengths": [200, 140], "slow_forward_s": SLOW_FORWARD_S},
 ]
 RUNS_LOAD = [
@@ -71,8 +76,14 @@ def engine_process(tmp: Path, url: str, runs: list[dict], timeout: float = 240) 
     spec = tmp / f"spec-{uuid.uuid4().hex[:8]}.json"
     spec.write_text(json.dumps({"url": url, "tmp": str(tmp), "runs": runs}))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ENGINE), str(spec)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=HERE.parent)
+    proc = subprocess.run(
+        [sys.executable, str(ENGINE), str(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=HERE.parent,
+    )
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     log = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0 and len(results) == len(runs), f"engine exit {proc.returncode}:\n{log}"
@@ -99,8 +110,10 @@ def full_chunks(n: int) -> int:
 
 
 def show(r: dict) -> str:
-    return (f"{r['name']}: {r['reads']} reads, {r['bad_reads']} wrong {r['bad_examples'][:3]}, hits "
-            f"{r['hit_tokens']}, {r['steps']} steps, {r['seconds']} s, staging {r['staging_bytes']} B")
+    return (
+        f"{r['name']}: {r['reads']} reads, {r['bad_reads']} wrong {r['bad_examples'][:3]}, hits "
+        f"{r['hit_tokens']}, {r['steps']} steps, {r['seconds']} s, staging {r['staging_bytes']} B"
+    )
 
 
 def test_the_writer_stored_through_the_cuda_path(world):

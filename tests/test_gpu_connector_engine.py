@@ -43,10 +43,23 @@ def model_dir(root: Path) -> str:
     """A Llama config.json, no weights or tokenizer (ModelConfig with skip_tokenizer_init reads only it)."""
     d = root / "tiny-llama-config"
     d.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=256,
-               intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
-               torch_dtype="bfloat16", tie_word_embeddings=False)
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
     (d / "config.json").write_text(json.dumps(cfg))
     return str(d)
 
@@ -78,18 +91,37 @@ def vllm_config(mdir: str, url: str, block: int, chunk: int, max_batched: int, m
     )
 
     mc = ModelConfig(model=mdir, dtype="bfloat16", seed=0, max_model_len=max_len, skip_tokenizer_init=True)
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=max_len,
-                         enable_chunked_prefill=True, is_encoder_decoder=False)
-    cc = CacheConfig(block_size=block, gpu_memory_utilization=0.9, cache_dtype="auto",
-                     enable_prefix_caching=True)
-    extra = {"tierd.url": url, "tierd.chunk_tokens": chunk, "tierd.timeout_s": 30,
-             "tierd.lookup_timeout_s": 5}
-    kvt = KVTransferConfig(kv_connector="TierdConnector",
-                           kv_connector_module_path="tierd_client.vllm_connector", kv_role="kv_both",
-                           kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
-                           engine_id=uuid.uuid4().hex)
-    return VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kvt,
-                      device_config=DeviceConfig("cpu"))
+    sc = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_batched,
+        max_model_len=max_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cc = CacheConfig(
+        block_size=block, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+    )
+    extra = {
+        "tierd.url": url,
+        "tierd.chunk_tokens": chunk,
+        "tierd.timeout_s": 30,
+        "tierd.lookup_timeout_s": 5,
+    }
+    kvt = KVTransferConfig(
+        kv_connector="TierdConnector",
+        kv_connector_module_path="tierd_client.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+        engine_id=uuid.uuid4().hex,
+    )
+    return VllmConfig(
+        scheduler_config=sc,
+        model_config=mc,
+        cache_config=cc,
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+    )
 
 
 class Engine:
@@ -114,19 +146,30 @@ class Engine:
         self.cuda = self.dev.type == "cuda"
         layers, heads = int(run.get("layers", 4)), int(run.get("heads", 2))
         head = int(run.get("head_size", 64))
-        vc = vllm_config(mdir, url, self.block, int(run.get("chunk", 64)), int(run.get("max_batched", 256)),
-                         int(run.get("max_model_len", 1024)))
+        vc = vllm_config(
+            mdir,
+            url,
+            self.block,
+            int(run.get("chunk", 64)),
+            int(run.get("max_batched", 256)),
+            int(run.get("max_model_len", 1024)),
+        )
         vc.cache_config.kv_cache_layout = run.get("layout", "LBNHC")  # as VLLM_KV_CACHE_LAYOUT would set it
-        spec = FullAttentionSpec(block_size=self.block, num_kv_heads=heads, head_size=head,
-                                 dtype=torch.bfloat16)
+        spec = FullAttentionSpec(
+            block_size=self.block, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16
+        )
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         budget = spec.page_size_bytes * layers * int(run.get("num_blocks", 256))
-        kcc, = get_kv_cache_configs(vc, [{n: spec for n in self.names}], [budget])
+        (kcc,) = get_kv_cache_configs(vc, [{n: spec for n in self.names}], [budget])
         vc.cache_config.num_gpu_blocks = kcc.num_blocks
         self.num_blocks = kcc.num_blocks
-        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(vc),
-                                   block_size=self.block)
+        self.scheduler = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=self.block,
+        )
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, TierdConnector)
         self.worker = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
@@ -184,9 +227,15 @@ class Engine:
 
         init_none_hash(sha256)
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.scheduler.add_request(Request(request_id=req_id, prompt_token_ids=list(tokens),
-                                           sampling_params=sp, pooling_params=None,
-                                           block_hasher=get_request_block_hasher(self.block, sha256)))
+        self.scheduler.add_request(
+            Request(
+                request_id=req_id,
+                prompt_token_ids=list(tokens),
+                sampling_params=sp,
+                pooling_params=None,
+                block_hasher=get_request_block_hasher(self.block, sha256),
+            )
+        )
 
     def step(self):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -217,12 +266,20 @@ class Engine:
             done_prefill = req.num_computed_tokens >= req.num_tokens
             sampled.append([7 + len(req.output_token_ids)] if done_prefill else [])
         out = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
-            kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending,
-                                                  finished_recving=res.finished_recving,
-                                                  failed_recving=res.failed_recving,
-                                                  invalid_block_ids=invalid, kv_connector_worker_meta=wmeta))
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=res.finished_sending,
+                finished_recving=res.finished_recving,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=invalid,
+                kv_connector_worker_meta=wmeta,
+            ),
+        )
         for outs in self.scheduler.update_from_output(so, out).values():
             for o in outs.outputs:
                 if o.finished:
@@ -346,8 +403,11 @@ def main(argv: list[str]) -> int:
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
             import traceback
 
-            res = {"name": run.get("name", ""), "error": f"{type(exc).__name__}: {exc}",
-                   "traceback": traceback.format_exc()[-4000:]}
+            res = {
+                "name": run.get("name", ""),
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
         print("RESULT " + json.dumps(res), flush=True)
     dump = os.environ.get("TIERD_DUMP_MODULES")
     if dump:

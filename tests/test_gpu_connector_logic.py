@@ -25,9 +25,19 @@ MiB = 1 << 20
 def two_group_layout() -> PageLayout:
     """A full-attention group (3 layers, 4-token blocks of 256 bytes) and a state group (2 layers,
     one 96-byte state per 16-token chunk)."""
+
     def spans(layers, blocks, block_bytes, base):
-        return [block_span((blocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0,
-                           offset=base + i * blocks * block_bytes) for i in range(layers)]
+        return [
+            block_span(
+                (blocks, block_bytes),
+                (block_bytes, 1),
+                1,
+                0,
+                tensor=0,
+                offset=base + i * blocks * block_bytes,
+            )
+            for i in range(layers)
+        ]
 
     full = spans(3, 32, 256, 0)
     state = spans(2, 32, 96, 3 * 32 * 256)
@@ -42,14 +52,25 @@ def test_a_chunk_in_staging_is_every_groups_part():
     assert chunk_bytes(lay) == 3 * 4 * 256 + 2 * 1 * 96
 
 
-@pytest.mark.parametrize("mb,chunk,expect", [
-    (0, 128 << 10, 2 * STAGING_AUTO_CHUNKS * (128 << 10)),  # auto: 8 chunks each way (the GPU test's 2 MiB)
-    (0, 32 * MiB, 2 * (STAGING_AUTO_CAP_MB // 32) * 32 * MiB),  # auto, capped: 4 chunks of 32 MiB each way
-    (0, 200 * MiB, 2 * 200 * MiB),  # auto, a chunk over the cap: still one each way
-    (10, MiB, 10 * MiB),  # explicit: 5 chunks each way
-    (10.5, 3 * MiB, 2 * MiB * 3),  # explicit, rounded down to whole chunks each way
-    (1, MiB, 2 * MiB),  # explicit but too small: one chunk each way
-])
+@pytest.mark.parametrize(
+    "mb,chunk,expect",
+    [
+        (
+            0,
+            128 << 10,
+            2 * STAGING_AUTO_CHUNKS * (128 << 10),
+        ),  # auto: 8 chunks each way (the GPU test's 2 MiB)
+        (
+            0,
+            32 * MiB,
+            2 * (STAGING_AUTO_CAP_MB // 32) * 32 * MiB,
+        ),  # auto, capped: 4 chunks of 32 MiB each way
+        (0, 200 * MiB, 2 * 200 * MiB),  # auto, a chunk over the cap: still one each way
+        (10, MiB, 10 * MiB),  # explicit: 5 chunks each way
+        (10.5, 3 * MiB, 2 * MiB * 3),  # explicit, rounded down to whole chunks each way
+        (1, MiB, 2 * MiB),  # explicit but too small: one chunk each way
+    ],
+)
 def test_staging_size(mb, chunk, expect):
     got = staging_bytes(mb, chunk)
     assert got == expect
@@ -172,11 +193,14 @@ def test_a_whole_job_merges_its_requests_in_order():
     assert out.result(0) == {"results": ["stored", "stored", "exists"]}
 
 
-@pytest.mark.parametrize("groups,chunk,staging,expect", [
-    (1, 128 << 10, 2 * MiB, 2),  # the connector's auto size for the GPU test: a quarter of a half
-    (1, 1024, 64 * MiB, MAX_REQUEST_PARTS),  # tiny chunks: the daemon's bound on a request
-    (3, 1024, 64 * MiB, MAX_REQUEST_PARTS // 3),
-])
+@pytest.mark.parametrize(
+    "groups,chunk,staging,expect",
+    [
+        (1, 128 << 10, 2 * MiB, 2),  # the connector's auto size for the GPU test: a quarter of a half
+        (1, 1024, 64 * MiB, MAX_REQUEST_PARTS),  # tiny chunks: the daemon's bound on a request
+        (3, 1024, 64 * MiB, MAX_REQUEST_PARTS // 3),
+    ],
+)
 def test_staged_requests_stay_within_the_daemons_bound(groups, chunk, staging, expect):
     stager = SimpleNamespace(nbytes=staging, chunk_bytes=chunk, groups=[None] * groups)
     rank = StagedRank(SimpleNamespace(), "e/0", stager)

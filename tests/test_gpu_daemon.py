@@ -49,11 +49,19 @@ class Engine:
         logical = self.buf.view(torch.bfloat16).view(phys).permute([kind.index(ch) for ch in "LBHNC"])
         self.views = [logical[i] for i in range(layers)]
         refs, where = share_cuda_tensors(self.views)
-        spans = [block_span(tuple(v.shape), tuple(v.stride()), 2, 0, tensor=w[0], offset=w[1], blocks_per_block=r)
-                 for v, w in zip(self.views, where)]
+        spans = [
+            block_span(tuple(v.shape), tuple(v.stride()), 2, 0, tensor=w[0], offset=w[1], blocks_per_block=r)
+            for v, w in zip(self.views, where)
+        ]
         self.r = r
-        self.layout = layout(namespace("gpu-test", uuid.uuid4().hex), 0, CHUNK, refs, [group("full", BLOCK, spans)],
-                             device="cuda")
+        self.layout = layout(
+            namespace("gpu-test", uuid.uuid4().hex),
+            0,
+            CHUNK,
+            refs,
+            [group("full", BLOCK, spans)],
+            device="cuda",
+        )
         self.stager = Stager(PageLayout.from_wire(self.layout), [self.buf], staging_mb << 20, impl)
         self.layout["staging"] = self.stager.ref
 
@@ -65,7 +73,11 @@ class Engine:
         """[layers, len(ids)] manager blocks as bytes (kernel blocks folded)."""
         out = []
         for v in self.views:
-            out.append(torch.stack([v[b * self.r : (b + 1) * self.r].contiguous().view(torch.uint8).flatten() for b in ids]))
+            out.append(
+                torch.stack(
+                    [v[b * self.r : (b + 1) * self.r].contiguous().view(torch.uint8).flatten() for b in ids]
+                )
+            )
         return torch.stack(out)
 
     def zero(self, ids):
@@ -93,7 +105,10 @@ def test_no_context_before_registration_then_pinned_pool(daemon_factory, client_
     st = d.status()
     assert st["cuda"] is True
     assert st["cuda_detail"]["contexts"] == [], "the daemon made a CUDA context before anyone registered"
-    assert st["memory_pinned_bytes"] == 0 and st["cuda_detail"]["pin_pending_bytes"] == st["memory_total_bytes"] > 0
+    assert (
+        st["memory_pinned_bytes"] == 0
+        and st["cuda_detail"]["pin_pending_bytes"] == st["memory_total_bytes"] > 0
+    )
     c = client_factory(d)
     Engine().rank(c)
     st = d.status()
@@ -173,16 +188,23 @@ def test_bad_handles_are_layout_invalid(daemon_factory, client_factory):
         lay["staging"]["handle"]["ipc"][1] = bytes(len(lay["staging"]["handle"]["ipc"][1]))
 
     bad(corrupt, "cannot open the CUDA IPC handle")
-    bad(lambda lay: lay["staging"]["handle"].update(device_uuid="GPU-00000000-0000-0000-0000-000000000000"),
-        "not visible")
+    bad(
+        lambda lay: lay["staging"]["handle"].update(device_uuid="GPU-00000000-0000-0000-0000-000000000000"),
+        "not visible",
+    )
     bad(lambda lay: lay["staging"]["handle"]["ipc"].pop(), "ipc")
     bad(lambda lay: lay.pop("staging"), "staging buffer")
-    bad(lambda lay: lay["staging"].update(handle={"kind": "shm", "path": "/dev/shm/x", "offset": 0}), "cuda_ipc")
+    bad(
+        lambda lay: lay["staging"].update(handle={"kind": "shm", "path": "/dev/shm/x", "offset": 0}),
+        "cuda_ipc",
+    )
     eng.rank(c, "good")  # the daemon is fine after all that
     assert d.status()["errors_by_code"]["LAYOUT_INVALID"] == 5
 
 
-def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(daemon_factory, client_factory):
+def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(
+    daemon_factory, client_factory
+):
     """The engine rewrites blocks behind a long kernel on its forward stream. A store without the
     forward's event gathers the old bytes; with it, always the new ones."""
     if not hasattr(torch.cuda, "_sleep"):
@@ -206,7 +228,10 @@ def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(
                 ev = torch.cuda.Event()
                 ev.record(forward)
             ks = keys(4)
-            assert rank.store(chunks(ks, src), after=ev if fenced else None).result()["results"] == ["stored"] * 4
+            assert (
+                rank.store(chunks(ks, src), after=ev if fenced else None).result()["results"]
+                == ["stored"] * 4
+            )
             forward.synchronize()
             new = eng.blocks(src)
             got = rank.retrieve(chunks(ks, dst)).result()
@@ -219,7 +244,9 @@ def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(
     assert not any(outcome[True])
 
 
-def test_forward_reads_restored_blocks_only_after_their_scatter_negative_control(daemon_factory, client_factory):
+def test_forward_reads_restored_blocks_only_after_their_scatter_negative_control(
+    daemon_factory, client_factory
+):
     """The staging stream is busy (a long kernel) when the daemon answers: the scatter is queued
     behind it. A reader that does not wait for ``done`` sees the old bytes; one that waits
     (on the GPU) sees the restored ones."""
@@ -234,7 +261,9 @@ def test_forward_reads_restored_blocks_only_after_their_scatter_negative_control
     rank.store(chunks(ks, src), after=after_now()).result()
     scatter = eng.stager.scatter
 
-    def late_scatter(*args, **kw):  # the scatter stream is busy when the reply comes: the scatter queues behind
+    def late_scatter(
+        *args, **kw
+    ):  # the scatter stream is busy when the reply comes: the scatter queues behind
         with torch.cuda.stream(eng.stager.scatter_stream):
             torch.cuda._sleep(SPIN)
         return scatter(*args, **kw)

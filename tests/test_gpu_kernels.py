@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from kvlayouts import all_cases, check_objects, items_for, object_bytes, vllm_case  # noqa: E402
+
 from tierd.protocol.layout import PageLayout  # noqa: E402
 from tierd_client import native  # noqa: E402
 from tierd_client.cuda_stage import Stager  # noqa: E402
@@ -33,9 +34,15 @@ def mod():
 
 def page_layout(case, nbytes: int) -> PageLayout:
     g = case.group.to_wire()
-    return PageLayout.from_wire(layout(namespace("k", "f"), 0, case.bpc * g["block_tokens"] if g["kind"] != "state"
-                                       else g["block_tokens"],
-                                       [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": nbytes}], [g]))
+    return PageLayout.from_wire(
+        layout(
+            namespace("k", "f"),
+            0,
+            case.bpc * g["block_tokens"] if g["kind"] != "state" else g["block_tokens"],
+            [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": nbytes}],
+            [g],
+        )
+    )
 
 
 def round_trip(case, impl):
@@ -51,7 +58,7 @@ def round_trip(case, impl):
     per_chunk = [[c] for c in ids]
     stager.gather(per_chunk, OFFSET)
     stager.stream.synchronize()
-    host_t.copy_(stager.buf[OFFSET: OFFSET + chunks * obj].cpu())
+    host_t.copy_(stager.buf[OFFSET : OFFSET + chunks * obj].cpu())
     target = torch.zeros_like(case.buf)
     back = Stager(lay, [target], OFFSET + chunks * obj, impl)
     back.buf.copy_(stager.buf)

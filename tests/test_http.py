@@ -7,18 +7,45 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from kv import GroupGeom, keys
-from tierd_client import TierdError
+from prometheus_client.parser import text_string_to_metric_families
 from util import chunk, ranks  # noqa: F401 - fixtures
 
+from tierd_client import TierdError
+
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
-FIELDS = ["memory_configured_bytes", "memory_total_bytes", "memory_used_bytes", "objects", "group_objects", "instances",
-          "lookups", "lookup_chunks", "hit_chunks", "stores", "stored_chunks", "stored_bytes", "retrieves",
-          "retrieved_chunks", "retrieved_bytes", "retrieve_failed_blocks", "evictions", "store_rejects", "errors",
-          "errors_by_code", "leases_active", "leases_granted", "leases_expired", "sessions", "sessions_reaped",
-          "version", "boot_id", "pid", "uptime_s", "socket"]
+FIELDS = [
+    "memory_configured_bytes",
+    "memory_total_bytes",
+    "memory_used_bytes",
+    "objects",
+    "group_objects",
+    "instances",
+    "lookups",
+    "lookup_chunks",
+    "hit_chunks",
+    "stores",
+    "stored_chunks",
+    "stored_bytes",
+    "retrieves",
+    "retrieved_chunks",
+    "retrieved_bytes",
+    "retrieve_failed_blocks",
+    "evictions",
+    "store_rejects",
+    "errors",
+    "errors_by_code",
+    "leases_active",
+    "leases_granted",
+    "leases_expired",
+    "sessions",
+    "sessions_reaped",
+    "version",
+    "boot_id",
+    "pid",
+    "uptime_s",
+    "socket",
+]
 
 
 def delta(before, after, *names):
@@ -36,7 +63,11 @@ def test_status_fields_and_counters_move(daemon_factory, client_factory, ranks):
     c.register("r0", rank.layout())
     s1 = d.status()
     [inst] = s1["instances"]
-    assert inst["instance"] == "r0" and inst["namespace"] == {**{k: v for k, v in rank.ns.items() if k != "salt"}, "salted": False} and inst["rank"] == 0
+    assert (
+        inst["instance"] == "r0"
+        and inst["namespace"] == {**{k: v for k, v in rank.ns.items() if k != "salt"}, "salted": False}
+        and inst["rank"] == 0
+    )
     assert inst["groups"] == ["full"] and 0 <= inst["last_heartbeat_s_ago"] < 10
     assert s1["sessions"] == 1
 
@@ -44,22 +75,40 @@ def test_status_fields_and_counters_move(daemon_factory, client_factory, ranks):
     c.store("r0", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
     s2 = d.status()
     assert delta(s1, s2, "stores", "stored_chunks", "stored_bytes", "objects") == {
-        "stores": 1, "stored_chunks": 3, "stored_bytes": 3 * (256 << 10), "objects": 3}
+        "stores": 1,
+        "stored_chunks": 3,
+        "stored_bytes": 3 * (256 << 10),
+        "objects": 3,
+    }
     assert s2["group_objects"] == {"g0/full": 3}
     assert s2["memory_used_bytes"] == 3 * (256 << 10) <= s2["memory_total_bytes"]
 
     reply = c.lookup(rank.ns, ks + keys(2), rank.specs(), 16)
     s3 = d.status()
     assert delta(s2, s3, "lookups", "lookup_chunks", "hit_chunks", "leases_granted", "leases_active") == {
-        "lookups": 1, "lookup_chunks": 5, "hit_chunks": 3, "leases_granted": 1, "leases_active": 1}
+        "lookups": 1,
+        "lookup_chunks": 5,
+        "hit_chunks": 3,
+        "leases_granted": 1,
+        "leases_active": 1,
+    }
 
     missing = keys(1)[0]
-    c.retrieve("r0", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)] + [chunk(missing, range(52, 56))],
-               lease=reply["lease"])
+    c.retrieve(
+        "r0",
+        [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)] + [chunk(missing, range(52, 56))],
+        lease=reply["lease"],
+    )
     s4 = d.status()
-    assert delta(s3, s4, "retrieves", "retrieved_chunks", "retrieved_bytes", "retrieve_failed_blocks", "leases_active") == {
-        "retrieves": 1, "retrieved_chunks": 3, "retrieved_bytes": 3 * (256 << 10), "retrieve_failed_blocks": 4,
-        "leases_active": -1}
+    assert delta(
+        s3, s4, "retrieves", "retrieved_chunks", "retrieved_bytes", "retrieve_failed_blocks", "leases_active"
+    ) == {
+        "retrieves": 1,
+        "retrieved_chunks": 3,
+        "retrieved_bytes": 3 * (256 << 10),
+        "retrieve_failed_blocks": 4,
+        "leases_active": -1,
+    }
 
     with pytest.raises(TierdError):
         c.release(999)
@@ -93,11 +142,24 @@ def test_metrics_are_prometheus_text(daemon, client, ranks):
     text = body.decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert all(name.startswith("tierd_") for name in families), sorted(families)
-    for name in ("tierd_lookups", "tierd_stores", "tierd_retrieves", "tierd_evictions", "tierd_store_rejects",
-                 "tierd_errors", "tierd_memory_total_bytes", "tierd_memory_used_bytes", "tierd_objects",
-                 "tierd_instances", "tierd_op_seconds", "tierd_op_bytes"):
+    for name in (
+        "tierd_lookups",
+        "tierd_stores",
+        "tierd_retrieves",
+        "tierd_evictions",
+        "tierd_store_rejects",
+        "tierd_errors",
+        "tierd_memory_total_bytes",
+        "tierd_memory_used_bytes",
+        "tierd_objects",
+        "tierd_instances",
+        "tierd_op_seconds",
+        "tierd_op_bytes",
+    ):
         assert name in families, name
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
+    }
     assert samples[("tierd_stores_total", ())] == 1
     assert samples[("tierd_objects", ())] == 2
     assert samples[("tierd_op_seconds_count", (("op", "STORE"),))] == 1

@@ -15,14 +15,18 @@ TOKENS = list(range(1000, 1000 + 64))
 SCRIPT = """
 from tierd.protocol.keys import chunk_hashes, namespace_id, root_hash
 from tierd.protocol.layout import Namespace
-hs = chunk_hashes(list(range(1000, 1064)), 16, parent=root_hash("salt", "lora"), chunk_extras=[None, {"mm": "x"}])
+hs = chunk_hashes(
+    list(range(1000, 1064)), 16, parent=root_hash("salt", "lora"), chunk_extras=[None, {"mm": "x"}]
+)
 print(" ".join(h.hex() for h in hs), namespace_id(Namespace("m", "fp", 2, "s")).hex(), hash("probe"))
 """
 
 
 def run_in(seed: str) -> tuple[str, str]:
     env = dict(os.environ, PYTHONHASHSEED=seed)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, check=True
+    ).stdout
     *hashes, probe = out.split()
     return " ".join(hashes), probe
 
@@ -85,6 +89,10 @@ def test_salts_parents_and_extras_separate_keys():
 def test_namespace_id_depends_on_every_field():
     ns = Namespace("m", "fp", 2, "s")
     assert namespace_id(ns) == namespace_id(Namespace("m", "fp", 2, "s"))
-    others = [Namespace("m2", "fp", 2, "s"), Namespace("m", "fp2", 2, "s"), Namespace("m", "fp", 4, "s"),
-              Namespace("m", "fp", 2, "")]
+    others = [
+        Namespace("m2", "fp", 2, "s"),
+        Namespace("m", "fp2", 2, "s"),
+        Namespace("m", "fp", 4, "s"),
+        Namespace("m", "fp", 2, ""),
+    ]
     assert len({namespace_id(n) for n in others} | {namespace_id(ns)}) == 5

@@ -11,10 +11,19 @@ from tierd_client.layouts import UnsupportedLayout, block_span, group, layout, n
 
 def base(num_blocks=8, block_bytes=256, layers=2, chunk=16, kind="full", **gkw):
     nbytes = layers * num_blocks * block_bytes
-    spans = [block_span((num_blocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * num_blocks * block_bytes)
-             for l in range(layers)]
-    return layout(namespace("m", "fp"), 0, chunk, [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": nbytes}],
-                  [group(kind, 4, spans, **gkw)])
+    spans = [
+        block_span(
+            (num_blocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * num_blocks * block_bytes
+        )
+        for l in range(layers)
+    ]
+    return layout(
+        namespace("m", "fp"),
+        0,
+        chunk,
+        [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": nbytes}],
+        [group(kind, 4, spans, **gkw)],
+    )
 
 
 def code_of(lay):
@@ -86,8 +95,15 @@ def test_needed_masks():
 
 def test_block_span_contiguous_blocks():
     span = block_span((10, 16, 8), (128, 8, 1), 2, 0, tensor=3, offset=64)
-    assert span == {"tensor": 3, "offset": 64, "block_stride": 256, "num_blocks": 10, "runs": 1, "run_stride": 0,
-                    "run_bytes": 256}
+    assert span == {
+        "tensor": 3,
+        "offset": 64,
+        "block_stride": 256,
+        "num_blocks": 10,
+        "runs": 1,
+        "run_stride": 0,
+        "run_bytes": 256,
+    }
 
 
 def test_block_span_head_outer_is_runs():

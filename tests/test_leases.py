@@ -2,11 +2,11 @@
 rank's RETRIEVE spends them; while held they keep their objects from eviction."""
 
 import pytest
-
 from kv import GroupGeom, keys
-from tierd_client import TierdError
 from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import wait_for
+
+from tierd_client import TierdError
 
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
 
@@ -15,7 +15,10 @@ def fill(d, c, rank):
     """Store as many chunks as the pool holds; returns their keys."""
     cap = d.status()["memory_configured_bytes"] // (256 << 10)
     ks = keys(cap)
-    assert c.store("r", [chunk(k, range(4 * (i % 8), 4 * (i % 8) + 4)) for i, k in enumerate(ks)])["results"] == ["stored"] * cap
+    assert (
+        c.store("r", [chunk(k, range(4 * (i % 8), 4 * (i % 8) + 4)) for i, k in enumerate(ks)])["results"]
+        == ["stored"] * cap
+    )
     return ks
 
 

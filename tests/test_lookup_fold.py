@@ -47,8 +47,12 @@ def old_lookup(index: Index, ns, keys, specs, chunk_tokens, ranks):
     space = index.spaces.get(ns)
     if space is None or not keys:
         return 0, []
-    full = [((gi, r), gi, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
-            for gi, s in enumerate(specs) if s.kind is GroupKind.FULL for r in ranks]
+    full = [
+        ((gi, r), gi, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
+        for gi, s in enumerate(specs)
+        if s.kind is GroupKind.FULL
+        for r in ranks
+    ]
     other = [(gi, s) for gi, s in enumerate(specs) if s.kind is not GroupKind.FULL]
     entries, objs = [], []
     if full:
@@ -64,7 +68,7 @@ def old_lookup(index: Index, ns, keys, specs, chunk_tokens, ranks):
             else:
                 entries.append(entry)
                 continue
-            del objs[len(entries) * len(full):]
+            del objs[len(entries) * len(full) :]
             break
     else:
         entries = [space.get(key) for key in keys]
@@ -73,7 +77,7 @@ def old_lookup(index: Index, ns, keys, specs, chunk_tokens, ranks):
         boundary -= 1
     if boundary == 0:
         return 0, []
-    del objs[boundary * len(full):]
+    del objs[boundary * len(full) :]
     for gi, spec in other:
         for j in range(max(0, boundary - spec.lookback_chunks(chunk_tokens)), boundary):
             if spec.needed_mask(j, boundary, chunk_tokens):
@@ -116,8 +120,21 @@ def random_case(rnd: random.Random):
         block = rnd.choice(divisors) if rnd.random() < 0.85 else rnd.randint(1, 2 * chunk + 1)
         window = 0
         if kind is GroupKind.SLIDING:
-            window = rnd.choice((1, 2, 3, max(1, block - 1), block, block + 1, chunk, chunk + 1,
-                                 2 * chunk + rnd.randint(0, chunk), rnd.randint(1, 12 * chunk), 1 << 30))
+            window = rnd.choice(
+                (
+                    1,
+                    2,
+                    3,
+                    max(1, block - 1),
+                    block,
+                    block + 1,
+                    chunk,
+                    chunk + 1,
+                    2 * chunk + rnd.randint(0, chunk),
+                    rnd.randint(1, 12 * chunk),
+                    1 << 30,
+                )
+            )
         specs.append(GroupSpec(kind, block, window))
     n = rnd.choice((0, 1, 2, 3, 5, 8, 13, 30, 47, 48, 49, 80, 200))
     ranks = rnd.choice(([0], [0], [0, 1], [0, 1, 2], [2, 5], []))
@@ -156,8 +173,9 @@ def random_case(rnd: random.Random):
     return index, keys, specs, chunk, ranks
 
 
-@pytest.mark.parametrize(("vector_min", "first_run"), [(1, 1), (48, 64), (1 << 30, 3)],
-                         ids=["numpy", "default", "scalar"])
+@pytest.mark.parametrize(
+    ("vector_min", "first_run"), [(1, 1), (48, 64), (1 << 30, 3)], ids=["numpy", "default", "scalar"]
+)
 def test_fold_equals_the_old_fold_on_random_indexes(monkeypatch, vector_min, first_run):
     monkeypatch.setattr(fold, "VECTOR_MIN", vector_min)  # boundaries at once, or one by one
     monkeypatch.setattr(fold, "FIRST_RUN", first_run)  # the full-attention walk's runs

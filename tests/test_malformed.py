@@ -7,13 +7,13 @@ import os
 import msgpack
 import numpy as np
 import pytest
-
 from kv import GroupGeom, keys
+from util import chunk, ranks, raw  # noqa: F401 - fixtures
+from wire import Raw, pack, request
+
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode
 from tierd_client import TierdClient, TierdError
-from util import chunk, ranks, raw  # noqa: F401 - fixtures
-from wire import Raw, pack, request
 
 CODES = {c.name for c in ErrorCode}
 
@@ -86,9 +86,15 @@ def test_bad_fields_echo_req_id(daemon, raw):
 def test_requests_before_hello_are_unknown_session(daemon, raw, ranks):
     r = raw(daemon)
     rank = ranks(GroupGeom("full"))
-    for op, body in [("PING", {}), ("STATUS", {}), ("CLEAR", {}), ("REGISTER", {"instance": "x", "layout": rank.layout()}),
-                     ("LOOKUP", {"namespace": rank.ns, "keys": keys(1), "groups": rank.specs(), "chunk_tokens": 16}),
-                     ("STORE", {"instance": "x", "chunks": []}), ("RELEASE", {"lease": 1})]:
+    for op, body in [
+        ("PING", {}),
+        ("STATUS", {}),
+        ("CLEAR", {}),
+        ("REGISTER", {"instance": "x", "layout": rank.layout()}),
+        ("LOOKUP", {"namespace": rank.ns, "keys": keys(1), "groups": rank.specs(), "chunk_tokens": 16}),
+        ("STORE", {"instance": "x", "chunks": []}),
+        ("RELEASE", {"lease": 1}),
+    ]:
         assert r.error(op, body) == "UNKNOWN_SESSION", op
     assert daemon.status()["instances"] == []
 
@@ -143,12 +149,27 @@ def test_out_of_range_block_ids_store_nothing(daemon, raw, ranks):
     rank = ranks(GroupGeom("full"), num_blocks=16)
     r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
     k = keys(1)[0]
-    for bad in ([0, 1, 2, 16], [0, 1, 2, -2], [0, 1, 2, 2**40], [0, 1, 2, 1.0], [0, 1, 2, True], [0, 1, 2, "3"],
-                [0, 1, 2], [0, 1, 2, 3, 4], [None] * 4):
+    for bad in (
+        [0, 1, 2, 16],
+        [0, 1, 2, -2],
+        [0, 1, 2, 2**40],
+        [0, 1, 2, 1.0],
+        [0, 1, 2, True],
+        [0, 1, 2, "3"],
+        [0, 1, 2],
+        [0, 1, 2, 3, 4],
+        [None] * 4,
+    ):
         for op in ("STORE", "RETRIEVE"):
             assert r.error(op, {"instance": "r", "chunks": [chunk(k, bad)]}) == "BAD_REQUEST", (op, bad)
-    assert r.error("STORE", {"instance": "r", "chunks": [{"key": b"short", "blocks": [[0, 1, 2, 3]]}]}) == "BAD_REQUEST"
-    assert r.error("STORE", {"instance": "r", "chunks": [{"key": k, "blocks": [[0, 1, 2, 3], [0]]}]}) == "BAD_REQUEST"
+    assert (
+        r.error("STORE", {"instance": "r", "chunks": [{"key": b"short", "blocks": [[0, 1, 2, 3]]}]})
+        == "BAD_REQUEST"
+    )
+    assert (
+        r.error("STORE", {"instance": "r", "chunks": [{"key": k, "blocks": [[0, 1, 2, 3], [0]]}]})
+        == "BAD_REQUEST"
+    )
     assert r.error("STORE", {"instance": "nobody", "chunks": []}) == "UNKNOWN_INSTANCE"
     st = daemon.status()
     assert st["objects"] == 0 and st["stores"] == 0

@@ -4,10 +4,10 @@ exact [group, block_id] pairs it could not restore, with ok=False for those chun
 
 import numpy as np
 import pytest
-
 from kv import GroupGeom, keys
-from tierd_client import TierdError
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
+
+from tierd_client import TierdError
 
 N = NULL
 FULL = GroupGeom("full", layers=2, block_bytes=256, block_tokens=4)
@@ -18,8 +18,9 @@ def test_all_null_chunk_is_empty_and_not_stored(daemon, client, ranks):
     rank = ranks(FULL, SLIDE)
     client.register("r", rank.layout())
     ks = keys(3)
-    res = client.store("r", [chunk(ks[0], [N] * 4, [N] * 4), chunk(ks[1], range(4), [N] * 4),
-                             chunk(ks[2], [N] * 4, [N] * 4)])
+    res = client.store(
+        "r", [chunk(ks[0], [N] * 4, [N] * 4), chunk(ks[1], range(4), [N] * 4), chunk(ks[2], [N] * 4, [N] * 4)]
+    )
     assert res["results"] == ["empty", "stored", "empty"]
     st = daemon.status()
     assert st["objects"] == 1 and st["stored_chunks"] == 1
@@ -50,9 +51,14 @@ def test_retrieve_of_missing_chunk_reports_exact_pairs(client, ranks):
     ks = keys(3)
     client.store("r", [chunk(ks[0], range(4), [N, N, 2, 3]), chunk(ks[2], range(8, 12), [N, N, 10, 11])])
     before = rank.kv[0].copy()
-    out = client.retrieve("r", [chunk(ks[0], range(40, 44), [N, N, 40, 41]),
-                                chunk(ks[1], [44, N, 45, 46], [N, N, 42, 43]),
-                                chunk(ks[2], range(48, 52), [N, N, 44, 45])])
+    out = client.retrieve(
+        "r",
+        [
+            chunk(ks[0], range(40, 44), [N, N, 40, 41]),
+            chunk(ks[1], [44, N, 45, 46], [N, N, 42, 43]),
+            chunk(ks[2], range(48, 52), [N, N, 44, 45]),
+        ],
+    )
     assert out["ok"] == [True, False, True]
     assert out["failed"] == [[0, 44], [0, 45], [0, 46], [1, 42], [1, 43]]
     np.testing.assert_array_equal(rank.kv[0][:, 44:47], before[:, 44:47])  # never written
@@ -80,7 +86,10 @@ def test_custom_null_block_id(daemon_factory, client_factory, ranks):
     rank = ranks(FULL)
     client.register("r", rank.layout())
     ks = keys(2)
-    assert client.store("r", [chunk(ks[0], [63] * 4), chunk(ks[1], [0, 1, 63, 63])])["results"] == ["empty", "stored"]
+    assert client.store("r", [chunk(ks[0], [63] * 4), chunk(ks[1], [0, 1, 63, 63])])["results"] == [
+        "empty",
+        "stored",
+    ]
     with pytest.raises(TierdError) as err:  # -1 is just an out-of-range id now
         client.store("r", [chunk(ks[0], [-1] * 4)])
     assert err.value.code == "BAD_REQUEST"

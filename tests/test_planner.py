@@ -23,12 +23,29 @@ def layout(*groups: tuple[str, int, int], num_blocks: int = 64) -> PageLayout:
     """Groups as (kind, block_tokens, window); two layers each, one tensor per group."""
     tensors, gs = [], []
     for i, (kind, bt, window) in enumerate(groups):
-        tensors.append({"handle": {"kind": "shm", "path": f"/dev/shm/x{i}"}, "nbytes": 2 * num_blocks * BLOCK_BYTES})
-        layers = [{"tensor": i, "offset": li * num_blocks * BLOCK_BYTES, "block_stride": BLOCK_BYTES,
-                   "num_blocks": num_blocks, "run_bytes": BLOCK_BYTES} for li in range(2)]
+        tensors.append(
+            {"handle": {"kind": "shm", "path": f"/dev/shm/x{i}"}, "nbytes": 2 * num_blocks * BLOCK_BYTES}
+        )
+        layers = [
+            {
+                "tensor": i,
+                "offset": li * num_blocks * BLOCK_BYTES,
+                "block_stride": BLOCK_BYTES,
+                "num_blocks": num_blocks,
+                "run_bytes": BLOCK_BYTES,
+            }
+            for li in range(2)
+        ]
         gs.append({"kind": kind, "block_tokens": bt, "window_tokens": window, "layers": layers})
-    return PageLayout.from_wire({"namespace": {"model": "m", "fingerprint": "f", "world_size": 1}, "rank": 0,
-                                 "chunk_tokens": CHUNK, "tensors": tensors, "groups": gs})
+    return PageLayout.from_wire(
+        {
+            "namespace": {"model": "m", "fingerprint": "f", "world_size": 1},
+            "rank": 0,
+            "chunk_tokens": CHUNK,
+            "tensors": tensors,
+            "groups": gs,
+        }
+    )
 
 
 FULL = ("full", 4, 0)
@@ -67,7 +84,9 @@ def test_full_chunks_are_stored_with_full_masks_and_one_copy_item_each(pool):
 
 def test_nulls_make_partial_masks_and_an_all_null_chunk_is_empty(pool):
     g = geo(FULL, SLIDE)
-    plan = plan_store(g, [chunk(0, [8, 9, 10, 11], [NULL, NULL, 20, 21]), chunk(1, [NULL] * 4, [NULL] * 4)], pool, NS, 0)
+    plan = plan_store(
+        g, [chunk(0, [8, 9, 10, 11], [NULL, NULL, 20, 21]), chunk(1, [NULL] * 4, [NULL] * 4)], pool, NS, 0
+    )
     assert plan.results == ["stored", "empty"]
     full, slide = plan.objs
     assert (full.mask, slide.mask) == (0b1111, 0b1100)
@@ -97,7 +116,9 @@ def test_a_stored_chunk_exists_and_only_a_fuller_copy_replaces_it(pool):
 
 
 def test_no_room_rejects_the_chunk_and_every_later_one_when_a_full_group_is_there(pool):
-    small = Pool(ceiling=8 * 1024, initial=0, align=256, segment_bytes=8 * 1024)  # room for 4 objects of 2 KiB
+    small = Pool(
+        ceiling=8 * 1024, initial=0, align=256, segment_bytes=8 * 1024
+    )  # room for 4 objects of 2 KiB
     try:
         g = geo(FULL, SLIDE, separate=False)  # one 4 KiB object per chunk: 2 fit
         chunks = [chunk(i, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], [NULL, NULL, 60, 61]) for i in range(5)]
@@ -118,8 +139,9 @@ def test_retrieve_restores_what_is_held_and_fails_exactly_the_rest(pool):
     g = geo(FULL, SLIDE)
     stored = plan_store(g, [chunk(0, [0, 1, 2, 3], [NULL, NULL, 6, 7])], pool, NS, 0)
     pool.commit(stored.objs)
-    plan = plan_retrieve(g, [chunk(0, [30, 31, 32, 33], [40, 41, 42, 43]), chunk(1, [50, 51, 52, 53], [NULL] * 4)],
-                         pool, NS, 0)
+    plan = plan_retrieve(
+        g, [chunk(0, [30, 31, 32, 33], [40, 41, 42, 43]), chunk(1, [50, 51, 52, 53], [NULL] * 4)], pool, NS, 0
+    )
     assert plan.results == [False, False]
     assert plan.failed == [(1, 40), (1, 41), (0, 50), (0, 51), (0, 52), (0, 53)]
     assert items(plan, 0) == [([30, 31, 32, 33], [0, 1, 2, 3])]
@@ -142,12 +164,15 @@ def test_evicted_objects_are_failed_not_restored(pool):
     assert plan.results == [False] and plan.failed == [(0, 4), (0, 5), (0, 6), (0, 7)] and not plan.objs
 
 
-@pytest.mark.parametrize("bad, where", [
-    ([chunk(0, [0, 1, 2, 3], [0])], "chunks[0].blocks: 2 groups, the layout has 1"),
-    ([chunk(0, [0, 1, 2])], "chunks[0].blocks[0]: 3 block ids, the group has 4 per chunk"),
-    ([chunk(0, [0, 1, 2, 3]), chunk(1, [0, 64, 2, 3])], "chunks[1].blocks[0][1]: block id 64"),
-    ([chunk(0, [0, -2, 2, 3])], "chunks[0].blocks[0][1]: block id -2"),
-])
+@pytest.mark.parametrize(
+    "bad, where",
+    [
+        ([chunk(0, [0, 1, 2, 3], [0])], "chunks[0].blocks: 2 groups, the layout has 1"),
+        ([chunk(0, [0, 1, 2])], "chunks[0].blocks[0]: 3 block ids, the group has 4 per chunk"),
+        ([chunk(0, [0, 1, 2, 3]), chunk(1, [0, 64, 2, 3])], "chunks[1].blocks[0][1]: block id 64"),
+        ([chunk(0, [0, -2, 2, 3])], "chunks[0].blocks[0][1]: block id -2"),
+    ],
+)
 def test_block_ids_are_checked_against_the_layout_before_anything_is_planned(pool, bad, where):
     g = geo(FULL)
     with pytest.raises(ProtocolError) as err:
@@ -175,8 +200,10 @@ def test_a_request_is_bounded_in_chunks_times_groups():
     with pytest.raises(ProtocolError) as err:
         g.check(ok + [chunk(0, [0, 1, 2, 3], [4, 5, 6, 7])])
     assert err.value.code is ErrorCode.BAD_REQUEST
-    assert err.value.message == (f"chunks: {MAX_REQUEST_PARTS // 2 + 1} chunks x 2 groups is more than "
-                                 f"{MAX_REQUEST_PARTS} parts in one request: split it (tierd_client does)")
+    assert err.value.message == (
+        f"chunks: {MAX_REQUEST_PARTS // 2 + 1} chunks x 2 groups is more than "
+        f"{MAX_REQUEST_PARTS} parts in one request: split it (tierd_client does)"
+    )
 
 
 def test_every_chunk_after_a_rejected_one_is_rejected_and_none_before(pool):

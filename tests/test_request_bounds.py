@@ -18,7 +18,9 @@ def rank() -> FakeRank:
     return FakeRank([GroupGeom("full", layers=1, block_bytes=64)], num_blocks=2 * BLOCKS, chunk_tokens=4)
 
 
-def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(client_factory, daemon_factory):
+def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(
+    client_factory, daemon_factory
+):
     d = daemon_factory(pool_mb=64)
     client = client_factory(d)
     r = rank()
@@ -33,7 +35,7 @@ def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(
         r.kv[0][:, BLOCKS:] = 0
         out = client.retrieve("big", [chunk(k, [BLOCKS + i]) for i, k in enumerate(ks)])
         assert out == {"ok": [True] * n, "failed": []}
-        np.testing.assert_array_equal(r.kv[0][:, BLOCKS:BLOCKS + n], r.kv[0][:, :n])
+        np.testing.assert_array_equal(r.kv[0][:, BLOCKS : BLOCKS + n], r.kv[0][:, :n])
     finally:
         r.close()
 
@@ -45,13 +47,19 @@ def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(dae
         w.hello()
         w.ok("REGISTER", {"instance": "big", "layout": r.layout()})
         n = MAX_REQUEST_PARTS + 1
-        ok, reply = w.call("STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]})
+        ok, reply = w.call(
+            "STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]}
+        )
         assert not ok and reply["code"] == "BAD_REQUEST" and str(MAX_REQUEST_PARTS) in reply["message"], reply
         assert daemon.status()["objects"] == 0
-        ok, reply = w.call("RETRIEVE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]})
+        ok, reply = w.call(
+            "RETRIEVE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]}
+        )
         assert not ok and reply["code"] == "BAD_REQUEST"
         # control: at the bound it is one request, stored
-        ok, reply = w.call("STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n - 1))]})
+        ok, reply = w.call(
+            "STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n - 1))]}
+        )
         assert ok and reply["results"] == ["stored"] * (n - 1)
     finally:
         r.close()
@@ -59,18 +67,27 @@ def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(dae
 
 def test_a_lookup_past_the_bound_is_refused_and_the_client_asks_for_a_prefix(daemon, raw, client):
     world = 64
-    rk = FakeRank([GroupGeom("full", layers=1, block_bytes=64)], num_blocks=64, chunk_tokens=4, world_size=world,
-                  replicated=False)
+    rk = FakeRank(
+        [GroupGeom("full", layers=1, block_bytes=64)],
+        num_blocks=64,
+        chunk_tokens=4,
+        world_size=world,
+        replicated=False,
+    )
     try:
         ks = keys(MAX_LOOKUP_PARTS // world + 10)
         body = {"namespace": rk.ns, "keys": ks, "groups": rk.specs(), "chunk_tokens": 4, "lease": False}
         w = raw(daemon)
         w.hello()
         ok, reply = w.call("LOOKUP", body)
-        assert not ok and reply["code"] == "BAD_REQUEST" and f"x {world} ranks is more than" in reply["message"]
+        assert (
+            not ok and reply["code"] == "BAD_REQUEST" and f"x {world} ranks is more than" in reply["message"]
+        )
         got = client.lookup(rk.ns, ks, rk.specs(), 4, lease=False)  # the client shortens it: a miss, answered
         assert got["chunks"] == 0
-        ok, reply = w.call("LOOKUP", {**body, "keys": ks[: MAX_LOOKUP_PARTS // world]})  # control: at the bound
+        ok, reply = w.call(
+            "LOOKUP", {**body, "keys": ks[: MAX_LOOKUP_PARTS // world]}
+        )  # control: at the bound
         assert ok and reply["chunks"] == 0
     finally:
         rk.close()

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from kv import FakeRank, GroupGeom, keys
 
 

@@ -2,11 +2,11 @@
 block) tensors, in both object groupings: bytes restored are bytes stored."""
 
 import numpy as np
-
 from kv import GroupGeom, keys
+from util import chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
+
 from tierd_client.layouts import block_span, group, layout, namespace
 from tierd_client.shm import SharedBuffer
-from util import chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
 
 def test_full_attention_many_layers_round_trip(gclient, ranks):
@@ -36,8 +36,17 @@ def test_head_outer_strided_layout_round_trip(gclient):
     try:
         kv = buf.array.reshape(layers, heads, nblocks, run)
         kv[:] = np.random.default_rng(5).integers(0, 255, kv.shape, dtype=np.uint8)
-        spans = [block_span((heads, nblocks, run), (nblocks * run, run, 1), 1, 1, tensor=0,
-                            offset=l * heads * nblocks * run) for l in range(layers)]
+        spans = [
+            block_span(
+                (heads, nblocks, run),
+                (nblocks * run, run, 1),
+                1,
+                1,
+                tensor=0,
+                offset=l * heads * nblocks * run,
+            )
+            for l in range(layers)
+        ]
         assert spans[0]["runs"] == heads and spans[0]["run_stride"] == nblocks * run
         lay = layout(namespace("m", "head-outer"), 0, 8, [buf.ref()], [group("full", 4, spans)])
         gclient.register("ho", lay)

@@ -3,7 +3,6 @@ layer counts) round-trips byte for byte, with one object per group per chunk and
 per chunk holding every group (--no-separate-object-groups)."""
 
 import numpy as np
-
 from kv import GroupGeom, keys
 from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
@@ -71,10 +70,17 @@ def test_hybrid_partial_retrieve_reports_exact_group_block_pairs(gclient, ranks)
     gclient.register("h0", rank.layout())
     ks = keys(2)
     gclient.store("h0", [chunk(ks[0], range(4), [N, N, 2, 3], [0])])
-    out = gclient.retrieve("h0", [chunk(ks[0], range(40, 44), [50, 51, 52, 53], [N]),
-                                  chunk(ks[1], range(44, 48), [N, N, 54, 55], [9])])
+    out = gclient.retrieve(
+        "h0",
+        [
+            chunk(ks[0], range(40, 44), [50, 51, 52, 53], [N]),
+            chunk(ks[1], range(44, 48), [N, N, 54, 55], [9]),
+        ],
+    )
     assert out["ok"] == [False, False]
-    assert sorted(out["failed"]) == sorted([[1, 50], [1, 51], [0, 44], [0, 45], [0, 46], [0, 47], [1, 54], [1, 55], [2, 9]])
+    assert sorted(out["failed"]) == sorted(
+        [[1, 50], [1, 51], [0, 44], [0, 45], [0, 46], [0, 47], [1, 54], [1, 55], [2, 9]]
+    )
     # what was there still arrived
     np.testing.assert_array_equal(rank.kv[0][:, 40:44], rank.kv[0][:, 0:4])
     np.testing.assert_array_equal(rank.kv[1][:, 52:54], rank.kv[1][:, 2:4])

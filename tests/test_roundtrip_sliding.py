@@ -4,7 +4,6 @@ only the blocks inside ``window_tokens - 1`` before the hit boundary.
 Geometry throughout: chunk_tokens 16, block_tokens 4 (4 blocks per chunk)."""
 
 import numpy as np
-
 from kv import GroupGeom, keys
 from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
@@ -92,8 +91,11 @@ def test_out_of_window_blocks_are_not_leased_but_window_blocks_retrieve(gclient,
     reply = gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
     assert reply["chunks"] == 3 and reply["lease"] > 0
     expect = rank.blocks(0, [10, 11])
-    out = gclient.retrieve("s0", [chunk(ks[0], [N] * 4), chunk(ks[1], [N] * 4), chunk(ks[2], [N, N, 60, 61])],
-                           lease=reply["lease"])
+    out = gclient.retrieve(
+        "s0",
+        [chunk(ks[0], [N] * 4), chunk(ks[1], [N] * 4), chunk(ks[2], [N, N, 60, 61])],
+        lease=reply["lease"],
+    )
     assert out["ok"] == [True, True, True]
     np.testing.assert_array_equal(rank.kv[0][:, 60:62], expect)
     assert gdaemon.status()["leases_active"] == 0  # the only rank retrieved: the lease is spent

@@ -3,7 +3,6 @@ only the state at boundary - 1; a missing state shortens the hit to the last bou
 state exists, and the state restored is byte-equal to the state stored."""
 
 import numpy as np
-
 from kv import GroupGeom, keys
 from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
@@ -34,7 +33,9 @@ def test_missing_state_shortens_hit_to_last_boundary_with_state(gclient, ranks):
     gclient.register("h0", rank.layout())
     ks = keys(4)
     states = [0, N, 2, N]  # state after chunk 0 and after chunk 2 only
-    res = gclient.store("h0", [chunk(k, range(4 * c, 4 * c + 4), [s]) for c, (k, s) in enumerate(zip(ks, states))])
+    res = gclient.store(
+        "h0", [chunk(k, range(4 * c, 4 * c + 4), [s]) for c, (k, s) in enumerate(zip(ks, states))]
+    )
     assert res["results"] == ["stored"] * 4
     assert lookup(gclient, rank, ks) == 3  # not 4 (no state after chunk 3), not 1 (first gap)
     assert lookup(gclient, rank, ks[:2]) == 1
@@ -45,8 +46,14 @@ def test_missing_state_shortens_hit_to_last_boundary_with_state(gclient, ranks):
     expect_state = rank.blocks(1, [2])
     rank.kv[0][:, 40:52] = 0
     rank.kv[1][:, 30] = 0
-    out = gclient.retrieve("h0", [chunk(ks[0], range(40, 44), [N]), chunk(ks[1], range(44, 48), [N]),
-                                  chunk(ks[2], range(48, 52), [30])])
+    out = gclient.retrieve(
+        "h0",
+        [
+            chunk(ks[0], range(40, 44), [N]),
+            chunk(ks[1], range(44, 48), [N]),
+            chunk(ks[2], range(48, 52), [30]),
+        ],
+    )
     assert out == {"ok": [True] * 3, "failed": []}
     np.testing.assert_array_equal(rank.kv[0][:, 40:52], expect_kv)
     np.testing.assert_array_equal(rank.kv[1][:, 30], expect_state[:, 0])

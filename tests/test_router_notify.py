@@ -62,8 +62,9 @@ CHILD = textwrap.dedent("""
 
 class Child:
     def __init__(self, endpoint: str, identity: bytes | None = None, raw: bool = False):
-        code = CHILD.format(tests=str(TESTS), endpoint=endpoint, identity=identity.hex() if identity else "",
-                            raw=raw)
+        code = CHILD.format(
+            tests=str(TESTS), endpoint=endpoint, identity=identity.hex() if identity else "", raw=raw
+        )
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         self.shm: list[str] = []
         self.lease = 0
@@ -107,8 +108,11 @@ def children():
 
 def held(d) -> dict:
     st = d.status()
-    return {"sessions": st["sessions"], "instances": [i["instance"] for i in st["instances"]],
-            "leases": st["leases_active"]}
+    return {
+        "sessions": st["sessions"],
+        "instances": [i["instance"] for i in st["instances"]],
+        "leases": st["leases_active"],
+    }
 
 
 HELD = {"sessions": 1, "instances": ["doomed"], "leases": 1}
@@ -156,8 +160,9 @@ def test_without_drop_on_disconnect_they_stay_until_the_heartbeat_timeout(daemon
     assert st["sessions_reaped"] == 1 and st["sessions_disconnected"] == 0
 
 
-def test_a_session_whose_identity_a_new_connection_took_over_stays_when_the_old_one_closes(daemon, children,
-                                                                                          raw):
+def test_a_session_whose_identity_a_new_connection_took_over_stays_when_the_old_one_closes(
+    daemon, children, raw
+):
     """ROUTER_HANDOVER: a second connection with the same routing identity (a client that
     reconnected before its old connection was seen to close) takes the session over; the old
     connection's end must not drop it."""
@@ -284,14 +289,14 @@ def test_a_new_connection_on_the_fd_of_one_that_closed_is_another_connection(wat
         ia, ib = os.urandom(8), os.urandom(8)
         a = w.dealer(ia)
         a.send(b"x")
-        (_, fd_a), = w.batch()
+        ((_, fd_a),) = w.batch()
         assert w.ended() == []
         a.close()
         time.sleep(0.2)  # A's disconnect waits in the monitor, unread
         b = w.dealer(ib)
         b.send(b"y")
         time.sleep(0.2)
-        (who, fd_b), = w.batch()
+        ((who, fd_b),) = w.batch()
         assert who == ib
         assert w.watch.ended() == [(ia, 0)]
         b.close()
@@ -312,13 +317,13 @@ def test_an_identity_that_reconnected_on_the_same_fd_is_not_dropped(watched):
         identity = os.urandom(8)
         old = w.dealer(identity)
         old.send(b"x")
-        (_, fd_old), = w.batch()
+        ((_, fd_old),) = w.batch()
         old.close()
         time.sleep(0.2)
         new = w.dealer(identity)
         new.send(b"y")
         time.sleep(0.2)
-        (who, fd_new), = w.batch()
+        ((who, fd_new),) = w.batch()
         assert who == identity
         assert w.watch.ended() == []
         new.close()

@@ -46,8 +46,9 @@ NBYTES = 2 * BLOCKS * BLOCK  # two layers
 
 
 def kv_layout(path: str, nbytes: int = NBYTES) -> dict:
-    spans = [block_span((BLOCKS, BLOCK), (BLOCK, 1), 1, 0, tensor=0, offset=li * BLOCKS * BLOCK)
-             for li in range(2)]
+    spans = [
+        block_span((BLOCKS, BLOCK), (BLOCK, 1), 1, 0, tensor=0, offset=li * BLOCKS * BLOCK) for li in range(2)
+    ]
     tensors = [{"handle": {"kind": "shm", "path": path, "offset": 0}, "nbytes": nbytes}]
     return layout(namespace("test-model", uuid.uuid4().hex[:8]), 0, 16, tensors, [group("full", 4, spans)])
 
@@ -249,7 +250,9 @@ def publish_and_register(endpoint: str, base: str) -> tuple[bool, dict]:
 
 def kv_layout_fd(ticket: bytes, index: int = 0) -> dict:
     lay = kv_layout("")
-    lay["tensors"] = [{"handle": {"kind": "fd", "ticket": ticket, "index": index, "offset": 0}, "nbytes": NBYTES}]
+    lay["tensors"] = [
+        {"handle": {"kind": "fd", "ticket": ticket, "index": index, "offset": 0}, "nbytes": NBYTES}
+    ]
     return lay
 
 
@@ -363,9 +366,14 @@ def test_a_thousand_tensors_in_one_file_hold_one_fd(daemon, raw, shm):
 def test_refusals_leave_no_descriptor_behind(daemon, raw, shm):
     """Nor does a layout whose first tensor opened and whose second was refused."""
     folder = shm.folder(shm.name("dir"))
-    bad = [shm.link(shm.name("link"), "/etc/hostname"), f"{shm.link(shm.name('dl'), folder)}/x", folder,
-           shm.file(shm.name("ro"), mode=0o400), shm.file(shm.name("short"), nbytes=100),
-           "/dev/shm/tierd-test-none"]
+    bad = [
+        shm.link(shm.name("link"), "/etc/hostname"),
+        f"{shm.link(shm.name('dl'), folder)}/x",
+        folder,
+        shm.file(shm.name("ro"), mode=0o400),
+        shm.file(shm.name("short"), nbytes=100),
+        "/dev/shm/tierd-test-none",
+    ]
     good = shm.file(shm.name("good"))
     r = raw(daemon)
     r.hello()

@@ -20,12 +20,15 @@ def _missing(self):
 
 
 def our_shm_names(pid: int | None = None) -> list[str]:
-    """/dev/shm entries this process (or ``pid``) made: torch's named files (and links of old tierd versions)."""
+    """/dev/shm entries this process (or ``pid``) made: torch's named files (and links of old
+    tierd versions)."""
     pid = os.getpid() if pid is None else pid
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith((f"torch_{pid}_", f"tierd-kv-{pid}-")))
 
 
-@pytest.mark.parametrize("per_storage_method", [True, False], ids=["torch-with-share-filename", "torch-without"])
+@pytest.mark.parametrize(
+    "per_storage_method", [True, False], ids=["torch-with-share-filename", "torch-without"]
+)
 def test_sharing_kv_tensors_leaves_the_process_sharing_strategy_alone(monkeypatch, per_storage_method):
     """torch.multiprocessing's strategy belongs to the engine (vLLM, its data loaders): sharing
     the KV cache must not switch it, whichever per-storage methods this torch has."""

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks, raw  # noqa: F401 - fixtures
@@ -29,8 +28,13 @@ def test_signal_stops_cleanly(daemon, client_factory, ranks, sig):
 
 
 def serve(endpoint, *extra):
-    return subprocess.run([sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1", *extra],
-                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1", *extra],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
 
 
 def test_second_daemon_on_a_live_socket_is_refused(daemon, client):
@@ -103,8 +107,9 @@ def test_copy_in_flight_at_sigterm_finishes_before_its_memory_goes(daemon_factor
     r.hello()
     r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
     ks = keys(64)  # 64 chunks x 4 blocks x 2 layers x 1 MiB = 512 MiB: a copy that takes a while
-    store = r.send_request("STORE", {"instance": "r", "chunks": [chunk(k, range(4 * i, 4 * i + 4))
-                                                                 for i, k in enumerate(ks)]})
+    store = r.send_request(
+        "STORE", {"instance": "r", "chunks": [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]}
+    )
     time.sleep(0.02)  # the copy has started
     d.proc.send_signal(signal.SIGTERM)
     req_id, ok, reply = r.recv(30)

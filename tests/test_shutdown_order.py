@@ -48,8 +48,13 @@ def test_close_waits_for_running_copies_then_closes_memory_then_the_pool(tmp_pat
     pool_close = d.pool.close
     d.pool.close = lambda: (events.append("pool closed"), pool_close())
     spans = [block_span((16, 256), (256, 1), 1, 0, tensor=0, offset=0)]
-    lay = layout(namespace("m", "f"), 0, 16, [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": 4096}],
-                 [group("full", 4, spans)])
+    lay = layout(
+        namespace("m", "f"),
+        0,
+        16,
+        [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": 4096}],
+        [group("full", 4, spans)],
+    )
     from tierd import handlers
     from tierd.handlers import Call
     from tierd.protocol import messages as m

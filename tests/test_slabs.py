@@ -25,15 +25,18 @@ def test_size_classes_round_to_alignment(alloc):
     assert a.slots_per_slab == SLAB_SLOTS == 8
 
 
-@pytest.mark.parametrize(("slot", "top", "block", "slots"), [
-    (4 * KIB, 30, 32 * KIB, 8),  # 8 slots, nothing wasted
-    (12 * KIB, 30, 128 * KIB, 10),  # 96 KiB would be 8 slots but is no power of two; 8 KiB wasted = 1/16
-    (100 * KIB, 30, 1 * MIB, 10),  # 512 KiB holds only 5
-    (9 * MIB, 30, 64 * MIB, 7),  # 7 slots: SLAB_TARGET_BYTES reached
-    (40 * MIB, 30, 128 * MIB, 3),  # 64 MiB would hold one and waste 24 MiB
-    (1 * MIB, 22, 4 * MIB, 4),  # segments of 4 MiB: as many as fit
-    (8 * MIB, 22, 8 * MIB, 1),  # larger than a segment: one slot (it needs a larger segment)
-])
+@pytest.mark.parametrize(
+    ("slot", "top", "block", "slots"),
+    [
+        (4 * KIB, 30, 32 * KIB, 8),  # 8 slots, nothing wasted
+        (12 * KIB, 30, 128 * KIB, 10),  # 96 KiB would be 8 slots but is no power of two; 8 KiB wasted = 1/16
+        (100 * KIB, 30, 1 * MIB, 10),  # 512 KiB holds only 5
+        (9 * MIB, 30, 64 * MIB, 7),  # 7 slots: SLAB_TARGET_BYTES reached
+        (40 * MIB, 30, 128 * MIB, 3),  # 64 MiB would hold one and waste 24 MiB
+        (1 * MIB, 22, 4 * MIB, 4),  # segments of 4 MiB: as many as fit
+        (8 * MIB, 22, 8 * MIB, 1),  # larger than a segment: one slot (it needs a larger segment)
+    ],
+)
 def test_slabs_are_sized_to_their_class(slot, top, block, slots):
     k = slab_order(slot, top)
     assert 1 << k == block and (1 << k) // slot == slots

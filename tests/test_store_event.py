@@ -2,8 +2,8 @@
 cpu layouts, which have nothing to wait on."""
 
 import pytest
-
 from kv import FakeRank, GroupGeom, keys
+
 from tierd_client import TierdError
 
 
@@ -22,7 +22,9 @@ def test_store_rejects_a_malformed_event(client, event):
     client.register("r0", rank.layout())
     [k] = keys(1)
     with pytest.raises(TierdError) as err:
-        client.call("STORE", {"instance": "r0", "chunks": [{"key": k, "blocks": [[0, 1, 2, 3]]}], "event": event})
+        client.call(
+            "STORE", {"instance": "r0", "chunks": [{"key": k, "blocks": [[0, 1, 2, 3]]}], "event": event}
+        )
     assert err.value.code == "BAD_REQUEST"
     assert "event" in str(err.value)
     rank.close()

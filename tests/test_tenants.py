@@ -83,7 +83,7 @@ def store_as(state, endpoint, identity):
 
 
 def kv_bytes(state, inst, start, n):
-    return state[f"rank-{inst}"].kv[0][:, start:start + n].copy()
+    return state[f"rank-{inst}"].kv[0][:, start : start + n].copy()
 
 
 def ns(salt=""):
@@ -94,7 +94,10 @@ SPECS = [{"kind": "full", "block_tokens": 4, "window_tokens": 0}]
 
 
 def store_body(ks, inst="r0", base=0):
-    return {"instance": inst, "chunks": [chunk(k, range(base + 4 * i, base + 4 * i + 4)) for i, k in enumerate(ks)]}
+    return {
+        "instance": inst,
+        "chunks": [chunk(k, range(base + 4 * i, base + 4 * i + 4)) for i, k in enumerate(ks)],
+    }
 
 
 # ---- tests -----------------------------------------------------------------------------------
@@ -119,8 +122,11 @@ def test_another_tenant_never_hits_nor_overwrites_a_tenants_objects(xdaemon, use
     try:
         a2.call(hello, xdaemon.endpoint)
         a2.call(register, 0x00, "r1")
-        ok, reply = a2.call(call, "LOOKUP", {"namespace": ns(), "keys": ks, "chunk_tokens": 16, "groups": SPECS,
-                                             "lease": False})
+        ok, reply = a2.call(
+            call,
+            "LOOKUP",
+            {"namespace": ns(), "keys": ks, "chunk_tokens": 16, "groups": SPECS, "lease": False},
+        )
         assert ok and reply["chunks"] == 4
         ok, reply = a2.call(call, "RETRIEVE", store_body(ks, "r1", base=32))
         assert ok and reply["ok"] == [True] * 4
@@ -214,8 +220,10 @@ def test_a_sessions_identity_taken_over_by_another_uid_is_refused(xdaemon, users
 
 def _tokens(tmp_path, mode=0o600):
     path = tmp_path / "tokens"
-    path.write_text("# tenant token\nalice alice-token-0123456789\nbob bob-token-0123456789ab\n"
-                    "admin admin-token-0123456789\n")
+    path.write_text(
+        "# tenant token\nalice alice-token-0123456789\nbob bob-token-0123456789ab\n"
+        "admin admin-token-0123456789\n"
+    )
     path.chmod(mode)
     return path
 
@@ -243,11 +251,18 @@ def test_tcp_clients_are_told_apart_by_token(daemon_factory, tmp_path):
         alice.ok("REGISTER", {"instance": "r0", "layout": rank.layout()})
         assert alice.ok("STORE", store_body(ks))["results"] == ["stored"] * 2
         bob, _ = session("bob-token-0123456789ab")
-        assert bob.ok("LOOKUP", {"namespace": ns(), "keys": ks, "chunk_tokens": 16, "groups": SPECS})["chunks"] == 0
+        assert (
+            bob.ok("LOOKUP", {"namespace": ns(), "keys": ks, "chunk_tokens": 16, "groups": SPECS})["chunks"]
+            == 0
+        )
         assert bob.call("CLEAR", {})[1]["code"] == "FORBIDDEN"
         alice2, _ = session("alice-token-0123456789")  # control: the same tenant hits
-        assert alice2.ok("LOOKUP", {"namespace": ns(), "keys": ks, "chunk_tokens": 16, "groups": SPECS,
-                                    "lease": False})["chunks"] == 2
+        assert (
+            alice2.ok(
+                "LOOKUP", {"namespace": ns(), "keys": ks, "chunk_tokens": 16, "groups": SPECS, "lease": False}
+            )["chunks"]
+            == 2
+        )
         admin, (_, hi) = session("admin-token-0123456789")
         assert hi["operator"] is True and admin.ok("CLEAR", {})["evicted"] == 2
     finally:
@@ -259,6 +274,11 @@ def test_a_tcp_socket_needs_tokens_or_insecure_tcp_and_a_private_token_file(tmp_
     cmd = [sys.executable, "-m", "tierd", "serve", "--socket", f"tcp://127.0.0.1:{port}", "--http-port", "-1"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert out.returncode == 2 and "--tcp-token-file" in out.stderr and "--insecure-tcp" in out.stderr
-    out = subprocess.run([*cmd, "--tcp-token-file", str(_tokens(tmp_path, 0o644))], capture_output=True, text=True,
-                         cwd=ROOT, timeout=30)
+    out = subprocess.run(
+        [*cmd, "--tcp-token-file", str(_tokens(tmp_path, 0o644))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+    )
     assert out.returncode == 2 and "chmod 0600" in out.stderr

@@ -1,4 +1,5 @@
-"""The tiny test model: the shape the vLLM tests rely on, the same bytes every build, safe under racing builders."""
+"""The tiny test model: the shape the vLLM tests rely on, the same bytes every build, safe under
+racing builders."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_model import MARKER, RECIPE, build_tiny_llama
 
 HERE = Path(__file__).resolve().parent
@@ -38,12 +38,18 @@ def test_every_build_gives_the_same_bytes(tiny_model, tmp_path):
 
 def test_racing_builders_leave_one_complete_folder(tiny_model, tmp_path):
     target = tmp_path / "raced"
-    procs = [subprocess.Popen([sys.executable, str(HERE / "tiny_model.py"), str(target)], stdout=subprocess.PIPE,
-                              text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "tiny_model.py"), str(target)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=240)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert set(outs) == {str(target)}
     assert _digests(target) == _digests(tiny_model)
     assert json.loads((target / MARKER).read_text())["recipe"] == RECIPE
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".raced.") and not p.name.endswith(".lock")]
+    leftovers = [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".raced.") and not p.name.endswith(".lock")
+    ]
     assert leftovers == []  # no temporary folders left behind

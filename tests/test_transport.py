@@ -3,7 +3,6 @@ ranks share N copy threads and still round-trip byte for byte, concurrently."""
 
 import numpy as np
 import pytest
-
 from conftest import free_port
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
@@ -26,15 +25,19 @@ def test_tcp_endpoint_round_trip(daemon_factory, client_factory, ranks):
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_shared_copy_lanes(daemon_factory, client_factory, ranks, workers):
     d = daemon_factory("--workers", workers)
-    geoms = [GroupGeom("full", layers=3, block_bytes=4096), GroupGeom("state", block_bytes=8192, block_tokens=16)]
+    geoms = [
+        GroupGeom("full", layers=3, block_bytes=4096),
+        GroupGeom("state", block_bytes=8192, block_tokens=16),
+    ]
     rs = [ranks(*geoms, rank=i, world_size=3, fingerprint="w") for i in range(3)]
     cs = [client_factory(d) for _ in rs]
     for i, (c, r) in enumerate(zip(cs, rs)):
         c.register(f"w{i}", r.layout())
     ks = keys(8)
     body = [chunk(k, range(4 * j, 4 * j + 4), [j]) for j, k in enumerate(ks)]
-    futs = [c.store_async(f"w{i}", body[:4]) for i, c in enumerate(cs)] + \
-           [c.store_async(f"w{i}", body[4:]) for i, c in enumerate(cs)]
+    futs = [c.store_async(f"w{i}", body[:4]) for i, c in enumerate(cs)] + [
+        c.store_async(f"w{i}", body[4:]) for i, c in enumerate(cs)
+    ]
     assert all(f.result()["results"] == ["stored"] * 4 for f in futs)
     assert cs[0].lookup(rs[0].ns, ks, rs[0].specs(), 16, lease=False)["chunks"] == 8
     back = [chunk(k, range(32 + 4 * j, 36 + 4 * j), [40 + j]) for j, k in enumerate(ks)]

@@ -30,8 +30,11 @@ def put(pool, i, nbytes):
 
 
 def layout(pool) -> list[tuple]:
-    return sorted((s.segment.index, s.offset, s.order, s.cls.slot_bytes, s.nslots)
-                  for c in pool.slabs.classes.values() for s in c.slabs)
+    return sorted(
+        (s.segment.index, s.offset, s.order, s.cls.slot_bytes, s.nslots)
+        for c in pool.slabs.classes.values()
+        for s in c.slabs
+    )
 
 
 def test_slabs_moved_between_classes_come_back_at_their_blocks(shm_dir):

@@ -26,8 +26,9 @@ SEED = int(os.environ.get("TIERD_CRASH_SEED", "1234"))
 def spawn(*args: str) -> subprocess.Popen:
     path = os.pathsep.join([str(Path(WRITER).parent), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    return subprocess.Popen([sys.executable, WRITER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, WRITER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def kill(proc: subprocess.Popen) -> str:
@@ -81,8 +82,11 @@ def test_a_kill_loses_no_durable_commit_and_serves_no_write_in_flight(shm_dir):
         for k, v in expect["live"]:
             obj = pool.find_ready(ns, k.encode(), next(iter(pw.span_of(ns, k.encode()))), 0)
             assert obj is not None and obj.label == f"v{v}"
-        assert all(pool.find_ready(pw.NAMESPACES[1], pw.key(i), g, 1) is None
-                   for i in range(pw.KEYS, pw.KEYS + 4) for g in range(3))
+        assert all(
+            pool.find_ready(pw.NAMESPACES[1], pw.key(i), g, 1) is None
+            for i in range(pw.KEYS, pw.KEYS + 4)
+            for g in range(3)
+        )
         for lru in pool.lru.values():  # no touches after the commits: recency is commit order
             versions = [int(o.label[1:]) for o in lru]
             assert versions == sorted(versions)

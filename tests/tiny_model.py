@@ -64,11 +64,25 @@ GEMMA3_WINDOWS = (16, 32, 64, 100)  # smaller than a 32-token block, one block, 
 
 def _gemma3(window: int, hidden: int = 128, heads: int = 2, full_first: bool = False) -> dict:
     return dict(
-        vocab_size=CONFIG["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-        num_attention_heads=heads, num_key_value_heads=1, head_dim=32, max_position_embeddings=8192,
-        rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=True,
-        query_pre_attn_scalar=32, sliding_window=window,
-        layer_types=(["full_attention", "sliding_attention"] if full_first else ["sliding_attention", "full_attention"]) * 2,
+        vocab_size=CONFIG["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=32,
+        sliding_window=window,
+        layer_types=(
+            ["full_attention", "sliding_attention"] if full_first else ["sliding_attention", "full_attention"]
+        )
+        * 2,
     )
 
 
@@ -143,14 +157,18 @@ def _flock(lock_path: Path):
 
 def _corpus() -> list[str]:
     """A deterministic, varied English-ish corpus so BPE learns real merges (no randomness involved)."""
-    words = ("the quick brown fox jumps over lazy dog cache tier daemon page block chunk token prefix "
-             "engine worker store lookup retrieve lease memory host pool shared model layer head key "
-             "value attention request reply error counter status hello world paris france capital").split()
+    words = (
+        "the quick brown fox jumps over lazy dog cache tier daemon page block chunk token prefix "
+        "engine worker store lookup retrieve lease memory host pool shared model layer head key "
+        "value attention request reply error counter status hello world paris france capital"
+    ).split()
     lines = []
     for i in range(3000):
         n = 6 + i % 11
         picked = [words[(i * 7 + j * 13 + (i // 5) * j) % len(words)] for j in range(n)]
-        lines.append(" ".join(picked).capitalize() + f" {i}. " + ("KV-cache #%d, block=%d." % (i % 97, i % 32)))
+        lines.append(
+            " ".join(picked).capitalize() + f" {i}. " + ("KV-cache #%d, block=%d." % (i % 97, i % 32))  # noqa: UP031 - the model's bytes
+        )
     lines += ["Hello, my name is vLLM. The capital of France is Paris. KV cache tiering daemon."] * 100
     return lines
 
@@ -171,7 +189,10 @@ def _build_tokenizer(out: Path) -> None:
     tok.train_from_iterator(_corpus(), trainer)
     assert tok.get_vocab_size() <= CONFIG["vocab_size"], tok.get_vocab_size()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         model_max_length=CONFIG["max_position_embeddings"],
     )
     assert fast.bos_token_id == CONFIG["bos_token_id"] and fast.eos_token_id == CONFIG["eos_token_id"]
@@ -202,8 +223,13 @@ def _build_into(out: Path, recipe: str) -> None:
     _build_model(out, recipe)
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != MARKER)
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-    (out / MARKER).write_text(json.dumps({"recipe": recipe, "seed": SEED, "config": RECIPES[recipe][2], "sha256": digest},
-                                         indent=1, sort_keys=True))
+    (out / MARKER).write_text(
+        json.dumps(
+            {"recipe": recipe, "seed": SEED, "config": RECIPES[recipe][2], "sha256": digest},
+            indent=1,
+            sort_keys=True,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ def make_user():
 
     def make() -> User:
         name = f"tierdt{uuid.uuid4().hex[:8]}"
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+            capture_output=True,
+        )
         made.append(name)
         pw = pwd.getpwnam(name)
         return User(name, pw.pw_uid, pw.pw_gid)

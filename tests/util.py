@@ -4,7 +4,6 @@ themselves (shared-memory ranks, raw sockets, clients in either object-grouping 
 from __future__ import annotations
 
 import pytest
-
 from kv import FakeRank, GroupGeom
 from wire import Raw
 

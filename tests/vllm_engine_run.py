@@ -47,18 +47,31 @@ def main() -> None:
             "kv_connector_module_path": "tierd_client.vllm_connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tierd.url": args.url, "tierd.chunk_tokens": args.chunk_tokens,
-                                          "tierd.timeout_s": 5, "tierd.lookup_timeout_s": 2},
+            "kv_connector_extra_config": {
+                "tierd.url": args.url,
+                "tierd.chunk_tokens": args.chunk_tokens,
+                "tierd.timeout_s": 5,
+                "tierd.lookup_timeout_s": 2,
+            },
         }
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=4096, enforce_eager=not args.compile, block_size=32,
-              max_num_seqs=args.max_num_seqs, seed=0, **kw)
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        max_model_len=4096,
+        enforce_eager=not args.compile,
+        block_size=32,
+        max_num_seqs=args.max_num_seqs,
+        seed=0,
+        **kw,
+    )
     batches = json.loads(Path(args.prompts).read_text())
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                        logprobs=1 if args.logprobs else None)
+    sp = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=1 if args.logprobs else None
+    )
     result = {"outputs": [], "cached": [], "ttft_s": [], "logprobs": []}
     for i, batch in enumerate(batches):
         t = time.perf_counter()
@@ -67,8 +80,10 @@ def main() -> None:
         result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
         result["cached"] += [o.num_cached_tokens for o in outs]
         if args.logprobs:
-            result["logprobs"] += [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                                   for o in outs]
+            result["logprobs"] += [
+                [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outs
+            ]
         if i == args.pause_after_batch:
             Path(args.pause_file + ".paused").write_text("1")
             deadline = time.monotonic() + 120

@@ -46,13 +46,17 @@ def tokens_bytes(tokens, positions, layer: int) -> np.ndarray:
     """``token_bytes`` of many (token, position) pairs at once: [n, TOK_BYTES] int8."""
     t = np.asarray(tokens, dtype=np.uint64)
     p = np.asarray(positions, dtype=np.uint64)
-    base = (t * np.uint64(1315423911) + p * np.uint64(2654435761) + np.uint64(layer * 97)) & np.uint64(0xFFFFFFFF)
+    base = (t * np.uint64(1315423911) + p * np.uint64(2654435761) + np.uint64(layer * 97)) & np.uint64(
+        0xFFFFFFFF
+    )
     pair = np.stack([base, base ^ np.uint64(0x5BD1E995)], axis=1).astype(np.uint32)
     return pair.view(np.int8).reshape(len(t), TOK_BYTES)
 
 
 def state_bytes(tokens: list[int], layer: int) -> np.ndarray:
-    h = hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes() + bytes([layer]), digest_size=STATE_BYTES)
+    h = hashlib.blake2b(
+        np.asarray(tokens, dtype=np.int64).tobytes() + bytes([layer]), digest_size=STATE_BYTES
+    )
     return np.frombuffer(h.digest(), dtype=np.int8)
 
 
@@ -62,56 +66,131 @@ def make_specs(groups: list[GroupDef]):
     specs = []
     for g in groups:
         if g.kind == "full":
-            specs.append(FullAttentionSpec(block_size=g.block_size, num_kv_heads=1, head_size=TOK_BYTES // 4,
-                                           dtype=torch.int8))
+            specs.append(
+                FullAttentionSpec(
+                    block_size=g.block_size, num_kv_heads=1, head_size=TOK_BYTES // 4, dtype=torch.int8
+                )
+            )
         elif g.kind == "sliding":
-            specs.append(SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=TOK_BYTES // 4,
-                                           dtype=torch.int8, sliding_window=g.window))
+            specs.append(
+                SlidingWindowSpec(
+                    block_size=g.block_size,
+                    num_kv_heads=1,
+                    head_size=TOK_BYTES // 4,
+                    dtype=torch.int8,
+                    sliding_window=g.window,
+                )
+            )
         elif g.kind == "mamba":
-            specs.append(MambaSpec(block_size=g.block_size, shapes=((STATE_BYTES,),), dtypes=(torch.int8,),
-                                   mamba_cache_mode="align"))
+            specs.append(
+                MambaSpec(
+                    block_size=g.block_size,
+                    shapes=((STATE_BYTES,),),
+                    dtypes=(torch.int8,),
+                    mamba_cache_mode="align",
+                )
+            )
         else:
             raise ValueError(g.kind)
     return specs
 
 
-def make_vllm_config(model_dir: str, url: str, block_size: int, chunk_tokens: int, *, max_batched: int = 256,
-                     extra: dict | None = None, mamba: bool = False, spec_tokens: int = 0,
-                     kv_events: dict | None = None):
+def make_vllm_config(
+    model_dir: str,
+    url: str,
+    block_size: int,
+    chunk_tokens: int,
+    *,
+    max_batched: int = 256,
+    extra: dict | None = None,
+    mamba: bool = False,
+    spec_tokens: int = 0,
+    kv_events: dict | None = None,
+):
     """vLLM's own config objects for a CPU engine with TierdConnector (no model is loaded)."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     mc = ModelConfig(model=model_dir, dtype="bfloat16", seed=0, max_model_len=4096, skip_tokenizer_init=True)
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
-                         enable_chunked_prefill=True, is_encoder_decoder=False)
-    cc = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
-                     enable_prefix_caching=True, **({"mamba_cache_mode": "align"} if mamba else {}))
-    cfg_extra = {"tierd.url": url, "tierd.chunk_tokens": chunk_tokens, "tierd.timeout_s": 5,
-                 "tierd.lookup_timeout_s": 2, **(extra or {})}
-    kvt = KVTransferConfig(kv_connector="TierdConnector", kv_connector_module_path="tierd_client.vllm_connector",
-                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                           kv_connector_extra_config=cfg_extra, engine_id=uuid.uuid4().hex)
+    sc = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_batched,
+        max_model_len=4096,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cc = CacheConfig(
+        block_size=block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
+        **({"mamba_cache_mode": "align"} if mamba else {}),
+    )
+    cfg_extra = {
+        "tierd.url": url,
+        "tierd.chunk_tokens": chunk_tokens,
+        "tierd.timeout_s": 5,
+        "tierd.lookup_timeout_s": 2,
+        **(extra or {}),
+    }
+    kvt = KVTransferConfig(
+        kv_connector="TierdConnector",
+        kv_connector_module_path="tierd_client.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=cfg_extra,
+        engine_id=uuid.uuid4().hex,
+    )
     spec = {}
     if spec_tokens:
         from vllm.config import ParallelConfig, SpeculativeConfig
 
         spec["speculative_config"] = SpeculativeConfig(
-            method="ngram", num_speculative_tokens=spec_tokens, prompt_lookup_max=4, prompt_lookup_min=2,
-            target_model_config=mc, target_parallel_config=ParallelConfig())
+            method="ngram",
+            num_speculative_tokens=spec_tokens,
+            prompt_lookup_max=4,
+            prompt_lookup_min=2,
+            target_model_config=mc,
+            target_parallel_config=ParallelConfig(),
+        )
     if kv_events is not None:  # KVEventsConfig fields, e.g. {"enable_kv_cache_events": True, "endpoint": ...}
         from vllm.config import KVEventsConfig
 
         spec["kv_events_config"] = KVEventsConfig(**kv_events)
-    return VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kvt,
-                      device_config=DeviceConfig("cpu"), **spec)
+    return VllmConfig(
+        scheduler_config=sc,
+        model_config=mc,
+        cache_config=cc,
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+        **spec,
+    )
 
 
 class SimEngine:
     """One scheduler + one worker connector (TP=1) over simulated KV tensors."""
 
-    def __init__(self, model_dir: str, url: str, groups: list[GroupDef], *, num_blocks: int = 256,
-                 chunk_tokens: int = 64, max_batched: int = 256, extra: dict | None = None,
-                 spec_tokens: int = 0, spec_accept: int = 0, share_pages: bool = True, kv_events: dict | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        url: str,
+        groups: list[GroupDef],
+        *,
+        num_blocks: int = 256,
+        chunk_tokens: int = 64,
+        max_batched: int = 256,
+        extra: dict | None = None,
+        spec_tokens: int = 0,
+        spec_accept: int = 0,
+        share_pages: bool = True,
+        kv_events: dict | None = None,
+    ):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -125,16 +204,32 @@ class SimEngine:
         # spec_accept of them right (accepted), the rest wrong (rejected, their KV garbage)
         self.spec_tokens, self.spec_accept = spec_tokens, spec_accept
         self.vllm_config = vc = make_vllm_config(
-            model_dir, url, self.block_size, chunk_tokens, max_batched=max_batched, extra=extra,
-            mamba=any(g.kind == "mamba" for g in groups), spec_tokens=spec_tokens, kv_events=kv_events)
+            model_dir,
+            url,
+            self.block_size,
+            chunk_tokens,
+            max_batched=max_batched,
+            extra=extra,
+            mamba=any(g.kind == "mamba" for g in groups),
+            spec_tokens=spec_tokens,
+            kv_events=kv_events,
+        )
         specs = make_specs(groups)
         self.layer_names = [[f"g{gi}.layer{l}" for l in range(g.layers)] for gi, g in enumerate(groups)]
-        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in zip(self.layer_names, specs)])
+        kcc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in zip(self.layer_names, specs)],
+        )
         vc.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = kcc
-        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(vc), block_size=self.block_size)
+        self.scheduler = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=self.block_size,
+        )
         self.connector = self.scheduler.connector
         assert isinstance(self.connector, TierdConnector)
         self.worker = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
@@ -144,7 +239,9 @@ class SimEngine:
         shared: dict[tuple, torch.Tensor] = {}
         for gi, g in enumerate(groups):
             for li, name in enumerate(self.layer_names[gi]):
-                shape = (num_blocks, STATE_BYTES) if g.kind == "mamba" else (num_blocks, g.block_size, TOK_BYTES)
+                shape = (
+                    (num_blocks, STATE_BYTES) if g.kind == "mamba" else (num_blocks, g.block_size, TOK_BYTES)
+                )
                 key = (shape, li) if g.kind != "mamba" and share_pages else (name,)
                 if key not in shared:
                     shared[key] = torch.zeros(shape, dtype=torch.int8)
@@ -159,18 +256,33 @@ class SimEngine:
         self.on_forward = None
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None,
-            kv_transfer_params: dict | None = None):
+    def add(
+        self,
+        req_id: str,
+        tokens: list[int],
+        max_tokens: int = 4,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ):
         from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.request import Request
-        from vllm.utils.hashing import sha256
 
         init_none_hash(sha256)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
-        req = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                      cache_salt=cache_salt, block_hasher=get_request_block_hasher(self.block_size, sha256))
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(self.block_size, sha256),
+        )
         self.scheduler.add_request(req)
         return req
 
@@ -210,12 +322,20 @@ class SimEngine:
                 ok += 1
             sampled.append([self.true_token(n_out + i) for i in range(ok + 1)] if done_prefill else [])
         out = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
-            kv_connector_output=KVConnectorOutput(finished_sending=res.finished_sending,
-                                                  finished_recving=res.finished_recving,
-                                                  failed_recving=res.failed_recving, invalid_block_ids=invalid,
-                                                  kv_cache_events=kv_events, kv_connector_worker_meta=wmeta),
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=res.finished_sending,
+                finished_recving=res.finished_recving,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=invalid,
+                kv_cache_events=kv_events,
+                kv_connector_worker_meta=wmeta,
+            ),
         )
         engine_out = self.scheduler.update_from_output(so, out)
         if self.spec_tokens:
@@ -225,8 +345,12 @@ class SimEngine:
             drafts = []
             for r in live:
                 n_out = len(self.scheduler.requests[r].output_token_ids)
-                drafts.append([self.true_token(n_out + i) if i < self.spec_accept else 3
-                               for i in range(self.spec_tokens)])
+                drafts.append(
+                    [
+                        self.true_token(n_out + i) if i < self.spec_accept else 3
+                        for i in range(self.spec_tokens)
+                    ]
+                )
             self.scheduler.update_draft_token_ids(DraftTokenIds(live, drafts))
         for outs in engine_out.values():
             for o in outs.outputs:
@@ -250,8 +374,9 @@ class SimEngine:
             so = self.step(after_schedule)
             if not so.num_scheduled_tokens:
                 time.sleep(idle_sleep)  # waiting for a load: let the daemon answer
-        raise AssertionError(f"requests still unfinished after {max_steps} steps: "
-                             f"{[r for r in self.scheduler.requests]}")
+        raise AssertionError(
+            f"requests still unfinished after {max_steps} steps: {[r for r in self.scheduler.requests]}"
+        )
 
     def _forward(self, so):
         """Write what a model would, then check what its attention read (``stale_reads``)."""
@@ -260,8 +385,10 @@ class SimEngine:
         self._write(so)
         bad = self.stale_reads(so)
         if bad:
-            raise AssertionError(f"step {self.steps}: {len(bad)} positions read stale KV, first "
-                                 f"(request, group, layer, position, block): {bad[:6]}")
+            raise AssertionError(
+                f"step {self.steps}: {len(bad)} positions read stale KV, first "
+                f"(request, group, layer, position, block): {bad[:6]}"
+            )
 
     def stale_reads(self, so) -> list[tuple]:
         """Positions this step's attention reads that do not hold their token's bytes. Checked after
@@ -282,7 +409,7 @@ class SimEngine:
                             b = ids[gi][(start - 1) // g.block_size]
                             self.reads_checked += 1
                             if not np.array_equal(kv[b], state_bytes(tokens[:start], li)):
-                                bad.append((rid, gi, li, "state@%d" % start, b))
+                                bad.append((rid, gi, li, f"state@{start}", b))
                         continue
                     lo = 0 if g.kind == "full" else max(0, start - g.window + 1)
                     pos = np.arange(lo, min(start, len(tokens)))
@@ -321,8 +448,12 @@ class SimEngine:
         g = self.groups[gi]
         if g.kind == "mamba":
             return state_bytes(tokens[: (block_index + 1) * g.block_size], layer)
-        return np.stack([token_bytes(tokens[p], p, layer)
-                         for p in range(block_index * g.block_size, (block_index + 1) * g.block_size)])
+        return np.stack(
+            [
+                token_bytes(tokens[p], p, layer)
+                for p in range(block_index * g.block_size, (block_index + 1) * g.block_size)
+            ]
+        )
 
     def first_computed(self, rid: str) -> int:
         """Position of the first token the forward computed for ``rid`` (the hit before it)."""
@@ -330,7 +461,8 @@ class SimEngine:
 
     def assert_restored(self, rid: str, tokens: list[int], upto: int) -> None:
         """KV of positions [0, upto) in rid's blocks equals what a forward writes, in every group
-        (full: every block; sliding: the blocks in the window before ``upto``; mamba: the state at ``upto``)."""
+        (full: every block; sliding: the blocks in the window before ``upto``; mamba: the state at
+        ``upto``)."""
         ids = self.block_ids[rid]
         for gi, g in enumerate(self.groups):
             for li, name in enumerate(self.layer_names[gi]):
@@ -341,8 +473,11 @@ class SimEngine:
                     continue
                 first = 0 if g.kind == "full" else max(0, (upto - g.window + 1) // g.block_size)
                 for b in range(first, upto // g.block_size):
-                    np.testing.assert_array_equal(kv[ids[gi][b]], self.expected_block(gi, li, tokens, b),
-                                                  err_msg=f"group {gi} layer {li} block {b}")
+                    np.testing.assert_array_equal(
+                        kv[ids[gi][b]],
+                        self.expected_block(gi, li, tokens, b),
+                        err_msg=f"group {gi} layer {li} block {b}",
+                    )
 
     def flush(self):
         """Wait for the stores this engine sent (a real engine does not need to)."""

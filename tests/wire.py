@@ -75,7 +75,9 @@ class Raw:
         return reply["code"]
 
     def hello(self, **extra) -> dict:
-        return self.ok("HELLO", {"protocol": PROTOCOL_VERSION, "client": "raw-test", "pid": os.getpid(), **extra})
+        return self.ok(
+            "HELLO", {"protocol": PROTOCOL_VERSION, "client": "raw-test", "pid": os.getpid(), **extra}
+        )
 
     def close(self) -> None:
         self.sock.close(linger=0)

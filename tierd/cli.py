@@ -48,7 +48,9 @@ def serve(**kwargs):
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     _check_ceiling(settings)
     if settings.tcp_token_file:
@@ -77,10 +79,15 @@ def serve(**kwargs):
         daemon.start_http()
     except OSError as exc:
         daemon.close()  # nothing served yet: the socket file goes too
-        raise click.UsageError(f"--http-port {settings.http_port} on {settings.http_host}: {exc.strerror or exc} "
-                               "(another process listens there? pick another port, 0 for any, or -1 for none)") from None
+        raise click.UsageError(
+            f"--http-port {settings.http_port} on {settings.http_host}: {exc.strerror or exc} "
+            "(another process listens there? pick another port, 0 for any, or -1 for none)"
+        ) from None
     if daemon.http_port is not None:
-        click.echo(f"tierd: serving {settings.socket}, HTTP on http://{settings.http_host}:{daemon.http_port}", err=True)
+        click.echo(
+            f"tierd: serving {settings.socket}, HTTP on http://{settings.http_host}:{daemon.http_port}",
+            err=True,
+        )
     daemon.run()
 
 
@@ -104,13 +111,19 @@ def _check_ceiling(settings: Settings) -> None:
     except (ValueError, OSError):
         return
     if settings.ceiling_bytes > host:
-        raise click.UsageError(f"--l1-size-gb {settings.l1_size_gb:g} GiB is more than this host's memory "
-                               f"({host / 2**30:.1f} GiB)")
+        raise click.UsageError(
+            f"--l1-size-gb {settings.l1_size_gb:g} GiB is more than this host's memory "
+            f"({host / 2**30:.1f} GiB)"
+        )
 
 
 @main.command()
 @click.option("--socket", default=None, help=f"{SOCKET_HELP} [default: {default_socket()}]")
-@click.option("--url", default=None, help="Read /status over HTTP from this base URL instead (e.g. http://127.0.0.1:9800).")
+@click.option(
+    "--url",
+    default=None,
+    help="Read /status over HTTP from this base URL instead (e.g. http://127.0.0.1:9800).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status object.")
 def status(socket, url, as_json):
     """Show a running daemon's status as a table."""
@@ -160,19 +173,44 @@ def _status_socket(socket: str) -> dict:
 @click.option("--chunks", default=64, show_default=True, help="Chunks stored and retrieved per round.")
 @click.option("--batch", default=8, show_default=True, help="Chunks per STORE/RETRIEVE request.")
 @click.option("--rounds", default=3, show_default=True, help="Timed rounds (best is reported).")
-@click.option("--pool-gb", default=None, type=float, help="Pool ceiling of the private daemon. [default: sized to fit]")
-@click.option("--interference", is_flag=True,
-              help="CUDA: time a bf16 matmul and an HBM-bound copy alone, while tierd copies, and while raw DMA runs.")
+@click.option(
+    "--pool-gb", default=None, type=float, help="Pool ceiling of the private daemon. [default: sized to fit]"
+)
+@click.option(
+    "--interference",
+    is_flag=True,
+    help="CUDA: time a bf16 matmul and an HBM-bound copy alone, while tierd copies, and while raw DMA runs.",
+)
 @click.option("--staging-mb", default=1024, show_default=True, help="CUDA: the engine's staging buffer, MiB.")
-@click.option("--impl", type=click.Choice(["auto", "kernel", "torch"]), default="auto", show_default=True,
-              help="CUDA: engine-side gather/scatter: native kernels, the torch fallback, or kernels once built.")
-@click.option("--ctas", default=0, show_default=True, type=click.IntRange(min=0),
-              help="CUDA: CTAs per engine-side gather/scatter kernel (0: 8 per multiprocessor).")
-@click.option("--ranks", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Engine processes (TP ranks) on one daemon at once, each its own KV buffer (CUDA: GPU rank % "
-                   "GPUs); timed in shared windows next to raw copies run the same way.")
-@click.option("--seconds", default=2.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="With --ranks > 1: the length of each timed window.")
+@click.option(
+    "--impl",
+    type=click.Choice(["auto", "kernel", "torch"]),
+    default="auto",
+    show_default=True,
+    help="CUDA: engine-side gather/scatter: native kernels, the torch fallback, or kernels once built.",
+)
+@click.option(
+    "--ctas",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="CUDA: CTAs per engine-side gather/scatter kernel (0: 8 per multiprocessor).",
+)
+@click.option(
+    "--ranks",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Engine processes (TP ranks) on one daemon at once, each its own KV buffer (CUDA: GPU rank % "
+    "GPUs); timed in shared windows next to raw copies run the same way.",
+)
+@click.option(
+    "--seconds",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --ranks > 1: the length of each timed window.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object of figures.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench(as_json, quiet, **opts):

@@ -137,9 +137,15 @@ class ConnectionWatch:
                 if now - self._said > 10:
                     self._said = now
                     who = "tcp://" if peer == NOT_UNIX else f"uid {peer}"
-                    log.warning("closed a new connection of %s: %d connections in all (--max-connections "
-                                "%d), %d of its own (2 x --max-sessions-per-peer = %d)", who, len(self._open),
-                                self.max_total, n, self.max_per_peer)
+                    log.warning(
+                        "closed a new connection of %s: %d connections in all (--max-connections "
+                        "%d), %d of its own (2 x --max-sessions-per-peer = %d)",
+                        who,
+                        len(self._open),
+                        self.max_total,
+                        n,
+                        self.max_per_peer,
+                    )
         except OSError:  # gone already, or no descriptor left to look: counted, its disconnect uncounts it
             pass
         finally:

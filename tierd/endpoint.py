@@ -74,7 +74,7 @@ def bind(router: zmq.Socket, url: str, socket_mode: str) -> Endpoint:
         # any local user may connect; peer credentials still come with every message)
         _zmq_bind(router, url)
         return Endpoint(url, None, None, None)
-    path = os.path.abspath(url[len("ipc://"):])
+    path = os.path.abspath(url[len("ipc://") :])
     check_folder(os.path.dirname(path))
     fd = take_lock(path + LOCK_SUFFIX, url)
     try:
@@ -106,8 +106,10 @@ def check_folder(folder: str, uid: int | None = None) -> None:
     _check_ancestors(folder, uid)
     st = os.lstat(folder)
     if stat.S_ISLNK(st.st_mode):
-        raise EndpointError(f"socket folder {folder} is a symlink (to {os.readlink(folder)}): give --socket "
-                            "a path in the real folder")
+        raise EndpointError(
+            f"socket folder {folder} is a symlink (to {os.readlink(folder)}): give --socket "
+            "a path in the real folder"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise EndpointError(f"socket folder {folder} is not a directory")
     if st.st_uid != uid:
@@ -115,12 +117,14 @@ def check_folder(folder: str, uid: int | None = None) -> None:
             f"socket folder {folder} is owned by {_user(st.st_uid)}, not by this daemon's user {_user(uid)} "
             f"(mode {_mode(st)}): its owner could move the socket away. Remove the folder (it is created "
             f"0700 when missing), `chown {_name(uid)} {folder}`, or give --socket a path in a folder this "
-            "user owns")
+            "user owns"
+        )
     if st.st_mode & 0o022:
         raise EndpointError(
             f"socket folder {folder} (owner {_user(st.st_uid)}, group {_group(st.st_gid)}, mode {_mode(st)}) "
             f"is writable by {_who(st.st_mode)}, who could move the socket away: `chmod go-w {folder}` "
-            "(0700, or 0750 for a group of engines)")
+            "(0700, or 0750 for a group of engines)"
+        )
 
 
 def take_lock(lock_path: str, url: str) -> int:
@@ -130,19 +134,25 @@ def take_lock(lock_path: str, url: str) -> int:
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise EndpointError(f"cannot open the lock file {lock_path}: {exc.strerror} "
-                                f"({_describe(lock_path)}); remove it if no tierd runs there") from None
+            raise EndpointError(
+                f"cannot open the lock file {lock_path}: {exc.strerror} "
+                f"({_describe(lock_path)}); remove it if no tierd runs there"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise EndpointError(f"lock file {lock_path} is not a regular file of this daemon's user "
-                                    f"({_describe(lock_path)}); remove it if no tierd runs there")
+                raise EndpointError(
+                    f"lock file {lock_path} is not a regular file of this daemon's user "
+                    f"({_describe(lock_path)}); remove it if no tierd runs there"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                raise EndpointError(f"another tierd (pid {pid}) serves {url}: it holds the lock {lock_path}. "
-                                    "Stop it first, or give this daemon another --socket") from None
+                raise EndpointError(
+                    f"another tierd (pid {pid}) serves {url}: it holds the lock {lock_path}. "
+                    "Stop it first, or give this daemon another --socket"
+                ) from None
             try:
                 now = os.stat(lock_path)
             except FileNotFoundError:
@@ -170,9 +180,11 @@ def _check_ancestors(folder: str, uid: int) -> None:
         at = "/" + "/".join(parts[:i])
         st = os.lstat(at)
         if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, uid):
-            raise EndpointError(f"{at}, on the way to the socket folder {folder}, is a symlink owned by "
-                                f"{_user(st.st_uid)}, who could point it elsewhere: give --socket a real "
-                                "path")
+            raise EndpointError(
+                f"{at}, on the way to the socket folder {folder}, is a symlink owned by "
+                f"{_user(st.st_uid)}, who could point it elsewhere: give --socket a real "
+                "path"
+            )
     real = os.path.realpath(folder)
     above = os.path.dirname(real)
     while True:
@@ -182,7 +194,8 @@ def _check_ancestors(folder: str, uid: int) -> None:
                 f"{above}, above the socket folder {real}, is owned by {_user(st.st_uid)} (group "
                 f"{_group(st.st_gid)}, mode {_mode(st)}): whoever can write it can rename the socket folder "
                 "away. Put the socket under folders only root or this daemon's user can write (or sticky "
-                "ones such as /tmp)")
+                "ones such as /tmp)"
+            )
         if above == "/":
             return
         above = os.path.dirname(above)
@@ -198,8 +211,9 @@ def _remove_stale(path: str) -> None:
         os.unlink(path)
         log.info("removed the stale socket %s (no daemon held its lock)", path)
         return
-    raise EndpointError(f"{path} exists and is not a socket ({_describe(path)}): remove it or give another "
-                        "--socket")
+    raise EndpointError(
+        f"{path} exists and is not a socket ({_describe(path)}): remove it or give another --socket"
+    )
 
 
 def _zmq_bind(router: zmq.Socket, url: str) -> None:

@@ -40,8 +40,15 @@ def inbox_path(socket_file: str) -> str:
 
 
 class FdInbox:
-    def __init__(self, path: str, mode: int, max_per_uid: int = 4096, ttl_s: float = 60.0,
-                 max_conns: int = 64, idle_s: float = 5.0):
+    def __init__(
+        self,
+        path: str,
+        mode: int,
+        max_per_uid: int = 4096,
+        ttl_s: float = 60.0,
+        max_conns: int = 64,
+        idle_s: float = 5.0,
+    ):
         self.path = path
         self.max_per_uid, self.ttl_s, self.max_conns, self.idle_s = max_per_uid, ttl_s, max_conns, idle_s
         self._lock = threading.Lock()
@@ -178,12 +185,14 @@ class FdInbox:
             return refuse(f"a message is {MAGIC!r} + a {TICKET_BYTES}-byte ticket")
         if not fds:
             return refuse("no descriptors came with the message")
-        ticket = data[len(MAGIC):]
+        ticket = data[len(MAGIC) :]
         with self._lock:
             have = self._count.get(uid, 0)
             if have + len(fds) > self.max_per_uid:
-                return refuse(f"uid {uid} already has {have} unclaimed descriptors here (--max-files-per-tenant "
-                              f"{self.max_per_uid})")
+                return refuse(
+                    f"uid {uid} already has {have} unclaimed descriptors here (--max-files-per-tenant "
+                    f"{self.max_per_uid})"
+                )
             held, _ = self._held.get((uid, ticket), ([], 0.0))
             held.extend(fds)
             self._held[(uid, ticket)] = (held, time.monotonic())

@@ -118,7 +118,9 @@ class StoreJob(Job):
             raise ProtocolError(ErrorCode.DEVICE_ERROR, f"store copy failed: {type(exc).__name__}: {exc}")
         if self.deadline and time.time() > self.deadline:
             pool.abort(self.plan.objs)  # the client gave up and may already reuse the blocks we read
-            raise ProtocolError(ErrorCode.EXPIRED, "the store finished after its deadline; nothing was stored")
+            raise ProtocolError(
+                ErrorCode.EXPIRED, "the store finished after its deadline; nothing was stored"
+            )
         pool.commit(self.plan.objs)
         if self.touch:  # again after the commit, or the new tail ends up more recent than the head it extends
             pool.touch(self.instance.ns, self.touch)
@@ -161,12 +163,16 @@ class RetrieveJob(Job):
         if self.replied and exc is not None:
             # The engine was told to wait for a copy that then failed: it must not use those blocks.
             # Drop the rank, so its next request fails and the client re-registers (the load is lost).
-            log.error("retrieve DMA for %s failed after its reply: unregistering it (%r)", self.instance.id, exc)
+            log.error(
+                "retrieve DMA for %s failed after its reply: unregistering it (%r)", self.instance.id, exc
+            )
             tier.registry.unregister(self.instance.id)
         return _retrieved(tier, self.instance, self.plan, self.lease, exc)
 
 
-def _retrieved(tier: Tier, inst: Instance, plan: CopyPlan, lease: int, exc: BaseException | None) -> m.RetrieveReply:
+def _retrieved(
+    tier: Tier, inst: Instance, plan: CopyPlan, lease: int, exc: BaseException | None
+) -> m.RetrieveReply:
     if lease:
         tier.registry.consume(lease, inst.layout.rank, inst.tenant)
     if isinstance(exc, Expired):
@@ -201,17 +207,30 @@ def _count_store(stats: Stats, plan: CopyPlan) -> None:
 # ---- sessions ------------------------------------------------------------------------------------
 def hello(tier: Tier, call: Call, msg: m.Hello) -> m.HelloReply:
     if msg.protocol != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
-                            f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {msg.protocol}")
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {msg.protocol}",
+        )
     if tier.tenants is None or call.peer is None:
         session = tier.registry.open_session(call.identity, msg.client, msg.pid)
     else:
         principal = tier.tenants.principal(call.peer, msg.token)
-        session = tier.registry.open_session(call.identity, msg.client, call.peer.pid or msg.pid, principal, call.peer)
+        session = tier.registry.open_session(
+            call.identity, msg.client, call.peer.pid or msg.pid, principal, call.peer
+        )
     s = tier.settings
-    return m.HelloReply(PROTOCOL_VERSION, __version__, tier.boot_id, os.getpid(), s.null_block_id,
-                        s.heartbeat_timeout_s, s.lease_ttl_s, s.max_frame_bytes, session.tenant,
-                        session.principal.operator)
+    return m.HelloReply(
+        PROTOCOL_VERSION,
+        __version__,
+        tier.boot_id,
+        os.getpid(),
+        s.null_block_id,
+        s.heartbeat_timeout_s,
+        s.lease_ttl_s,
+        s.max_frame_bytes,
+        session.tenant,
+        session.principal.operator,
+    )
 
 
 def bye(tier: Tier, call: Call, msg: m.Bye) -> m.Empty:
@@ -230,11 +249,15 @@ def status(tier: Tier, call: Call, msg: m.Status) -> dict:
 def clear(tier: Tier, call: Call, msg: m.Clear) -> m.ClearReply:
     """Operators only: every object, or one namespace's (the caller's own tenant's, or ``tenant``'s)."""
     if not call.session.principal.operator:
-        raise ProtocolError(ErrorCode.FORBIDDEN, "CLEAR is an operator action (the daemon's own user, root, or "
-                            "the tcp:// tenant 'admin')")
+        raise ProtocolError(
+            ErrorCode.FORBIDDEN,
+            "CLEAR is an operator action (the daemon's own user, root, or the tcp:// tenant 'admin')",
+        )
     if msg.namespace is None:
         if msg.tenant is not None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "tenant: names whose namespace to clear; give namespace too")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "tenant: names whose namespace to clear; give namespace too"
+            )
         return m.ClearReply(tier.pool.clear(None))
     tenant = call.tenant if msg.tenant is None else msg.tenant
     return m.ClearReply(tier.pool.clear(scoped_namespace_id(tenant, msg.namespace)))
@@ -284,18 +307,28 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
     ns = msg.namespace
     ranks = 1 if msg.replicated else ns.world_size
     if len(msg.keys) * len(msg.groups) * ranks > MAX_LOOKUP_PARTS:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"keys: {len(msg.keys)} keys x {len(msg.groups)} groups x {ranks} "
-                            f"ranks is more than {MAX_LOOKUP_PARTS} parts in one LOOKUP: look up a prefix of the "
-                            "keys (tierd_client does)")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"keys: {len(msg.keys)} keys x {len(msg.groups)} groups x {ranks} "
+            f"ranks is more than {MAX_LOOKUP_PARTS} parts in one LOOKUP: look up a prefix of the "
+            "keys (tierd_client does)",
+        )
     tenant = call.tenant
     ns_id = scoped_namespace_id(tenant, ns)
     registered = tier.registry.registered_layout(ns_id)
     if registered is not None:
         inst_id, lay = registered
-        if (lay.specs[: len(msg.groups)] != msg.groups or len(msg.groups) > len(lay.specs)
-                or lay.chunk_tokens != msg.chunk_tokens or lay.replicated != msg.replicated):
-            raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, f"LOOKUP groups/chunk_tokens/replicated differ from the "
-                                f"layout {inst_id!r} registered in this namespace")
+        if (
+            lay.specs[: len(msg.groups)] != msg.groups
+            or len(msg.groups) > len(lay.specs)
+            or lay.chunk_tokens != msg.chunk_tokens
+            or lay.replicated != msg.replicated
+        ):
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"LOOKUP groups/chunk_tokens/replicated differ from the "
+                f"layout {inst_id!r} registered in this namespace",
+            )
     tier.registry.name_namespace(ns_id, ns, tenant)
     ranks = [0] if msg.replicated else list(range(ns.world_size))
     hit, objs = tier.pool.lookup(ns_id, msg.keys, msg.groups, msg.chunk_tokens, ranks)
@@ -329,7 +362,9 @@ def release(tier: Tier, call: Call, msg: m.Release) -> m.Empty:
 # ---- store / retrieve ----------------------------------------------------------------------------
 def _geometry(tier: Tier, inst: Instance) -> Geometry:
     if inst.geometry is None:
-        inst.geometry = Geometry(inst.layout, tier.settings.separate_object_groups, tier.settings.null_block_id)
+        inst.geometry = Geometry(
+            inst.layout, tier.settings.separate_object_groups, tier.settings.null_block_id
+        )
     return inst.geometry
 
 

@@ -66,8 +66,10 @@ class Geometry:
         self.chunk_bytes = sum(self.group_bytes)
         self.staging_bytes = layout.staging.nbytes if layout.staging is not None else 0
         if separate_objects:
-            self.objects = [ObjectShape(((g, 0, 0),), self.group_bytes[g], f"g{g}/{groups[g].kind.value}")
-                            for g in range(len(groups))]
+            self.objects = [
+                ObjectShape(((g, 0, 0),), self.group_bytes[g], f"g{g}/{groups[g].kind.value}")
+                for g in range(len(groups))
+            ]
         else:
             parts, shift, off = [], 0, 0
             for g in range(len(groups)):
@@ -84,11 +86,16 @@ class Geometry:
                 raise _bad("staged_at", "only a cuda instance with a staging buffer copies through staging")
             return
         if staged_at is None:
-            raise _bad("staged_at", "this instance copies through its staging buffer: say where the chunks lie")
+            raise _bad(
+                "staged_at", "this instance copies through its staging buffer: say where the chunks lie"
+            )
         end = staged_at + n_chunks * self.chunk_bytes
         if end > self.staging_bytes:
-            raise _bad("staged_at", f"{n_chunks} chunks of {self.chunk_bytes} bytes from {staged_at} end at {end}, "
-                                    f"past the staging buffer's {self.staging_bytes} bytes")
+            raise _bad(
+                "staged_at",
+                f"{n_chunks} chunks of {self.chunk_bytes} bytes from {staged_at} end at {end}, "
+                f"past the staging buffer's {self.staging_bytes} bytes",
+            )
 
     def staged(self, staged_at: int | None, chunk: int, group: int) -> int:
         return -1 if staged_at is None else staged_at + chunk * self.chunk_bytes + self.group_offsets[group]
@@ -98,20 +105,27 @@ class Geometry:
         range. Raises BAD_REQUEST naming the first bad id."""
         ngroups, null = len(self.blocks_per_chunk), self.null
         if len(chunks) * ngroups > MAX_REQUEST_PARTS:
-            raise _bad("chunks", f"{len(chunks)} chunks x {ngroups} groups is more than {MAX_REQUEST_PARTS} parts "
-                                 "in one request: split it (tierd_client does)")
+            raise _bad(
+                "chunks",
+                f"{len(chunks)} chunks x {ngroups} groups is more than {MAX_REQUEST_PARTS} parts "
+                "in one request: split it (tierd_client does)",
+            )
         for i, c in enumerate(chunks):
             if len(c.blocks) != ngroups:
                 raise _bad(f"chunks[{i}].blocks", f"{len(c.blocks)} groups, the layout has {ngroups}")
             for g, ids in enumerate(c.blocks):
                 n, limit = self.blocks_per_chunk[g], self.num_blocks[g]
                 if len(ids) != n:
-                    raise _bad(f"chunks[{i}].blocks[{g}]", f"{len(ids)} block ids, the group has {n} per chunk")
+                    raise _bad(
+                        f"chunks[{i}].blocks[{g}]", f"{len(ids)} block ids, the group has {n} per chunk"
+                    )
                 if ids and (min(ids) < 0 or max(ids) >= limit):
                     for j, b in enumerate(ids):
                         if b != null and not 0 <= b < limit:
-                            raise _bad(f"chunks[{i}].blocks[{g}][{j}]",
-                                       f"block id {b} is neither null ({null}) nor in [0, {limit})")
+                            raise _bad(
+                                f"chunks[{i}].blocks[{g}][{j}]",
+                                f"block id {b} is neither null ({null}) nor in [0, {limit})",
+                            )
 
 
 def _bad(path: str, what: str) -> ProtocolError:
@@ -133,8 +147,9 @@ class CopyPlan:
         self.nbytes += nbytes
 
 
-def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int,
-               staged_at: int | None = None) -> CopyPlan:
+def plan_store(
+    geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int, staged_at: int | None = None
+) -> CopyPlan:
     """Reserve room for the chunks' objects; the plan's objects are pinned and not yet visible
     (``pool.commit`` once copied, ``pool.abort`` otherwise)."""
     plan = CopyPlan()
@@ -174,8 +189,15 @@ def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: 
             for g, _, off in present:
                 ids, pos = split[g]
                 bpc = geo.blocks_per_chunk[g]
-                items.append((g, CopyItem(ids, pos, bpc, view[off: off + geo.group_bytes[g]],
-                                          geo.staged(staged_at, i, g)), geo.group_bytes[g] * len(ids) // bpc))
+                items.append(
+                    (
+                        g,
+                        CopyItem(
+                            ids, pos, bpc, view[off : off + geo.group_bytes[g]], geo.staged(staged_at, i, g)
+                        ),
+                        geo.group_bytes[g] * len(ids) // bpc,
+                    )
+                )
         if status == "rejected":
             holed = geo.has_full
             pool.abort(new)  # all groups of a chunk or none
@@ -187,8 +209,9 @@ def plan_store(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: 
     return plan
 
 
-def plan_retrieve(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int,
-                  staged_at: int | None = None) -> CopyPlan:
+def plan_retrieve(
+    geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int, staged_at: int | None = None
+) -> CopyPlan:
     """Find each chunk's objects; the caller pins ``plan.objs`` for the copy."""
     plan = CopyPlan()
     reads: dict[Obj, None] = {}
@@ -213,8 +236,11 @@ def plan_retrieve(geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, ran
             _, off = obj.span[g]
             gbytes, bpc = geo.group_bytes[g], geo.blocks_per_chunk[g]
             reads[obj] = None
-            plan.add(g, CopyItem(ids_arr, pos, bpc, obj.view()[off: off + gbytes], geo.staged(staged_at, i, g)),
-                     gbytes * len(ids_arr) // bpc)
+            plan.add(
+                g,
+                CopyItem(ids_arr, pos, bpc, obj.view()[off : off + gbytes], geo.staged(staged_at, i, g)),
+                gbytes * len(ids_arr) // bpc,
+            )
         plan.results.append(ok)
     plan.objs = list(reads)
     return plan

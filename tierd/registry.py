@@ -40,8 +40,13 @@ class Limits:
 
     @classmethod
     def from_settings(cls, s) -> Limits:
-        return cls(s.max_sessions_per_peer, s.max_instances_per_tenant, s.max_files_per_tenant,
-                   s.max_leases_per_session, s.max_lease_share)
+        return cls(
+            s.max_sessions_per_peer,
+            s.max_instances_per_tenant,
+            s.max_files_per_tenant,
+            s.max_leases_per_session,
+            s.max_lease_share,
+        )
 
 
 OWNER = Principal(DEFAULT_TENANT, True, "uid:self")  # the daemon's own user: tests and tools
@@ -106,8 +111,9 @@ class Registry:
     """Sessions, instances, namespaces and leases. ``lanes`` attaches/detaches an instance's copy
     lanes (the transfer engine); ``pool`` is pinned and unpinned for leases."""
 
-    def __init__(self, pool: Pool, lanes, lease_ttl_s: float, heartbeat_timeout_s: float,
-                 limits: Limits | None = None):
+    def __init__(
+        self, pool: Pool, lanes, lease_ttl_s: float, heartbeat_timeout_s: float, limits: Limits | None = None
+    ):
         self.pool = pool
         self.limits = limits or Limits()
         self.lanes = lanes
@@ -129,21 +135,28 @@ class Registry:
         self._restore_namespaces(pool.extra)
 
     # ---- sessions -----------------------------------------------------------------------------
-    def open_session(self, identity: bytes, name: str, pid: int, principal: Principal = OWNER,
-                     peer: Peer = OWN_PEER) -> Session:
+    def open_session(
+        self, identity: bytes, name: str, pid: int, principal: Principal = OWNER, peer: Peer = OWN_PEER
+    ) -> Session:
         old = self.sessions.get(identity)
         if old is not None:  # a reconnect on the same identity: start clean
             if old.principal != principal or old.uid != peer.uid:
-                raise ProtocolError(ErrorCode.FORBIDDEN, "this connection identity is another user's live session")
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN, "this connection identity is another user's live session"
+                )
             self.close_session(identity, reason="re-HELLO")
         key = principal.peer_key
         have = self._peer_sessions.get(key, 0)
         if have >= self.limits.sessions_per_peer:
-            raise ProtocolError(ErrorCode.LIMIT, f"{key} already has {have} sessions (--max-sessions-per-peer "
-                                f"{self.limits.sessions_per_peer}); close some (BYE) or raise the limit")
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"{key} already has {have} sessions (--max-sessions-per-peer "
+                f"{self.limits.sessions_per_peer}); close some (BYE) or raise the limit",
+            )
         self._peer_sessions[key] = have + 1
-        session = self.sessions[identity] = Session(identity, name, pid, time.monotonic(), principal=principal,
-                                                    peer=peer)
+        session = self.sessions[identity] = Session(
+            identity, name, pid, time.monotonic(), principal=principal, peer=peer
+        )
         return session
 
     def session(self, identity: bytes, uid: int = OWN_PEER.uid) -> Session:
@@ -170,8 +183,9 @@ class Registry:
             self.release(lease_id)
         for inst_id in list(session.instances):
             self.unregister(inst_id)
-        log.log(level, "session %s (%s pid %d) closed: %s", identity.hex()[:12], session.name, session.pid,
-                reason)
+        log.log(
+            level, "session %s (%s pid %d) closed: %s", identity.hex()[:12], session.name, session.pid, reason
+        )
 
     def reap(self, now: float) -> tuple[int, int]:
         """Expire leases past their TTL and sessions silent for too long: (sessions, leases) gone."""
@@ -198,8 +212,10 @@ class Registry:
         old = self.instances.get(inst_id)
         if old is not None:
             if old.layout != layout and old.session != session.identity and old.session in self.sessions:
-                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH,
-                                    f"instance {inst_id!r} is registered by another live client with a different layout")
+                raise ProtocolError(
+                    ErrorCode.LAYOUT_MISMATCH,
+                    f"instance {inst_id!r} is registered by another live client with a different layout",
+                )
             if old.layout == layout:  # idempotent re-register (a reconnecting client)
                 previous = self.sessions.get(old.session)
                 if previous is not None:
@@ -211,15 +227,21 @@ class Registry:
         lim = self.limits
         have = self._tenant_instances.get(tenant, 0)
         if have >= lim.instances_per_tenant:
-            raise ProtocolError(ErrorCode.LIMIT, f"this tenant has {have} registered ranks (--max-instances-per-tenant "
-                                f"{lim.instances_per_tenant})")
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"this tenant has {have} registered ranks (--max-instances-per-tenant "
+                f"{lim.instances_per_tenant})",
+            )
         memory = open_memory(layout, session.peer)
         files = getattr(memory, "files", 0)
         held = self._tenant_files.get(tenant, 0)
         if held + files > lim.files_per_tenant:
             memory.close()
-            raise ProtocolError(ErrorCode.LIMIT, f"this rank's {files} shared-memory files and the {held} this tenant "
-                                f"holds pass --max-files-per-tenant {lim.files_per_tenant}")
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"this rank's {files} shared-memory files and the {held} this tenant "
+                f"holds pass --max-files-per-tenant {lim.files_per_tenant}",
+            )
         ns_id = scoped_namespace_id(tenant, layout.namespace)
         inst = Instance(inst_id, session.identity, layout, ns_id, memory, name=name, tenant=tenant)
         self._tenant_instances[tenant] = have + 1
@@ -232,8 +254,15 @@ class Registry:
             self.pool.note_extra(self.persisted())
         session.instances.add(inst_id)
         self.lanes.attach(inst_id, duplex=getattr(memory, "duplex", False))
-        log.info("registered %s: model=%s rank=%d/%d groups=%d device=%s", inst_id, layout.namespace.model,
-                 layout.rank, layout.namespace.world_size, len(layout.groups), layout.device)
+        log.info(
+            "registered %s: model=%s rank=%d/%d groups=%d device=%s",
+            inst_id,
+            layout.namespace.model,
+            layout.rank,
+            layout.namespace.world_size,
+            len(layout.groups),
+            layout.device,
+        )
         return inst
 
     def instance(self, name: str, tenant: str = DEFAULT_TENANT) -> Instance:
@@ -288,8 +317,12 @@ class Registry:
         namespace, so LOOKUPs of unknown namespaces never grow it or the journal."""
         keep = [n for n in self.namespaces if n in self._by_ns or self.pool.per_ns.get(n)]
         self._noted = set(keep)
-        return {"namespaces": [{**self.namespaces[n].to_wire(), "tenant": self.ns_tenant.get(n, DEFAULT_TENANT)}
-                               for n in keep]}
+        return {
+            "namespaces": [
+                {**self.namespaces[n].to_wire(), "tenant": self.ns_tenant.get(n, DEFAULT_TENANT)}
+                for n in keep
+            ]
+        }
 
     def _restore_namespaces(self, extra) -> None:
         """Name again the namespaces of the objects a warm restart recovered, with their tenants
@@ -319,8 +352,11 @@ class Registry:
         leases pin it (concurrent requests sharing a prefix)."""
         lim = self.limits
         if len(session.leases) >= lim.leases_per_session:
-            raise ProtocolError(ErrorCode.LIMIT, f"this session holds {len(session.leases)} leases "
-                                f"(--max-leases-per-session {lim.leases_per_session}); RELEASE some")
+            raise ProtocolError(
+                ErrorCode.LIMIT,
+                f"this session holds {len(session.leases)} leases "
+                f"(--max-leases-per-session {lim.leases_per_session}); RELEASE some",
+            )
         tenant = session.tenant
         held = self._leased.setdefault(tenant, {})
         with self.pool.lock:  # one pass (pinned, then undone past the cap): nobody sees it in between
@@ -341,11 +377,20 @@ class Registry:
                         held[o] = n
                     else:
                         del held[o]
-                raise ProtocolError(ErrorCode.LIMIT, f"this tenant's leases would pin {pinned + add} bytes, more than "
-                                    f"--max-lease-share {lim.lease_share:g} of the pool ({int(cap)} bytes)")
+                raise ProtocolError(
+                    ErrorCode.LIMIT,
+                    f"this tenant's leases would pin {pinned + add} bytes, more than "
+                    f"--max-lease-share {lim.lease_share:g} of the pool ({int(cap)} bytes)",
+                )
         self.leased_bytes[tenant] = pinned + add
-        lease = Lease(next(self._lease_ids), session.identity, objs, set(range(world_size)),
-                      time.monotonic() + self.lease_ttl_s, tenant)
+        lease = Lease(
+            next(self._lease_ids),
+            session.identity,
+            objs,
+            set(range(world_size)),
+            time.monotonic() + self.lease_ttl_s,
+            tenant,
+        )
         self.leases[lease.id] = lease
         session.leases.add(lease.id)
         return lease.id

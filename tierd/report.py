@@ -21,17 +21,35 @@ def status_table(s: dict) -> str:
     rows = [
         ("version", f"{s['version']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)"),
         ("socket", s["socket"]),
-        ("memory", f"{_bytes(s['memory_used_bytes'])} used / {_bytes(s['memory_total_bytes'])} backed / "
-                   f"{_bytes(s['memory_configured_bytes'])} ceiling"),
-        ("objects", f"{s['objects']}  " + "  ".join(f"{g}={n}" for g, n in sorted(s["group_objects"].items()))),
+        (
+            "memory",
+            f"{_bytes(s['memory_used_bytes'])} used / {_bytes(s['memory_total_bytes'])} backed / "
+            f"{_bytes(s['memory_configured_bytes'])} ceiling",
+        ),
+        (
+            "objects",
+            f"{s['objects']}  " + "  ".join(f"{g}={n}" for g, n in sorted(s["group_objects"].items())),
+        ),
         ("lookups", f"{s['lookups']}  (hit {s['hit_chunks']} of {s['lookup_chunks']} chunks, {hit:.1%})"),
-        ("stores", f"{s['stores']}  ({s['stored_chunks']} chunks, {_bytes(s['stored_bytes'])}, "
-                   f"{s['store_rejects']} rejected)"),
-        ("retrieves", f"{s['retrieves']}  ({s['retrieved_chunks']} chunks, {_bytes(s['retrieved_bytes'])}, "
-                      f"{s['retrieve_failed_blocks']} failed blocks)"),
+        (
+            "stores",
+            f"{s['stores']}  ({s['stored_chunks']} chunks, {_bytes(s['stored_bytes'])}, "
+            f"{s['store_rejects']} rejected)",
+        ),
+        (
+            "retrieves",
+            f"{s['retrieves']}  ({s['retrieved_chunks']} chunks, {_bytes(s['retrieved_bytes'])}, "
+            f"{s['retrieve_failed_blocks']} failed blocks)",
+        ),
         ("evictions", s["evictions"]),
-        ("leases", f"{s['leases_active']} active, {s['leases_granted']} granted, {s['leases_expired']} expired"),
-        ("errors", f"{s['errors']}  " + "  ".join(f"{c}={n}" for c, n in sorted(s["errors_by_code"].items()))),
+        (
+            "leases",
+            f"{s['leases_active']} active, {s['leases_granted']} granted, {s['leases_expired']} expired",
+        ),
+        (
+            "errors",
+            f"{s['errors']}  " + "  ".join(f"{c}={n}" for c, n in sorted(s["errors_by_code"].items())),
+        ),
         ("sessions", s["sessions"]),
     ]
     if s.get("warm_restart"):
@@ -43,7 +61,8 @@ def status_table(s: dict) -> str:
         ns = inst["namespace"]
         beat = inst["last_heartbeat_s_ago"]
         out.append(
-            f"  {inst['instance']:<28} {inst['model']:<24} rank {inst['rank']}/{ns['world_size']} {inst['device']:<5} "
+            f"  {inst['instance']:<28} {inst['model']:<24} rank {inst['rank']}/{ns['world_size']} "
+            f"{inst['device']:<5} "
             f"groups {','.join(inst['groups'])}  heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
         )
     return "\n".join(out)
@@ -51,8 +70,10 @@ def status_table(s: dict) -> str:
 
 def _warm(w: dict) -> str:
     if w["warm"]:
-        text = (f"warm: {w['objects']} objects ({_bytes(w['bytes'])}) recovered in {w['seconds']:.3f} s "
-                f"from {w['pool_dir']}")
+        text = (
+            f"warm: {w['objects']} objects ({_bytes(w['bytes'])}) recovered in {w['seconds']:.3f} s "
+            f"from {w['pool_dir']}"
+        )
     else:
         text = f"cold: {w['reason']} ({w['pool_dir']})"
     return text + (f"; NOT PERSISTING: {w['persist_error']}" if w.get("persist_error") else "")
@@ -66,18 +87,33 @@ def _l2_rows(l2: dict | None) -> list[tuple[str, object]]:
     ms = {op: 1e3 * lat[op]["sum"] / max(1, lat[op]["count"]) for op in ("put", "get", "exists")}
     return [
         ("l2", f"{l2['state']}  {l2['url']}  ({l2['policy']}, segment {_bytes(l2['segment_bytes'])})"),
-        ("l2 lookups", f"{l2['lookups']} asked  (+{l2['hit_chunks']} chunks from L2, "
-                       f"{l2['lookups_late']} late, {l2['lookups_skipped']} skipped)  "
-                       f"exists {ms['exists']:.2f} ms"),
-        ("l2 gets", f"{l2['gets']}  ({l2['hits']} hits, {l2['misses']} misses, {_bytes(l2['get_bytes'])}, "
-                    f"{l2['fetch_failed']} fetches failed)  {ms['get']:.2f} ms"),
-        ("l2 puts", f"{l2['puts']}  ({l2['put_stored']} stored, {l2['put_full']} full, "
-                    f"{_bytes(l2['put_bytes'])})  {ms['put']:.2f} ms"),
-        ("l2 backlog", f"{l2['writeback_queued']} objects ({_bytes(l2['writeback_queued_bytes'])}) queued, "
-                       f"{_bytes(l2['writeback_inflight_bytes'])} in flight, {l2['writeback_lost']} lost"),
-        ("l2 errors", f"{l2['errors']}  timeouts {l2['timeouts']}  degraded {l2['degraded']}  "
-                      + "  ".join(f"{c}={n}" for c, n in sorted(l2["errors_by_code"].items()))
-                      + (f"  last: {l2['last_error']}" if l2["last_error"] else "")),
+        (
+            "l2 lookups",
+            f"{l2['lookups']} asked  (+{l2['hit_chunks']} chunks from L2, "
+            f"{l2['lookups_late']} late, {l2['lookups_skipped']} skipped)  "
+            f"exists {ms['exists']:.2f} ms",
+        ),
+        (
+            "l2 gets",
+            f"{l2['gets']}  ({l2['hits']} hits, {l2['misses']} misses, {_bytes(l2['get_bytes'])}, "
+            f"{l2['fetch_failed']} fetches failed)  {ms['get']:.2f} ms",
+        ),
+        (
+            "l2 puts",
+            f"{l2['puts']}  ({l2['put_stored']} stored, {l2['put_full']} full, "
+            f"{_bytes(l2['put_bytes'])})  {ms['put']:.2f} ms",
+        ),
+        (
+            "l2 backlog",
+            f"{l2['writeback_queued']} objects ({_bytes(l2['writeback_queued_bytes'])}) queued, "
+            f"{_bytes(l2['writeback_inflight_bytes'])} in flight, {l2['writeback_lost']} lost",
+        ),
+        (
+            "l2 errors",
+            f"{l2['errors']}  timeouts {l2['timeouts']}  degraded {l2['degraded']}  "
+            + "  ".join(f"{c}={n}" for c, n in sorted(l2["errors_by_code"].items()))
+            + (f"  last: {l2['last_error']}" if l2["last_error"] else ""),
+        ),
     ]
 
 
@@ -85,30 +121,56 @@ def bench_table(r: dict) -> str:
     if r.get("bench") == "ranks":
         return ranks_table(r)
     rows = [
-        ("layout", f"{r['layout']} on {r['device']}: {r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
-                   f"{_bytes(r['object_bytes'])} per chunk"),
+        (
+            "layout",
+            f"{r['layout']} on {r['device']}: {r['layers']} layers, "
+            f"{_bytes(r['block_bytes'])} per block per layer, "
+            f"{_bytes(r['object_bytes'])} per chunk",
+        ),
         ("moved per round", f"{_bytes(r['bytes_per_round'])} ({r['chunks']} chunks)"),
         ("store", f"{r['store_gbps']:.2f} GB/s  ({r['store_ratio']:.2f}x baseline)"),
         ("retrieve", f"{r['retrieve_gbps']:.2f} GB/s  ({r['retrieve_ratio']:.2f}x baseline)"),
     ]
     if "both_gbps" in r:
-        ratio = f"  ({r['both_ratio']:.2f}x both-ways baseline {r['baseline_both_gbps']:.2f} GB/s)" if "both_ratio" in r else ""
+        ratio = (
+            f"  ({r['both_ratio']:.2f}x both-ways baseline {r['baseline_both_gbps']:.2f} GB/s)"
+            if "both_ratio" in r
+            else ""
+        )
         rows.append(("both ways", f"{r['both_gbps']:.2f} GB/s{ratio}"))
     if "per_block_gbps" in r:
         rows.append(("per-block memcpy baseline", f"{r['per_block_gbps']:.2f} GB/s"))
     if "baseline_d2h_gbps" in r:
-        rows.append(("raw pinned copy", f"D2H {r['baseline_d2h_gbps']:.2f} GB/s, H2D {r['baseline_h2d_gbps']:.2f} GB/s"))
+        rows.append(
+            (
+                "raw pinned copy",
+                f"D2H {r['baseline_d2h_gbps']:.2f} GB/s, H2D {r['baseline_h2d_gbps']:.2f} GB/s",
+            )
+        )
     for n, lat in (r.get("latency_ms") or {}).items():
-        rows.append((f"latency, {n.replace('_', ' ')}", f"store {lat['store']:.2f} ms (raw {lat['raw_d2h']:.2f}, goal "
-                     f"{lat['store_goal']:.2f}), retrieve {lat['retrieve']:.2f} ms (raw {lat['raw_h2d']:.2f}, goal "
-                     f"{lat['retrieve_goal']:.2f})"))
+        rows.append(
+            (
+                f"latency, {n.replace('_', ' ')}",
+                f"store {lat['store']:.2f} ms (raw {lat['raw_d2h']:.2f}, goal "
+                f"{lat['store_goal']:.2f}), retrieve {lat['retrieve']:.2f} ms "
+                f"(raw {lat['raw_h2d']:.2f}, goal "
+                f"{lat['retrieve_goal']:.2f})",
+            )
+        )
     if "lookups_per_s" in r:
         rows.append(("lookups", f"{r['lookups_per_s']:.0f}/s one at a time ({r['lookup_keys']} keys each)"))
     for step, row in (r.get("interference") or {}).items():
-        rows.append((f"interference, {step}", f"alone {row['alone_ms']:.2f} ms; with tierd {row['tierd_slowdown']:.3f}x "
-                     f"(copying {row['tierd_copy_gbps']:.1f} GB/s); with raw DMA {row['raw_dma_slowdown']:.3f}x "
-                     f"({row['raw_dma_copy_gbps']:.1f} GB/s)"))
-    rows.append(("baseline", f"{r['baseline_gbps']:.2f} GB/s  ({r.get('baseline', 'memcpy of the same bytes')})"))
+        rows.append(
+            (
+                f"interference, {step}",
+                f"alone {row['alone_ms']:.2f} ms; with tierd {row['tierd_slowdown']:.3f}x "
+                f"(copying {row['tierd_copy_gbps']:.1f} GB/s); with raw DMA {row['raw_dma_slowdown']:.3f}x "
+                f"({row['raw_dma_copy_gbps']:.1f} GB/s)",
+            )
+        )
+    rows.append(
+        ("baseline", f"{r['baseline_gbps']:.2f} GB/s  ({r.get('baseline', 'memcpy of the same bytes')})")
+    )
     rows.append(("verified", "yes, every byte" if r["verified"] else "NO: restored bytes differ"))
     return _rows(rows)
 
@@ -117,21 +179,40 @@ def ranks_table(r: dict) -> str:
     from tierd.bench.ranks import DEPTH, PHASES_ALL
 
     a, ratio, one = r["aggregate_gbps"], r["ratio_to_raw"], r["ratio_to_one_rank"]
-    base = {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"} if r["device"] == "cuda" else \
-        dict.fromkeys(PHASES_ALL, "raw")
-    rows = [("layout", f"{r['layout']} on {r['device']}: {r['ranks']} ranks ({len(r['gpus']) or 'no'} GPUs), "
-                       f"{r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
-                       f"{_bytes(r['object_bytes'])} per chunk"),
-            ("windows", f"{r['window_s']:g} s each, requests of {r['batch']} chunks, {DEPTH} in flight per rank")]
+    base = (
+        {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"}
+        if r["device"] == "cuda"
+        else dict.fromkeys(PHASES_ALL, "raw")
+    )
+    rows = [
+        (
+            "layout",
+            f"{r['layout']} on {r['device']}: {r['ranks']} ranks ({len(r['gpus']) or 'no'} GPUs), "
+            f"{r['layers']} layers, {_bytes(r['block_bytes'])} per block per layer, "
+            f"{_bytes(r['object_bytes'])} per chunk",
+        ),
+        ("windows", f"{r['window_s']:g} s each, requests of {r['batch']} chunks, {DEPTH} in flight per rank"),
+    ]
     for k in PHASES_ALL:
-        rows.append((f"{k}, all ranks", f"{a[k]:.2f} GB/s  ({ratio[k]:.2f}x raw {a[base[k]]:.2f} GB/s at the same "
-                                        f"time; {one[k]:.2f}x one rank alone {a['solo_' + k]:.2f} GB/s)"))
+        rows.append(
+            (
+                f"{k}, all ranks",
+                f"{a[k]:.2f} GB/s  ({ratio[k]:.2f}x raw {a[base[k]]:.2f} GB/s at the same "
+                f"time; {one[k]:.2f}x one rank alone {a['solo_' + k]:.2f} GB/s)",
+            )
+        )
     for o in r["per_rank"]:
         g = o["gbps"]
-        rows.append((f"rank {o['rank']}" + (f" (GPU {o['gpu']})" if o["gpu"] is not None else ""),
-                     f"store {g['store']:.2f}, retrieve {g['retrieve']:.2f}, both {g['both']:.2f} GB/s; "
-                     f"{o['stored_objects']} objects stored"))
+        rows.append(
+            (
+                f"rank {o['rank']}" + (f" (GPU {o['gpu']})" if o["gpu"] is not None else ""),
+                f"store {g['store']:.2f}, retrieve {g['retrieve']:.2f}, both {g['both']:.2f} GB/s; "
+                f"{o['stored_objects']} objects stored",
+            )
+        )
     if "one_copy" in r:
         rows.append(("MLA", "one copy in the pool (only rank 0 stored)" if r["one_copy"] else "NOT one copy"))
-    rows.append(("verified", "yes, every rank's every byte" if r["verified"] else "NO: restored bytes differ"))
+    rows.append(
+        ("verified", "yes, every rank's every byte" if r["verified"] else "NO: restored bytes differ")
+    )
     return _rows(rows)

@@ -92,15 +92,31 @@ class Daemon:
         )
         warm.announce(settings, self.pool)
         self.xfer = TransferEngine(settings.workers)
-        self.registry = Registry(self.pool, self.xfer, settings.lease_ttl_s, settings.heartbeat_timeout_s,
-                                 Limits.from_settings(settings))
+        self.registry = Registry(
+            self.pool,
+            self.xfer,
+            settings.lease_ttl_s,
+            settings.heartbeat_timeout_s,
+            Limits.from_settings(settings),
+        )
         self._ipc = settings.socket.startswith("ipc://")
-        tenants = Tenants(not self._ipc, load_tokens(settings.tcp_token_file) if settings.tcp_token_file else None,
-                          settings.insecure_tcp)
+        tenants = Tenants(
+            not self._ipc,
+            load_tokens(settings.tcp_token_file) if settings.tcp_token_file else None,
+            settings.insecure_tcp,
+        )
         self._peers: dict[str, Peer] = {}  # Peer-Address -> Peer
         self.boot_id = uuid.uuid4().hex
-        self.tier = Tier(self.registry, self.pool, self.stats, settings, self.boot_id, self._open_memory,
-                         self.status, tenants)
+        self.tier = Tier(
+            self.registry,
+            self.pool,
+            self.stats,
+            settings,
+            self.boot_id,
+            self._open_memory,
+            self.status,
+            tenants,
+        )
         self.l2 = _second_tier(settings, self.pool)  # None without --l2-url
         self.tier.l2 = self.l2
         self.stopping = False
@@ -118,8 +134,11 @@ class Daemon:
         if path:
             from tierd.fdinbox import FdInbox, inbox_path
 
-            self.inbox = FdInbox(inbox_path(path), int(self.settings.socket_mode, 8),
-                                 max_per_uid=self.settings.max_files_per_tenant)
+            self.inbox = FdInbox(
+                inbox_path(path),
+                int(self.settings.socket_mode, 8),
+                max_per_uid=self.settings.max_files_per_tenant,
+            )
 
     def start_http(self) -> None:
         if self.settings.http_port < 0:
@@ -127,9 +146,14 @@ class Daemon:
         from tierd.http.server import start_http_server
 
         self.board.publish(self.status())
-        self.http = start_http_server(self.board, self.stats.registry, self.settings.http_host,
-                                      self.settings.http_port, self.settings.http_timeout_s,
-                                      self.settings.http_max_connections)
+        self.http = start_http_server(
+            self.board,
+            self.stats.registry,
+            self.settings.http_host,
+            self.settings.http_port,
+            self.settings.http_timeout_s,
+            self.settings.http_max_connections,
+        )
         self.http_port = self.http.server_address[1]
 
     def _open_memory(self, layout: PageLayout, peer: Peer):
@@ -138,11 +162,15 @@ class Daemon:
 
             claim = None
             if self.inbox is not None and peer.local:
+
                 def claim(ticket, uid=peer.uid):
                     return self.inbox.claim(uid, ticket)
+
             return CpuRankMemory(layout, peer, self._refuse_own_file, claim)
         if not self.cuda:
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, "a cuda layout was registered but this daemon has no CUDA")
+            raise ProtocolError(
+                ErrorCode.LAYOUT_INVALID, "a cuda layout was registered but this daemon has no CUDA"
+            )
         return self.cuda.rank_memory(layout)
 
     def _refuse_own_file(self, st: os.stat_result) -> str | None:
@@ -171,8 +199,14 @@ class Daemon:
             poller.register(self.watch.monitor, zmq.POLLIN)
         next_house = time.monotonic()
         stop_deadline = None
-        log.info("tierd %s serving %s (pool ceiling %.2f GiB, backed %.2f GiB%s)", __version__, self.settings.socket,
-                 self.pool.configured_bytes / 2**30, self.pool.backed_bytes / 2**30, ", pinned" if self.cuda else "")
+        log.info(
+            "tierd %s serving %s (pool ceiling %.2f GiB, backed %.2f GiB%s)",
+            __version__,
+            self.settings.socket,
+            self.pool.configured_bytes / 2**30,
+            self.pool.backed_bytes / 2**30,
+            ", pinned" if self.cuda else "",
+        )
         while True:
             for sock, _ in poller.poll(self._poll_ms()):
                 if sock is self.router:
@@ -235,8 +269,13 @@ class Daemon:
                 if watch is not None:
                     watch.saw(envelope[0], frame, peer.uid)
                 if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours to echo
-                    self._error(envelope, 0, ErrorCode.BAD_REQUEST,
-                                f"a request is one frame, got {len(parts) - 1}", "?")
+                    self._error(
+                        envelope,
+                        0,
+                        ErrorCode.BAD_REQUEST,
+                        f"a request is one frame, got {len(parts) - 1}",
+                        "?",
+                    )
                     continue
                 self._on_request(envelope, frame.buffer, peer)
             if watch is not None:
@@ -281,7 +320,9 @@ class Daemon:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             identity = envelope[0]
             session = None if op in SESSIONLESS_OPS else self.registry.session(identity, peer.uid)
-            result = handlers.HANDLERS[op](self.tier, Call(identity, session, envelope, req_id, t0, peer), msg)
+            result = handlers.HANDLERS[op](
+                self.tier, Call(identity, session, envelope, req_id, t0, peer), msg
+            )
             if result is handlers.DEFERRED:  # answered once L2 has (tierd.tier2), by its deadline
                 return
             if isinstance(result, Job):
@@ -325,7 +366,9 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - still answer
                 log.exception("finishing %s raised", job.op)
                 if not job.replied:
-                    self._error(call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", job.op)
+                    self._error(
+                        call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", job.op
+                    )
                 continue
             if not job.replied:
                 self._send(call.envelope, codec.encode_reply(call.req_id, body))
@@ -343,8 +386,9 @@ class Daemon:
             self._error(call.envelope, call.req_id, result.code, result.message, op)
         elif isinstance(result, Exception):
             log.error("%s after L2: %r", op, result)
-            self._error(call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(result).__name__}: {result}",
-                        op)
+            self._error(
+                call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", op
+            )
         else:
             self._send(call.envelope, codec.encode_reply(call.req_id, result))
             self.stats.observe(op, time.perf_counter() - call.t0)

@@ -85,7 +85,9 @@ class _Collector:
         status = self.gauges()
         for name, doc in COUNTERS:
             yield CounterMetricFamily(f"tierd_{name}", doc, value=status[name])
-        err = CounterMetricFamily("tierd_errors_by_code", "requests answered with an error, by code", labels=["code"])
+        err = CounterMetricFamily(
+            "tierd_errors_by_code", "requests answered with an error, by code", labels=["code"]
+        )
         for code, n in sorted(self.stats.errors_by_code.items()):
             err.add_metric([code], n)
         yield err
@@ -104,17 +106,28 @@ class _Collector:
         yield per
         yield GaugeMetricFamily("tierd_instances", "registered ranks", value=len(status["instances"]))
         evlog = status["eviction_log"]
-        yield GaugeMetricFamily("tierd_eviction_log_records", "evicted chunks remembered for EVICTED",
-                                value=evlog["records"])
-        yield GaugeMetricFamily("tierd_eviction_log_seq", "the eviction log's last seq (chunks recorded this "
-                                "boot)", value=evlog["seq"])
+        yield GaugeMetricFamily(
+            "tierd_eviction_log_records", "evicted chunks remembered for EVICTED", value=evlog["records"]
+        )
+        yield GaugeMetricFamily(
+            "tierd_eviction_log_seq",
+            "the eviction log's last seq (chunks recorded this boot)",
+            value=evlog["seq"],
+        )
         if self.extra is not None:
             yield from self.extra(status)
         warm = status.get("warm_restart")
         if warm is not None:  # --pool-dir
-            yield GaugeMetricFamily("tierd_warm_restart_objects", "objects recovered at start (0: cold)",
-                                    value=warm["objects"])
-            yield GaugeMetricFamily("tierd_warm_restart_seconds", "seconds the start took to recover the "
-                                    "pool", value=warm["seconds"])
-            yield GaugeMetricFamily("tierd_pool_persisting", "1 while the pool folder is kept restartable, 0 once "
-                                    "a journal or index write failed", value=0 if warm["persist_error"] else 1)
+            yield GaugeMetricFamily(
+                "tierd_warm_restart_objects", "objects recovered at start (0: cold)", value=warm["objects"]
+            )
+            yield GaugeMetricFamily(
+                "tierd_warm_restart_seconds",
+                "seconds the start took to recover the pool",
+                value=warm["seconds"],
+            )
+            yield GaugeMetricFamily(
+                "tierd_pool_persisting",
+                "1 while the pool folder is kept restartable, 0 once a journal or index write failed",
+                value=0 if warm["persist_error"] else 1,
+            )

@@ -88,7 +88,12 @@ class StatusBoard:
 
 def public_namespace(ns) -> dict:
     """A namespace as /status shows it: never its salt (a tenant's secret), only whether it has one."""
-    return {"model": ns.model, "fingerprint": ns.fingerprint, "world_size": ns.world_size, "salted": bool(ns.salt)}
+    return {
+        "model": ns.model,
+        "fingerprint": ns.fingerprint,
+        "world_size": ns.world_size,
+        "salted": bool(ns.salt),
+    }
 
 
 def build_status(daemon) -> dict:
@@ -110,13 +115,24 @@ def build_status(daemon) -> dict:
             "objects": pool.objects,
             "group_objects": dict(pool.per_group),
             "evictions": pool.evictions,
-            "eviction_log": {"capacity": pool.evlog.capacity, "records": len(pool.evlog),
-                             "seq": pool.evlog.seq, "dropped": pool.evlog.dropped},
+            "eviction_log": {
+                "capacity": pool.evlog.capacity,
+                "records": len(pool.evlog),
+                "seq": pool.evlog.seq,
+                "dropped": pool.evlog.dropped,
+            },
             "pool_grow_error": pool.segments.grow_error,
             "warm_restart": warm.status(pool),
-            "namespaces": [{**public_namespace(ns), "tenant": reg.ns_tenant.get(ns_id, ""),
-                            "objects": pool.per_ns[ns_id], "bytes": pool.per_ns_bytes.get(ns_id, 0)}
-                           for ns_id, ns in reg.namespaces.items() if pool.per_ns.get(ns_id)],
+            "namespaces": [
+                {
+                    **public_namespace(ns),
+                    "tenant": reg.ns_tenant.get(ns_id, ""),
+                    "objects": pool.per_ns[ns_id],
+                    "bytes": pool.per_ns_bytes.get(ns_id, 0),
+                }
+                for ns_id, ns in reg.namespaces.items()
+                if pool.per_ns.get(ns_id)
+            ],
         }
     out.update({name: counts.get(name, 0) for name, _ in COUNTERS if name != "evictions"})
     if daemon.cuda:
@@ -128,10 +144,17 @@ def build_status(daemon) -> dict:
     out["gc_frozen_objects"] = gc.get_freeze_count()
     out["sessions"] = len(reg.sessions)
     watch = daemon.watch
-    out["connections"] = {"open": watch.connections, "max": daemon.max_connections, "closed_over_cap": watch.refused}
+    out["connections"] = {
+        "open": watch.connections,
+        "max": daemon.max_connections,
+        "closed_over_cap": watch.refused,
+    }
     inbox = daemon.inbox
-    out["fd_inbox"] = None if inbox is None else {"waiting": inbox.waiting, "received": inbox.received,
-                                                  "refused": inbox.refused}
+    out["fd_inbox"] = (
+        None
+        if inbox is None
+        else {"waiting": inbox.waiting, "received": inbox.received, "refused": inbox.refused}
+    )
     now = time.monotonic()
     out["instances"] = [
         {
@@ -143,7 +166,8 @@ def build_status(daemon) -> dict:
             "device": inst.layout.device,
             "groups": [g.kind.value for g in inst.layout.groups],
             "last_heartbeat_s_ago": round(now - reg.sessions[inst.session].last_seen, 3)
-            if inst.session in reg.sessions else None,
+            if inst.session in reg.sessions
+            else None,
         }
         for inst in reg.instances.values()
     ]

@@ -69,8 +69,10 @@ def load_tokens(path: str) -> dict[str, str]:
         if not stat.S_ISREG(st.st_mode):
             raise TokenFileError(f"--tcp-token-file {path}: not a regular file")
         if st.st_mode & 0o077:
-            raise TokenFileError(f"--tcp-token-file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others read "
-                                 f"the tokens; chmod 0600 it")
+            raise TokenFileError(
+                f"--tcp-token-file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others read "
+                f"the tokens; chmod 0600 it"
+            )
         tokens: dict[str, str] = {}
         for n, line in enumerate(f, 1):
             line = line.split("#", 1)[0].strip()
@@ -78,11 +80,14 @@ def load_tokens(path: str) -> dict[str, str]:
                 continue
             parts = line.split()
             if len(parts) != 2 or len(parts[1]) < 16:
-                raise TokenFileError(f"--tcp-token-file {path}:{n}: want 'TENANT TOKEN' with a token of at least "
-                                     f"16 characters")
+                raise TokenFileError(
+                    f"--tcp-token-file {path}:{n}: want 'TENANT TOKEN' with a token of at least 16 characters"
+                )
             tenant, token = parts
             if token in tokens:
-                raise TokenFileError(f"--tcp-token-file {path}:{n}: this token is already tenant {tokens[token]!r}'s")
+                raise TokenFileError(
+                    f"--tcp-token-file {path}:{n}: this token is already tenant {tokens[token]!r}'s"
+                )
             tokens[token] = tenant
     if not tokens:
         raise TokenFileError(f"--tcp-token-file {path}: no 'TENANT TOKEN' line")
@@ -92,7 +97,9 @@ def load_tokens(path: str) -> dict[str, str]:
 class Tenants:
     """Decides a connection's principal at HELLO."""
 
-    def __init__(self, tcp: bool, tokens: dict[str, str] | None, insecure_tcp: bool, own_uid: int | None = None):
+    def __init__(
+        self, tcp: bool, tokens: dict[str, str] | None, insecure_tcp: bool, own_uid: int | None = None
+    ):
         self.tcp = tcp
         self.tokens = tokens or {}
         self.insecure_tcp = insecure_tcp
@@ -113,8 +120,11 @@ class Tenants:
             return Principal(DEFAULT_TENANT, True, "tcp")
         if token:
             raise ProtocolError(ErrorCode.FORBIDDEN, "the tenant token is not one of --tcp-token-file's")
-        raise ProtocolError(ErrorCode.FORBIDDEN, "a tcp:// client must send a tenant token in HELLO (the daemon "
-                            "runs with --tcp-token-file; --insecure-tcp admits clients without one)")
+        raise ProtocolError(
+            ErrorCode.FORBIDDEN,
+            "a tcp:// client must send a tenant token in HELLO (the daemon "
+            "runs with --tcp-token-file; --insecure-tcp admits clients without one)",
+        )
 
     def _token_tenant(self, token: str) -> str | None:
         if not token:

@@ -23,8 +23,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # pragma: no cover - old vLLM: no hybrid allocator support to declare
+
     class SupportsHMA:  # type: ignore[no-redef]
         pass
+
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -64,24 +66,40 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("TierdConnector needs the KV cache config (vLLM >= 0.27)")
         self.geo = build_geometry(vllm_config, kv_cache_config, self.cfg.chunk_tokens)
         engine = self._engine = str(self._kv_transfer_config.engine_id)
-        self.client = TierdClient(self.cfg.url, timeout_s=self.cfg.timeout_s,
-                                  name=f"vllm-{role.name.lower()}-{engine[:8]}")
+        self.client = TierdClient(
+            self.cfg.url, timeout_s=self.cfg.timeout_s, name=f"vllm-{role.name.lower()}-{engine[:8]}"
+        )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         kv_events = getattr(vllm_config, "kv_events_config", None)
         events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
-            router = RouterEvents(self.geo, self.client, self.geo.world_size, int(vllm_config.cache_config.block_size),
-                                  max_wait_s=self.cfg.timeout_s + 1.0) if events else None
+            router = (
+                RouterEvents(
+                    self.geo,
+                    self.client,
+                    self.geo.world_size,
+                    int(vllm_config.cache_config.block_size),
+                    max_wait_s=self.cfg.timeout_s + 1.0,
+                )
+                if events
+                else None
+            )
             self.scheduler = SchedulerSide(self.cfg, self.geo, self.client, router)
         else:
             rank = _global_rank()
-            self.worker = WorkerSide(self.cfg, self.geo, self.client, f"{engine}/{rank}", kv_cache_config.num_blocks,
-                                     events=events)
+            self.worker = WorkerSide(
+                self.cfg, self.geo, self.client, f"{engine}/{rank}", kv_cache_config.num_blocks, events=events
+            )
             self._rank = rank
-        log.info("TierdConnector (%s) -> %s: chunks of %d tokens (shorter prompts bypass the tier), groups %s%s",
-                 role.name.lower(), self.cfg.url, self.cfg.chunk_tokens, [g.kind.value for g in self.geo.groups],
-                 ", KV events on" if events else "")
+        log.info(
+            "TierdConnector (%s) -> %s: chunks of %d tokens (shorter prompts bypass the tier), groups %s%s",
+            role.name.lower(),
+            self.cfg.url,
+            self.cfg.chunk_tokens,
+            [g.kind.value for g in self.geo.groups],
+            ", KV events on" if events else "",
+        )
         arm_leaving(self, vllm_config)
 
     # ---- properties vLLM consults ---------------------------------------------------------------
@@ -116,8 +134,9 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]):
         finished, failed = self.worker.transfer_results()
         multi = len(self.geo.groups) > 1
-        return KVConnectorTransferResults(finished_sending=set(), finished_recving=finished,
-                                          failed_recving=failed if multi else set())
+        return KVConnectorTransferResults(
+            finished_sending=set(), finished_recving=finished, failed_recving=failed if multi else set()
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_invalid_blocks() if self.worker is not None else set()

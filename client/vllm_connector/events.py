@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVConnectorKVEvents
 
 from tierd.protocol.layout import GroupKind
-
 from tierd_client.vllm_connector.log import get_logger
 
 log = get_logger("tierd_client.vllm_connector")
@@ -66,7 +65,7 @@ class ChunkReports(KVConnectorKVEvents):
     def add_events(self, events) -> None:
         self.reports.extend(events)
 
-    def aggregate(self) -> "ChunkReports":
+    def aggregate(self) -> ChunkReports:
         return self
 
     def increment_workers(self, count: int = 1) -> None:
@@ -112,13 +111,20 @@ class RouterEvents:
     missed: int = 0  # EVICTED replies that said removals may have been lost
 
     def record(self, request, chunk: int, key: bytes) -> None:
-        stored = [e for g in self.geo.groups if g.kind is GroupKind.FULL
-                  for e in [self._stored_event(request, chunk, g)] if e is not None]
+        stored = [
+            e
+            for g in self.geo.groups
+            if g.kind is GroupKind.FULL
+            for e in [self._stored_event(request, chunk, g)]
+            if e is not None
+        ]
         if not stored:
             return
         p = self.planned.pop(key, None)
         expected = self.world_size + (p.expected if p is not None else 0)
-        self.planned[key] = _Planned(stored, expected, p.good if p else False, p.bad if p else False, time.monotonic())
+        self.planned[key] = _Planned(
+            stored, expected, p.good if p else False, p.bad if p else False, time.monotonic()
+        )
         while len(self.planned) > MAX_TRACKED:
             self.planned.popitem(last=False)
 
@@ -135,8 +141,10 @@ class RouterEvents:
             del self.planned[key]
             if p.good and not p.bad:
                 self.out += p.stored
-                self.announced[key] = [BlockRemoved(block_hashes=e.block_hashes, medium=MEDIUM_CPU, group_idx=e.group_idx)
-                                       for e in p.stored]
+                self.announced[key] = [
+                    BlockRemoved(block_hashes=e.block_hashes, medium=MEDIUM_CPU, group_idx=e.group_idx)
+                    for e in p.stored
+                ]
                 self.announced.move_to_end(key)
                 while len(self.announced) > MAX_TRACKED:
                     self.announced.popitem(last=False)
@@ -171,7 +179,8 @@ class RouterEvents:
                     (log.info if self.missed == 1 else log.debug)(
                         "tierd: some evictions were not reported (the daemon restarted, or evicted more "
                         "than its --eviction-log holds between two polls): the router may think this node "
-                        "holds chunks it no longer does")
+                        "holds chunks it no longer does"
+                    )
                 self._cursor = int(reply.get("seq", self._cursor))
                 self._boot = reply.get("boot_id") or None
                 for key in reply.get("keys", ()):
@@ -194,16 +203,18 @@ class RouterEvents:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         C = self.geo.chunk_tokens
-        hashes = _hashes_at(list(getattr(request, "block_hashes", ()) or ()), self.hash_block_size, g.block_tokens)
+        hashes = _hashes_at(
+            list(getattr(request, "block_hashes", ()) or ()), self.hash_block_size, g.block_tokens
+        )
         per = C // g.block_tokens
         first = chunk * per
         if len(hashes) < first + per:
             return None  # vLLM has not hashed these blocks (cannot happen for full chunks; be safe)
         lora = getattr(request, "lora_request", None)
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:first + per]],
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first : first + per]],
             parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
-            token_ids=list(request.all_token_ids[chunk * C:(chunk + 1) * C]),
+            token_ids=list(request.all_token_ids[chunk * C : (chunk + 1) * C]),
             block_size=g.block_tokens,
             lora_id=getattr(lora, "adapter_id", None) if lora else None,
             medium=MEDIUM_CPU,

@@ -31,7 +31,11 @@ class Group:
         return 1 if self.kind is GroupKind.STATE else chunk_tokens // self.block_tokens
 
     def spec(self) -> dict:
-        return {"kind": self.kind.value, "block_tokens": self.block_tokens, "window_tokens": self.window_tokens}
+        return {
+            "kind": self.kind.value,
+            "block_tokens": self.block_tokens,
+            "window_tokens": self.window_tokens,
+        }
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,12 @@ class Geometry:
 
     @property
     def namespace(self) -> dict:
-        return {"model": self.model, "fingerprint": self.fingerprint, "world_size": self.world_size, "salt": ""}
+        return {
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+            "salt": "",
+        }
 
     def specs(self) -> list[dict]:
         return [g.spec() for g in self.groups]
@@ -101,8 +110,10 @@ def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
         "chunk_tokens": chunk_tokens,
         "dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
         "model_dtype": str(vllm_config.model_config.dtype),
-        "groups": [[g.spec_name, g.kind.value, g.block_tokens, g.window_tokens, len(g.layer_names), g.page_bytes]
-                   for g in groups],
+        "groups": [
+            [g.spec_name, g.kind.value, g.block_tokens, g.window_tokens, len(g.layer_names), g.page_bytes]
+            for g in groups
+        ],
     }
     fingerprint = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).hexdigest()
     return Geometry(tuple(groups), chunk_tokens, model, world, fingerprint)
@@ -117,7 +128,8 @@ def check_chunk_tokens(chunk_tokens: int, groups) -> None:
     suggestion = max(lcm, -(-chunk_tokens // lcm) * lcm)
     where = "; ".join(
         f"group {g.index} {g.spec_name} block_size={g.block_tokens} (KVCacheConfig.kv_cache_groups[{g.index}]"
-        f".kv_cache_spec.block_size, from --block-size{' and the mamba state size' if g.kind is GroupKind.STATE else ''})"
+        f".kv_cache_spec.block_size, from --block-size"
+        f"{' and the mamba state size' if g.kind is GroupKind.STATE else ''})"
         for g in groups
     )
     raise ChunkSizeError(

@@ -24,7 +24,10 @@ def extend_keys(request, keys: list[bytes], upto_chunks: int, chunk_tokens: int)
 
 def unkeyable(request) -> bool:
     """Requests keyed by embeddings instead of token ids cannot be named by PAGE hashes."""
-    return getattr(request, "prompt_embeds", None) is not None or getattr(request, "prompt_token_ids", []) is None
+    return (
+        getattr(request, "prompt_embeds", None) is not None
+        or getattr(request, "prompt_token_ids", []) is None
+    )
 
 
 def _root(request) -> bytes:
@@ -40,8 +43,10 @@ def _mm_extras(request, start: int, end: int, chunk_tokens: int) -> list | None:
     out = []
     for j in range(start, end):
         lo, hi = j * chunk_tokens, (j + 1) * chunk_tokens
-        ids = [f.identifier for f in feats if f.mm_position.offset < hi and f.mm_position.offset + f.mm_position.length > lo]
+        ids = [
+            f.identifier
+            for f in feats
+            if f.mm_position.offset < hi and f.mm_position.offset + f.mm_position.length > lo
+        ]
         out.append(ids or None)
     return out
-
-

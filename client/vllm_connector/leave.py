@@ -32,7 +32,10 @@ import weakref
 
 def arm(connector, vllm_config) -> None:
     atexit.register(_at_exit, weakref.ref(connector))
-    if getattr(vllm_config, "shutdown_timeout", 0) or threading.current_thread() is not threading.main_thread():
+    if (
+        getattr(vllm_config, "shutdown_timeout", 0)
+        or threading.current_thread() is not threading.main_thread()
+    ):
         return
     ref = weakref.ref(connector)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
 except ImportError:  # pragma: no cover - vLLM without worker metadata
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -51,5 +54,5 @@ class TierdMetadata(KVConnectorMetadata):
 class TierdWorkerMeta(KVConnectorWorkerMetadata):
     failed_loads: set[str] = field(default_factory=set)
 
-    def aggregate(self, other: "TierdWorkerMeta") -> "TierdWorkerMeta":
+    def aggregate(self, other: TierdWorkerMeta) -> TierdWorkerMeta:
         return TierdWorkerMeta(self.failed_loads | other.failed_loads)

@@ -68,14 +68,38 @@ class RankRegistration:
                 ref, offset = where[i]
                 i += 1
                 if t.shape[0] % self.num_blocks:
-                    raise ValueError(f"layer tensor with {t.shape[0]} blocks is not a multiple of "
-                                     f"{self.num_blocks}")
-                spans.append(block_span(tuple(t.shape), tuple(t.stride()), t.element_size(), 0, tensor=ref,
-                                        offset=offset, blocks_per_block=t.shape[0] // self.num_blocks))
-            groups.append(group_desc(g.kind.value, g.block_tokens, spans, window_tokens=g.window_tokens,
-                                     dtype=str(ts[0].dtype) if ts else ""))
-        self.layout = layout_desc(self.geo.namespace, rank, self.geo.chunk_tokens, refs, groups,
-                                  device=device, replicated=self.geo.replicated)
+                    raise ValueError(
+                        f"layer tensor with {t.shape[0]} blocks is not a multiple of {self.num_blocks}"
+                    )
+                spans.append(
+                    block_span(
+                        tuple(t.shape),
+                        tuple(t.stride()),
+                        t.element_size(),
+                        0,
+                        tensor=ref,
+                        offset=offset,
+                        blocks_per_block=t.shape[0] // self.num_blocks,
+                    )
+                )
+            groups.append(
+                group_desc(
+                    g.kind.value,
+                    g.block_tokens,
+                    spans,
+                    window_tokens=g.window_tokens,
+                    dtype=str(ts[0].dtype) if ts else "",
+                )
+            )
+        self.layout = layout_desc(
+            self.geo.namespace,
+            rank,
+            self.geo.chunk_tokens,
+            refs,
+            groups,
+            device=device,
+            replicated=self.geo.replicated,
+        )
         self.rank = rank
         if device == "cuda":
             self.stager = self._stager(tensors, where)
@@ -100,8 +124,13 @@ class RankRegistration:
         layout = PageLayout.from_wire(self.layout)
         size = staging_bytes(self.cfg.staging_mb, chunk_bytes(layout))
         stager = Stager(layout, [flats[i] for i in range(len(flats))], size)
-        log.info("tierd: rank %d stages its copies through %.1f MiB on %s (%d chunks each way)", self.rank,
-                 size / 2**20, tensors[0].device, size // 2 // chunk_bytes(layout))
+        log.info(
+            "tierd: rank %d stages its copies through %.1f MiB on %s (%d chunks each way)",
+            self.rank,
+            size / 2**20,
+            tensors[0].device,
+            size // 2 // chunk_bytes(layout),
+        )
         return stager
 
     def ready(self, wait_s: float = 0.0) -> bool:
@@ -114,16 +143,19 @@ class RankRegistration:
             if time.monotonic() - self._sent_at < self.cfg.register_retry_s and not wait_s:
                 return False
             self._sent_at = time.monotonic()
-            fut = self._future = self.client.register_async(self.instance, self.layout, self.cfg.timeout_s,
-                                                            publish=self.publication)
+            fut = self._future = self.client.register_async(
+                self.instance, self.layout, self.cfg.timeout_s, publish=self.publication
+            )
         if wait_s:
             try:
                 fut.result(timeout=wait_s)
             except Exception:  # noqa: BLE001 - a timeout or a refusal, reported below
                 pass
         if not fut.done():
-            self._say_down(f"no answer from a tierd within {self.cfg.connect_timeout_s:g} s "
-                           "(is `tierd serve` running, and is tierd.url its --socket?)")
+            self._say_down(
+                f"no answer from a tierd within {self.cfg.connect_timeout_s:g} s "
+                "(is `tierd serve` running, and is tierd.url its --socket?)"
+            )
             return False
         self._future = None
         exc = fut.exception()
@@ -131,16 +163,26 @@ class RankRegistration:
             self._say_down(str(exc))
             return False
         self.registered = True
-        log.info("tierd: rank %d registered with %s as %s (chunks of %d tokens, groups %s): the tier is on",
-                 self.rank, self.client.url, self.instance, self.geo.chunk_tokens,
-                 [g.kind.value for g in self.geo.groups])
+        log.info(
+            "tierd: rank %d registered with %s as %s (chunks of %d tokens, groups %s): the tier is on",
+            self.rank,
+            self.client.url,
+            self.instance,
+            self.geo.chunk_tokens,
+            [g.kind.value for g in self.geo.groups],
+        )
         return True
 
     def _say_down(self, why: str) -> None:
         if not self._said_down:
             self._said_down = True
-            log.warning("tierd: rank %d runs without the tier for now: %s at %s; registering again every "
-                        "%g s", self.rank, why, self.client.url, self.cfg.register_retry_s)
+            log.warning(
+                "tierd: rank %d runs without the tier for now: %s at %s; registering again every %g s",
+                self.rank,
+                why,
+                self.client.url,
+                self.cfg.register_retry_s,
+            )
 
     def leave(self) -> None:
         """UNREGISTER (bounded), for daemons that do not know BYE."""

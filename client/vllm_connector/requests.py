@@ -33,12 +33,15 @@ class Limits:
     skip: bool = False
 
     @classmethod
-    def of(cls, request) -> "Limits":
+    def of(cls, request) -> Limits:
         params = getattr(request, "kv_transfer_params", None) or {}
         if not isinstance(params, dict) or not params:
             return cls()
-        return cls(_count(params, "max_load_tokens", request), _count(params, "max_offload_tokens", request),
-                   _flag(params.get(SKIP_KEY, False), request))
+        return cls(
+            _count(params, "max_load_tokens", request),
+            _count(params, "max_offload_tokens", request),
+            _flag(params.get(SKIP_KEY, False), request),
+        )
 
     def load_cap(self, local_tokens: int, chunk_tokens: int) -> int | None:
         """The highest chunk-aligned hit boundary (tokens) this request may load up to."""
@@ -59,20 +62,38 @@ def _count(params: dict, key: str, request) -> int | None:
         return None
     if type(raw) is int and raw >= 0:
         return raw
-    log.warning("tierd: request %s: %s must be a non-negative int, got %r; ignoring it",
-                getattr(request, "request_id", "?"), key, raw)
+    log.warning(
+        "tierd: request %s: %s must be a non-negative int, got %r; ignoring it",
+        getattr(request, "request_id", "?"),
+        key,
+        raw,
+    )
     return None
 
 
 def _flag(raw, request) -> bool:
     if isinstance(raw, bool):
         return raw
-    if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+    if isinstance(raw, str) and raw.strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+        "",
+    ):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if type(raw) is int and raw in (0, 1):
         return bool(raw)
-    log.warning("tierd: request %s: %s must be a bool, got %r; ignoring it", getattr(request, "request_id", "?"),
-                SKIP_KEY, raw)
+    log.warning(
+        "tierd: request %s: %s must be a bool, got %r; ignoring it",
+        getattr(request, "request_id", "?"),
+        SKIP_KEY,
+        raw,
+    )
     return False
 
 

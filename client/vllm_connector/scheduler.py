@@ -16,14 +16,20 @@ from __future__ import annotations
 import time
 
 from tierd.protocol.layout import GroupKind, GroupSpec
-
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import Geometry
-from tierd_client.vllm_connector.keys import extend_keys, unkeyable as _unkeyable
+from tierd_client.vllm_connector.keys import extend_keys
+from tierd_client.vllm_connector.keys import unkeyable as _unkeyable
 from tierd_client.vllm_connector.log import get_logger
 from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, LoadJob, TierdMetadata
 from tierd_client.vllm_connector.requests import Limits, ReqState
-from tierd_client.vllm_connector.store_plan import block_resolver, new_block_ids, plan_state_store, plan_store, state_offers
+from tierd_client.vllm_connector.store_plan import (
+    block_resolver,
+    new_block_ids,
+    plan_state_store,
+    plan_store,
+    state_offers,
+)
 
 log = get_logger("tierd_client.vllm_connector")
 
@@ -75,7 +81,11 @@ class SchedulerSide:
             keys = self._keys(st, max_chunks)
             try:
                 st.lookup = self.client.lookup_async(
-                    self.geo.namespace, keys, self.geo.specs(), C, replicated=self.geo.replicated,
+                    self.geo.namespace,
+                    keys,
+                    self.geo.specs(),
+                    C,
+                    replicated=self.geo.replicated,
                     timeout=self.cfg.lookup_timeout_s,
                 )
             except Exception as exc:  # noqa: BLE001 - the tier is an optimisation; never fail the request
@@ -125,7 +135,9 @@ class SchedulerSide:
         st.loading = True
         st.stored_chunks = max(st.stored_chunks, hit)
 
-    def _chunk_blocks(self, g, spec: GroupSpec, ids: list[int], chunk: int, need: int, local_tokens: int) -> list[int]:
+    def _chunk_blocks(
+        self, g, spec: GroupSpec, ids: list[int], chunk: int, need: int, local_tokens: int
+    ) -> list[int]:
         """Block ids of ``chunk`` for group ``g`` to load: SKIP for blocks not needed at the hit
         boundary and for blocks the local prefix cache already holds (shared, read-only)."""
         C = self.geo.chunk_tokens
@@ -205,12 +217,19 @@ class SchedulerSide:
         up = getattr(self.client, "server", None) is not None
         if up != self._online:
             if up:
-                log.info("tierd: scheduler has a session with %s: prompts of %d+ tokens use the tier",
-                         self.client.url, self.geo.chunk_tokens)
+                log.info(
+                    "tierd: scheduler has a session with %s: prompts of %d+ tokens use the tier",
+                    self.client.url,
+                    self.geo.chunk_tokens,
+                )
             else:
                 why = getattr(self.client, "refusal", None)
-                log.warning("tierd: %s: requests bypass the tier until the daemon answers",
-                            f"{self.client.url} refused us ({why})" if why else f"no daemon answers at {self.client.url} (yet)")
+                log.warning(
+                    "tierd: %s: requests bypass the tier until the daemon answers",
+                    f"{self.client.url} refused us ({why})"
+                    if why
+                    else f"no daemon answers at {self.client.url} (yet)",
+                )
             self._online = up
         return up
 

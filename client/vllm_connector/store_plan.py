@@ -10,7 +10,6 @@ chunk boundary when it offers them (mamba "align" mode), else from the block at 
 from __future__ import annotations
 
 from tierd.protocol.layout import GroupKind
-
 from tierd_client.vllm_connector.keys import extend_keys
 from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, StoreJob
 
@@ -23,14 +22,21 @@ def plan_state_store(geo, st, states: list[tuple[int, int, int]]) -> StoreJob | 
     chunks = []
     for gid, block_id, boundary in states:
         g = by_index.get(gid)
-        if g is None or g.kind is not GroupKind.STATE or boundary % C or boundary > len(st.request.all_token_ids):
+        if (
+            g is None
+            or g.kind is not GroupKind.STATE
+            or boundary % C
+            or boundary > len(st.request.all_token_ids)
+        ):
             continue
         j = boundary // C - 1
         cap = st.limits.store_cap()
         if cap is not None and boundary > cap:
             continue
         extend_keys(st.request, st.keys, j + 1, C)
-        blocks = [[block_id] if other.index == gid else [SKIP] * other.blocks_per_chunk(C) for other in geo.groups]
+        blocks = [
+            [block_id] if other.index == gid else [SKIP] * other.blocks_per_chunk(C) for other in geo.groups
+        ]
         chunks.append(ChunkIO(st.keys[j], blocks))
     return StoreJob(st.request.request_id, chunks, []) if chunks else None
 

@@ -41,8 +41,16 @@ log = get_logger("tierd_client.vllm_connector")
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, geo: Geometry, client, instance_id: str, num_blocks: int,
-                 vllm_null: int = 0, events: bool = False):
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        geo: Geometry,
+        client,
+        instance_id: str,
+        num_blocks: int,
+        vllm_null: int = 0,
+        events: bool = False,
+    ):
         self.cfg = cfg
         self.geo = geo
         self.client = client
@@ -72,8 +80,9 @@ class WorkerSide:
             from tierd_client.staged_rank import StagedRank
 
             self.device = stager.device
-            self.staged = StagedRank(self.client, self.instance, stager, null=self.null,
-                                     timeout_s=self.cfg.timeout_s)
+            self.staged = StagedRank(
+                self.client, self.instance, stager, null=self.null, timeout_s=self.cfg.timeout_s
+            )
 
     def _try_register(self) -> bool:
         return self.reg.ready()
@@ -98,8 +107,9 @@ class WorkerSide:
                     self.staged.null = self.null
                     fut = self.staged.retrieve(chunks, lease=job.lease, after=ready)
                 else:
-                    fut = self.client.retrieve_async(self.instance, chunks, lease=job.lease,
-                                                     timeout=self.cfg.timeout_s)
+                    fut = self.client.retrieve_async(
+                        self.instance, chunks, lease=job.lease, timeout=self.cfg.timeout_s
+                    )
             except Exception as exc:  # noqa: BLE001
                 log.warning("tierd: load for %s not sent: %s", job.req_id, exc)
                 self._fail_load(job.req_id, self._flat(ids))
@@ -123,8 +133,9 @@ class WorkerSide:
                     self.staged.null = self.null
                     fut = self.staged.store(chunks, touch=job.touch, after=after)
                 else:
-                    fut = self.client.store_async(self.instance, chunks, touch=job.touch,
-                                                  timeout=self.cfg.timeout_s)
+                    fut = self.client.store_async(
+                        self.instance, chunks, touch=job.touch, timeout=self.cfg.timeout_s
+                    )
             except Exception as exc:  # noqa: BLE001 - a store not made is a future miss, nothing more
                 log.debug("tierd: store for %s not sent: %s", job.req_id, exc)
                 self._report(keys, "failed")
@@ -282,4 +293,3 @@ class WorkerSide:
             elif self.reports is not None:
                 self.reports += list(zip(keys, fut.result().get("results", ())))
         self.stores = keep
-

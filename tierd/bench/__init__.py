@@ -9,25 +9,61 @@ from tierd.bench.common import BenchError, Progress
 __all__ = ["BenchError", "run_bench"]
 
 
-def run_bench(*, socket, device, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
-              batch, rounds, pool_gb, progress: bool, interference: bool = False, staging_mb: int = 1024,
-              impl: str = "auto", ranks: int = 1, seconds: float = 2.0, ctas: int = 0) -> dict:
+def run_bench(
+    *,
+    socket,
+    device,
+    layers,
+    kv_heads,
+    head_dim,
+    block_tokens,
+    chunk_tokens,
+    dtype_bytes,
+    mla,
+    chunks,
+    batch,
+    rounds,
+    pool_gb,
+    progress: bool,
+    interference: bool = False,
+    staging_mb: int = 1024,
+    impl: str = "auto",
+    ranks: int = 1,
+    seconds: float = 2.0,
+    ctas: int = 0,
+) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
     if ranks < 1 or seconds <= 0:
         raise BenchError(f"--ranks {ranks} --seconds {seconds:g}: need at least 1 rank and a positive window")
-    kw = dict(socket=socket, layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_tokens=block_tokens,
-              chunk_tokens=chunk_tokens, dtype_bytes=dtype_bytes, mla=mla, chunks=chunks, batch=batch, rounds=rounds,
-              pool_gb=pool_gb, progress=Progress(progress))
+    kw = dict(
+        socket=socket,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_tokens=block_tokens,
+        chunk_tokens=chunk_tokens,
+        dtype_bytes=dtype_bytes,
+        mla=mla,
+        chunks=chunks,
+        batch=batch,
+        rounds=rounds,
+        pool_gb=pool_gb,
+        progress=Progress(progress),
+    )
     if device == "cuda":
         try:
             import torch
         except ImportError:
-            raise BenchError("--device cuda needs PyTorch with CUDA (pip install 'tierd[gpu]' with the torch build "
-                             "that matches your driver)") from None
+            raise BenchError(
+                "--device cuda needs PyTorch with CUDA (pip install 'tierd[gpu]' with the torch build "
+                "that matches your driver)"
+            ) from None
         if not torch.cuda.is_available():
-            raise BenchError(f"--device cuda needs a CUDA GPU visible to this process (torch {torch.__version__} "
-                             "sees none)")
+            raise BenchError(
+                f"--device cuda needs a CUDA GPU visible to this process (torch {torch.__version__} "
+                "sees none)"
+            )
     if ranks > 1:
         if interference:
             raise BenchError("--interference runs with one rank (leave --ranks out)")

@@ -22,8 +22,21 @@ def private_daemon(pool_bytes: int, extra: tuple[str, ...] = ()):
     """A ``tierd serve`` subprocess on a private socket; yields its endpoint."""
     folder = tempfile.mkdtemp(prefix="tierd-bench-")
     endpoint = f"ipc://{folder}/tierd.sock"
-    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1",
-           "--l1-size-gb", f"{pool_bytes / 2**30:.6f}", "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierd",
+        "serve",
+        "--socket",
+        endpoint,
+        "--http-port",
+        "-1",
+        "--l1-size-gb",
+        f"{pool_bytes / 2**30:.6f}",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd)
     try:
         yield endpoint

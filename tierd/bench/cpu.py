@@ -14,8 +14,22 @@ from tierd.bench.common import BenchError, Progress, fill_pattern, memcpy_gbps, 
 from tierd.protocol.keys import KEY_BYTES
 
 
-def run_cpu_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
-                  batch, rounds, pool_gb, progress: Progress) -> dict:
+def run_cpu_bench(
+    *,
+    socket,
+    layers,
+    kv_heads,
+    head_dim,
+    block_tokens,
+    chunk_tokens,
+    dtype_bytes,
+    mla,
+    chunks,
+    batch,
+    rounds,
+    pool_gb,
+    progress: Progress,
+) -> dict:
     from tierd_client import TierdClient
     from tierd_client.layouts import block_span, group, layout, namespace
     from tierd_client.shm import SharedBuffer
@@ -30,10 +44,21 @@ def run_cpu_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tok
     try:
         kv = buf.array.reshape(layers, num_blocks, block_bytes)
         fill_pattern(kv[:, : num_blocks // 2])
-        spans = [block_span((num_blocks, block_bytes), (block_bytes, 1), 1, 0, tensor=0, offset=l * num_blocks * block_bytes)
-                 for l in range(layers)]
+        spans = [
+            block_span(
+                (num_blocks, block_bytes),
+                (block_bytes, 1),
+                1,
+                0,
+                tensor=0,
+                offset=l * num_blocks * block_bytes,
+            )
+            for l in range(layers)
+        ]
         ns = namespace("tierd-bench", uuid.uuid4().hex)
-        lay = layout(ns, 0, chunk_tokens, [buf.ref()], [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")])
+        lay = layout(
+            ns, 0, chunk_tokens, [buf.ref()], [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")]
+        )
         pool_bytes = int(pool_gb * 2**30) if pool_gb else int(total * 1.25) + (256 << 20)
         progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
         ctx = private_daemon(pool_bytes) if socket is None else contextlib.nullcontext(socket)
@@ -44,16 +69,20 @@ def run_cpu_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tok
             baseline = memcpy_gbps(total)
             store_s, retrieve_s, verified = [], [], True
             bar = progress.bar(rounds * 2 * total, "store/retrieve")
-            for r in range(rounds):
+            for _ in range(rounds):
                 client.call("CLEAR", {"namespace": ns})
                 keys = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
                 src_ids = [list(range(c * bpc, (c + 1) * bpc)) for c in range(chunks)]
                 dst_ids = [[num_blocks // 2 + b for b in ids] for ids in src_ids]
                 kv[:, num_blocks // 2 :] = 0
                 t = time.perf_counter()
-                futs = [client.store_async("bench-0", [{"key": keys[c], "blocks": [src_ids[c]]}
-                                                      for c in range(i, min(i + batch, chunks))])
-                        for i in range(0, chunks, batch)]
+                futs = [
+                    client.store_async(
+                        "bench-0",
+                        [{"key": keys[c], "blocks": [src_ids[c]]} for c in range(i, min(i + batch, chunks))],
+                    )
+                    for i in range(0, chunks, batch)
+                ]
                 for fut in futs:
                     res = fut.result()
                     bar(len(res["results"]) * object_bytes)
@@ -61,9 +90,13 @@ def run_cpu_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tok
                         raise BenchError(f"store answered {res['results']}: is the pool large enough?")
                 store_s.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                futs = [client.retrieve_async("bench-0", [{"key": keys[c], "blocks": [dst_ids[c]]}
-                                                         for c in range(i, min(i + batch, chunks))])
-                        for i in range(0, chunks, batch)]
+                futs = [
+                    client.retrieve_async(
+                        "bench-0",
+                        [{"key": keys[c], "blocks": [dst_ids[c]]} for c in range(i, min(i + batch, chunks))],
+                    )
+                    for i in range(0, chunks, batch)
+                ]
                 for fut in futs:
                     res = fut.result()
                     bar(len(res["ok"]) * object_bytes)
@@ -93,5 +126,3 @@ def run_cpu_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tok
         "retrieve_ratio": round(retrieve_gbps / baseline, 3),
         "verified": verified,
     }
-
-

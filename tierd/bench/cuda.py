@@ -93,9 +93,26 @@ def _baselines(torch, buf, total: int, block_bytes: int, blocks: list[int], dev)
     return out
 
 
-def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_tokens, dtype_bytes, mla, chunks,
-                   batch, rounds, pool_gb, progress, interference: bool = False, staging_mb: int = 1024,
-                   impl: str = "auto", ctas: int = 0) -> dict:
+def run_cuda_bench(
+    *,
+    socket,
+    layers,
+    kv_heads,
+    head_dim,
+    block_tokens,
+    chunk_tokens,
+    dtype_bytes,
+    mla,
+    chunks,
+    batch,
+    rounds,
+    pool_gb,
+    progress,
+    interference: bool = False,
+    staging_mb: int = 1024,
+    impl: str = "auto",
+    ctas: int = 0,
+) -> dict:
     import torch
 
     from tierd.bench.common import BenchError, private_daemon
@@ -115,25 +132,52 @@ def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_to
     heads, row = (1, 576 * dtype_bytes) if mla else (kv_heads, 2 * head_dim * dtype_bytes)
     block_bytes = block_tokens * heads * row
     bpc = chunk_tokens // block_tokens
-    region = chunks * bpc  # blocks per region: 0 = stored from, 1 = retrieved into, 2 = stored while retrieving
+    region = (
+        chunks * bpc
+    )  # blocks per region: 0 = stored from, 1 = retrieved into, 2 = stored while retrieving
     num_blocks = 3 * region + bpc  # + one chunk for the latency probes
     object_bytes = layers * bpc * block_bytes
     total = chunks * object_bytes
-    progress.phase(f"laying out {layers * num_blocks * block_bytes / 2**30:.1f} GiB of KV on {torch.cuda.get_device_name(dev)}")
+    progress.phase(
+        f"laying out {layers * num_blocks * block_bytes / 2**30:.1f} GiB of KV on "
+        f"{torch.cuda.get_device_name(dev)}"
+    )
     # one buffer for all layers, LBNHC: per layer [B][N][H][row]; logical per-layer view [B, H, N, row]
     buf = torch.empty(layers * num_blocks * block_bytes, dtype=torch.uint8, device=dev)
     kv = buf.view(layers, num_blocks, block_bytes)
     kv.random_(0, 256, generator=torch.Generator(device=dev).manual_seed(0))
     views = buf.view(layers, num_blocks, block_tokens, heads, row).permute(0, 1, 3, 2, 4)
-    spans = [block_span(tuple(views[l].shape), tuple(views[l].stride()), 1, 0, tensor=0, offset=l * num_blocks * block_bytes)
-             for l in range(layers)]
+    spans = [
+        block_span(
+            tuple(views[l].shape),
+            tuple(views[l].stride()),
+            1,
+            0,
+            tensor=0,
+            offset=l * num_blocks * block_bytes,
+        )
+        for l in range(layers)
+    ]
     refs, _ = share_cuda_tensors([buf])
     ns = namespace("tierd-bench-cuda", uuid.uuid4().hex)
-    lay = layout(ns, 0, chunk_tokens, refs, [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")], device="cuda")
-    stager = Stager(PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl, ctas)
+    lay = layout(
+        ns,
+        0,
+        chunk_tokens,
+        refs,
+        [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")],
+        device="cuda",
+    )
+    stager = Stager(
+        PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl, ctas
+    )
     lay["staging"] = stager.ref
     specs = group_specs(lay)
-    pool_bytes = int(pool_gb * 2**30) if pool_gb else int((4 if interference else 2) * total * 1.05) + 24 * object_bytes + (512 << 20)
+    pool_bytes = (
+        int(pool_gb * 2**30)
+        if pool_gb
+        else int((4 if interference else 2) * total * 1.05) + 24 * object_bytes + (512 << 20)
+    )
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}")
     progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
     ctx = private_daemon(pool_bytes, extra) if socket is None else contextlib.nullcontext(socket)
@@ -147,7 +191,10 @@ def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_to
         return bool(torch.equal(kv[:, a[0] : a[-1] + 1], kv[:, b[0] : b[-1] + 1]))
 
     out: dict = {}
-    with ctx as endpoint, TierdClient(endpoint, timeout_s=300, connect_timeout_s=300, name="tierd-bench-cuda") as client:
+    with (
+        ctx as endpoint,
+        TierdClient(endpoint, timeout_s=300, connect_timeout_s=300, name="tierd-bench-cuda") as client,
+    ):
         client.wait_ready(120)
         if not client.status().get("cuda"):
             raise BenchError("the daemon found no usable GPU")
@@ -159,7 +206,9 @@ def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_to
 
         def store(keys, blocks):
             after.record(torch.cuda.current_stream(dev))  # the "forward" that wrote the blocks
-            return rank.store([{"key": k, "blocks": [ids(blocks, c)]} for c, k in enumerate(keys)], after=after)
+            return rank.store(
+                [{"key": k, "blocks": [ids(blocks, c)]} for c, k in enumerate(keys)], after=after
+            )
 
         def retrieve(keys, blocks):
             return rank.retrieve([{"key": k, "blocks": [ids(blocks, c)]} for c, k in enumerate(keys)])
@@ -221,47 +270,56 @@ def run_cuda_bench(*, socket, layers, kv_heads, head_dim, block_tokens, chunk_to
         rank.close()
         client.unregister("bench-0")
 
-    base = _baselines(torch, buf, total, block_bytes,
-                      [l * num_blocks + b for b in src[: min(chunks, 8) * bpc] for l in range(layers)], dev)
+    base = _baselines(
+        torch,
+        buf,
+        total,
+        block_bytes,
+        [l * num_blocks + b for b in src[: min(chunks, 8) * bpc] for l in range(layers)],
+        dev,
+    )
     store_g = _gbps(total, min(times["store"]))
     retrieve_g = _gbps(total, min(times["retrieve"]))
     both_g = _gbps(2 * total, min(times["both"]))
-    out.update({
-        "device": "cuda",
-        "gpu": torch.cuda.get_device_name(dev),
-        "layout": "mla" if mla else "mha",
-        "kv_layout": "LBNHC, one buffer, per-layer [B, H, N, C] views (vLLM 0.33)",
-        "path": "gather/scatter in this (the engine's) process, daemon DMA through the staging buffer",
-        "layers": layers,
-        "block_bytes": block_bytes,
-        "object_bytes": object_bytes,
-        "chunks": chunks,
-        "batch": batch,
-        "bytes_per_round": total,
-        "store_gbps": store_g,
-        "retrieve_gbps": retrieve_g,
-        "both_gbps": both_g,
-        **base,
-        "baseline_gbps": min(base["baseline_d2h_gbps"], base["baseline_h2d_gbps"]),
-        "baseline": "raw pinned cudaMemcpyAsync of the same bytes, this run (store vs D2H, retrieve vs H2D)",
-        "store_ratio": round(store_g / base["baseline_d2h_gbps"], 3),
-        "retrieve_ratio": round(retrieve_g / base["baseline_h2d_gbps"], 3),
-        "both_ratio": round(both_g / base["baseline_both_gbps"], 3),
-        "per_block_ratio": round(base["per_block_gbps"] / base["baseline_d2h_gbps"], 3),
-        "chunk_tokens": chunk_tokens,
-        "latency_ms": latency,
-        "lookup_keys": len(lk),
-        "lookups_per_s": round(lookups_seq, 1),
-        "impl": "kernel" if native.get() is not None and impl != "torch" else "torch",
-        "ctas": stager.grid,
-        "native": native.state(),
-        "register_s": round(register_s, 3),
-        "bench_build_s": round(build_s, 3),
-        "pinned_bytes": status.get("memory_pinned_bytes"),
-        "lanes": status.get("cuda_detail", {}).get("lanes"),
-        "times_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
-        "verified": bool(verified),
-    })
+    out.update(
+        {
+            "device": "cuda",
+            "gpu": torch.cuda.get_device_name(dev),
+            "layout": "mla" if mla else "mha",
+            "kv_layout": "LBNHC, one buffer, per-layer [B, H, N, C] views (vLLM 0.33)",
+            "path": "gather/scatter in this (the engine's) process, daemon DMA through the staging buffer",
+            "layers": layers,
+            "block_bytes": block_bytes,
+            "object_bytes": object_bytes,
+            "chunks": chunks,
+            "batch": batch,
+            "bytes_per_round": total,
+            "store_gbps": store_g,
+            "retrieve_gbps": retrieve_g,
+            "both_gbps": both_g,
+            **base,
+            "baseline_gbps": min(base["baseline_d2h_gbps"], base["baseline_h2d_gbps"]),
+            "baseline": "raw pinned cudaMemcpyAsync of the same bytes, this run "
+            "(store vs D2H, retrieve vs H2D)",
+            "store_ratio": round(store_g / base["baseline_d2h_gbps"], 3),
+            "retrieve_ratio": round(retrieve_g / base["baseline_h2d_gbps"], 3),
+            "both_ratio": round(both_g / base["baseline_both_gbps"], 3),
+            "per_block_ratio": round(base["per_block_gbps"] / base["baseline_d2h_gbps"], 3),
+            "chunk_tokens": chunk_tokens,
+            "latency_ms": latency,
+            "lookup_keys": len(lk),
+            "lookups_per_s": round(lookups_seq, 1),
+            "impl": "kernel" if native.get() is not None and impl != "torch" else "torch",
+            "ctas": stager.grid,
+            "native": native.state(),
+            "register_s": round(register_s, 3),
+            "bench_build_s": round(build_s, 3),
+            "pinned_bytes": status.get("memory_pinned_bytes"),
+            "lanes": status.get("cuda_detail", {}).get("lanes"),
+            "times_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
+            "verified": bool(verified),
+        }
+    )
     return out
 
 
@@ -279,7 +337,7 @@ def _latencies(torch, rank, kv, probe: list[int], bpc: int, dev) -> dict:
         st, rt, raw_d2h, raw_h2d = [], [], [], []
         for i in range(11):
             keys = [uuid.uuid4().bytes[:16] for _ in range(n)]
-            chunks = [{"key": k, "blocks": [blocks[c * bpc:(c + 1) * bpc]]} for c, k in enumerate(keys)]
+            chunks = [{"key": k, "blocks": [blocks[c * bpc : (c + 1) * bpc]]} for c, k in enumerate(keys)]
             torch.cuda.synchronize(dev)
             t = time.perf_counter()
             res = rank.store(chunks).result()
@@ -302,9 +360,14 @@ def _latencies(torch, rank, kv, probe: list[int], bpc: int, dev) -> dict:
                 raw_d2h.append(t4 - t3)
                 raw_h2d.append(t5 - t4)
         med = lambda xs: round(float(np.median(xs)) * 1e3, 3)  # noqa: E731
-        out[f"{n}_chunks"] = {"store": med(st), "raw_d2h": med(raw_d2h), "retrieve": med(rt), "raw_h2d": med(raw_h2d),
-                              "store_goal": round(1.2 * med(raw_d2h) + 0.3, 3),
-                              "retrieve_goal": round(1.2 * med(raw_h2d) + 0.3, 3)}
+        out[f"{n}_chunks"] = {
+            "store": med(st),
+            "raw_d2h": med(raw_d2h),
+            "retrieve": med(rt),
+            "raw_h2d": med(raw_h2d),
+            "store_goal": round(1.2 * med(raw_d2h) + 0.3, 3),
+            "retrieve_goal": round(1.2 * med(raw_h2d) + 0.3, 3),
+        }
     return out
 
 

@@ -15,7 +15,8 @@ chunks, then gives one start time; every worker runs the same phases in the same
 A worker counts the bytes of requests that completed inside the window (a retrieve completes when
 its scatter has, on the device); ``gbps`` is bytes over the window. Stores write fresh keys and
 touch the resident ones (every rank's part: the ranks name the same chunks, as an engine's TP
-ranks do), so the daemon's LRU evicts earlier store-phase objects, never what the retrieves read. Afterwards each rank restores its resident chunks into other blocks and compares
+ranks do), so the daemon's LRU evicts earlier store-phase objects, never what the retrieves read.
+Afterwards each rank restores its resident chunks into other blocks and compares
 them byte for byte. MLA (``--mla``): the layout is replicated, so only rank 0's STORE copies
 (``stored_objects`` of the other ranks is 0: one copy in the pool) and every rank restores from it.
 """
@@ -43,8 +44,24 @@ def _key(run: str, *parts) -> bytes:
 
 
 # ---- the parent ------------------------------------------------------------------------------------
-def run_ranks_bench(*, socket, device, ranks, seconds, layers, kv_heads, head_dim, block_tokens, chunk_tokens,
-                    dtype_bytes, mla, chunks, batch, pool_gb, progress) -> dict:
+def run_ranks_bench(
+    *,
+    socket,
+    device,
+    ranks,
+    seconds,
+    layers,
+    kv_heads,
+    head_dim,
+    block_tokens,
+    chunk_tokens,
+    dtype_bytes,
+    mla,
+    chunks,
+    batch,
+    pool_gb,
+    progress,
+) -> dict:
     from tierd.bench.common import BenchError, private_daemon
 
     if ranks < 1:
@@ -61,17 +78,35 @@ def run_ranks_bench(*, socket, device, ranks, seconds, layers, kv_heads, head_di
         progress.phase("building the native kernels (cached after the first time)")
         native.load(timeout=900)  # once here: the workers find it built
     run = os.urandom(8).hex()
-    cfg = dict(device=device, ranks=ranks, seconds=seconds, layers=layers, heads=heads, row=row,
-               block_tokens=block_tokens, chunk_tokens=chunk_tokens, dtype_bytes=dtype_bytes, mla=mla, chunks=chunks,
-               batch=batch, run=run)
+    cfg = dict(
+        device=device,
+        ranks=ranks,
+        seconds=seconds,
+        layers=layers,
+        heads=heads,
+        row=row,
+        block_tokens=block_tokens,
+        chunk_tokens=chunk_tokens,
+        dtype_bytes=dtype_bytes,
+        mla=mla,
+        chunks=chunks,
+        batch=batch,
+        run=run,
+    )
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}") if device == "cuda" else ()
     progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
     ctx = private_daemon(pool_bytes, extra) if socket is None else contextlib.nullcontext(socket)
     with ctx as endpoint:
         progress.phase(f"starting {ranks} rank processes")
-        procs = [subprocess.Popen([sys.executable, "-m", "tierd.bench.ranks"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-                 for _ in range(ranks)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tierd.bench.ranks"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(ranks)
+        ]
         try:
             for i, p in enumerate(procs):
                 p.stdin.write(json.dumps({**cfg, "rank": i, "endpoint": endpoint}) + "\n")
@@ -122,19 +157,38 @@ def _phases(device: str) -> tuple[str, ...]:
 def _aggregate(cfg: dict, outs: list[dict], object_bytes: int, block_bytes: int) -> dict:
     outs.sort(key=lambda o: o["rank"])
     agg = {ph: round(sum(o["gbps"][ph] for o in outs), 3) for ph in _phases(cfg["device"])}
-    raw = {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"} if cfg["device"] == "cuda" else \
-        {"store": "raw", "retrieve": "raw", "both": "raw"}
+    raw = (
+        {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"}
+        if cfg["device"] == "cuda"
+        else {"store": "raw", "retrieve": "raw", "both": "raw"}
+    )
     out = {
-        "device": cfg["device"], "bench": "ranks", "ranks": cfg["ranks"], "layout": "mla" if cfg["mla"] else "mha",
-        "layers": cfg["layers"], "block_bytes": block_bytes, "object_bytes": object_bytes,
-        "chunks": cfg["chunks"], "batch": cfg["batch"], "window_s": cfg["seconds"],
+        "device": cfg["device"],
+        "bench": "ranks",
+        "ranks": cfg["ranks"],
+        "layout": "mla" if cfg["mla"] else "mha",
+        "layers": cfg["layers"],
+        "block_bytes": block_bytes,
+        "object_bytes": object_bytes,
+        "chunks": cfg["chunks"],
+        "batch": cfg["batch"],
+        "window_s": cfg["seconds"],
         "gpus": sorted({o.get("gpu") for o in outs if o.get("gpu") is not None}),
         "aggregate_gbps": agg,
         "ratio_to_raw": {k: round(agg[k] / agg[v], 3) if agg[v] else None for k, v in raw.items()},
-        "ratio_to_one_rank": {k: round(agg[k] / agg["solo_" + k], 3) if agg["solo_" + k] else None
-                              for k in PHASES_ALL},
-        "per_rank": [{"rank": o["rank"], "gpu": o.get("gpu"), "gbps": o["gbps"],
-                      "stored_objects": o["stored_objects"], "verified": o["verified"]} for o in outs],
+        "ratio_to_one_rank": {
+            k: round(agg[k] / agg["solo_" + k], 3) if agg["solo_" + k] else None for k in PHASES_ALL
+        },
+        "per_rank": [
+            {
+                "rank": o["rank"],
+                "gpu": o.get("gpu"),
+                "gbps": o["gbps"],
+                "stored_objects": o["stored_objects"],
+                "verified": o["verified"],
+            }
+            for o in outs
+        ],
         "verified": all(o["verified"] for o in outs),
     }
     if cfg["mla"]:
@@ -167,8 +221,10 @@ class _Rank:
             self._cpu_init(seed, ns, block_span, group, layout)
 
     def _spans(self, block_span, shape_strides):
-        return [block_span(shape, strides, 1, 0, tensor=0, offset=li * self.num_blocks * self.block_bytes)
-                for li, (shape, strides) in enumerate(shape_strides)]
+        return [
+            block_span(shape, strides, 1, 0, tensor=0, offset=li * self.num_blocks * self.block_bytes)
+            for li, (shape, strides) in enumerate(shape_strides)
+        ]
 
     def _cpu_init(self, seed, ns, block_span, group, layout):
         import numpy as np
@@ -181,8 +237,14 @@ class _Rank:
         self.kv = self.buf.array.reshape(c["layers"], self.num_blocks, self.block_bytes)
         fill_pattern(self.kv[:, : self.region], seed=0x9E3779B1 + seed)
         shape = [((self.num_blocks, self.block_bytes), (self.block_bytes, 1))] * c["layers"]
-        lay = layout(ns, self.rank, c["chunk_tokens"], [self.buf.ref()],
-                     [group("full", c["block_tokens"], self._spans(block_span, shape))], replicated=c["mla"])
+        lay = layout(
+            ns,
+            self.rank,
+            c["chunk_tokens"],
+            [self.buf.ref()],
+            [group("full", c["block_tokens"], self._spans(block_span, shape))],
+            replicated=c["mla"],
+        )
         self.client.register(f"bench-rank-{self.rank}", lay)
         self._raw = (np.empty(self.request_bytes, np.uint8), np.empty(self.request_bytes, np.uint8))
         np.copyto(self._raw[1], self._raw[0])
@@ -203,26 +265,53 @@ class _Rank:
         buf = torch.empty(c["layers"] * self.num_blocks * self.block_bytes, dtype=torch.uint8, device=dev)
         self.kv = buf.view(c["layers"], self.num_blocks, self.block_bytes)
         self.kv[:, : self.region].random_(0, 256, generator=torch.Generator(device=dev).manual_seed(seed))
-        views = buf.view(c["layers"], self.num_blocks, c["block_tokens"], c["heads"], c["row"]).permute(0, 1, 3, 2, 4)
+        views = buf.view(c["layers"], self.num_blocks, c["block_tokens"], c["heads"], c["row"]).permute(
+            0, 1, 3, 2, 4
+        )
         shape = [(tuple(views[li].shape), tuple(views[li].stride())) for li in range(c["layers"])]
         refs, _ = share_cuda_tensors([buf])
-        lay = layout(ns, self.rank, c["chunk_tokens"], refs, [group("full", c["block_tokens"],
-                     self._spans(block_span, shape))], device="cuda", replicated=c["mla"])
+        lay = layout(
+            ns,
+            self.rank,
+            c["chunk_tokens"],
+            refs,
+            [group("full", c["block_tokens"], self._spans(block_span, shape))],
+            device="cuda",
+            replicated=c["mla"],
+        )
         stager = Stager(PageLayout.from_wire(lay), [buf], max(256 << 20, 2 * DEPTH * self.request_bytes))
         lay["staging"] = stager.ref
         self.client.register(f"bench-rank-{self.rank}", lay, timeout=300)
-        self.staged = StagedRank(self.client, f"bench-rank-{self.rank}", stager, request_bytes=self.request_bytes,
-                                 timeout_s=300)
+        self.staged = StagedRank(
+            self.client, f"bench-rank-{self.rank}", stager, request_bytes=self.request_bytes, timeout_s=300
+        )
         n = self.request_bytes
-        self._host = (torch.empty(n, dtype=torch.uint8, pin_memory=True), torch.empty(n, dtype=torch.uint8, pin_memory=True))
-        self._dev = (torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev))
+        self._host = (
+            torch.empty(n, dtype=torch.uint8, pin_memory=True),
+            torch.empty(n, dtype=torch.uint8, pin_memory=True),
+        )
+        self._dev = (
+            torch.empty(n, dtype=torch.uint8, device=dev),
+            torch.empty(n, dtype=torch.uint8, device=dev),
+        )
         self._streams = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
 
     # ---- requests: each returns something ``finish`` waits on, and the bytes it moves ---------------
     def chunks(self, keys: list[bytes], base: int, first: int) -> list[dict]:
-        return [{"key": k, "blocks": [list(range(base + (first + i) % self.cfg["chunks"] * self.bpc,
-                                                 base + ((first + i) % self.cfg["chunks"] + 1) * self.bpc))]}
-                for i, k in enumerate(keys)]
+        return [
+            {
+                "key": k,
+                "blocks": [
+                    list(
+                        range(
+                            base + (first + i) % self.cfg["chunks"] * self.bpc,
+                            base + ((first + i) % self.cfg["chunks"] + 1) * self.bpc,
+                        )
+                    )
+                ],
+            }
+            for i, k in enumerate(keys)
+        ]
 
     def store(self, keys, first: int, touch=None):
         chunks = self.chunks(keys, 0, first)
@@ -272,10 +361,12 @@ class _Rank:
             s.synchronize()
 
     def verify(self, keys: list[bytes]) -> bool:
-        futs = [self.retrieve(keys[i: i + self.cfg["batch"]], i) for i in range(0, len(keys), self.cfg["batch"])]
+        futs = [
+            self.retrieve(keys[i : i + self.cfg["batch"]], i) for i in range(0, len(keys), self.cfg["batch"])
+        ]
         for f in futs:
             self.finish(f)
-        a, b = self.kv[:, : self.region], self.kv[:, self.region:]
+        a, b = self.kv[:, : self.region], self.kv[:, self.region :]
         if self.device == "cuda":
             return bool(self.torch.equal(a, b))
         import numpy as np
@@ -289,7 +380,9 @@ class _Rank:
             self.buf.close()
 
 
-def _window(rank: _Rank, phase: str, start: float, end: float, resident: list[bytes], counter: list[int]) -> tuple:
+def _window(
+    rank: _Rank, phase: str, start: float, end: float, resident: list[bytes], counter: list[int]
+) -> tuple:
     """Run ``phase`` from ``start`` to ``end`` (wall clock); (bytes completed inside, objects stored)."""
     c = rank.cfg
     active = not phase.startswith("solo_") or rank.rank == 0
@@ -342,15 +435,19 @@ def worker_main() -> None:
     cfg = json.loads(sys.stdin.readline())
     from tierd_client import TierdClient
 
-    with TierdClient(cfg["endpoint"], timeout_s=300, connect_timeout_s=60,
-                     name=f"tierd-bench-rank-{cfg['rank']}") as client:
+    with TierdClient(
+        cfg["endpoint"], timeout_s=300, connect_timeout_s=60, name=f"tierd-bench-rank-{cfg['rank']}"
+    ) as client:
         client.wait_ready(60)
         rank = _Rank(cfg, client)
         try:
-            # the ranks of one engine name the same chunks (each stores its part; replicated: rank 0's serves all)
+            # the ranks of one engine name the same chunks (each stores its part; replicated: rank
+            # 0's serves all)
             resident = [_key(cfg["run"], "resident", j) for j in range(cfg["chunks"])]
             stored = 0
-            futs = [rank.store(resident[j: j + cfg["batch"]], j) for j in range(0, cfg["chunks"], cfg["batch"])]
+            futs = [
+                rank.store(resident[j : j + cfg["batch"]], j) for j in range(0, cfg["chunks"], cfg["batch"])
+            ]
             for f in futs:
                 stored += rank.finish(f)[1]
             print("ready", flush=True)
@@ -365,8 +462,18 @@ def worker_main() -> None:
         finally:
             rank.close()
         client.unregister(f"bench-rank-{cfg['rank']}")
-    print(json.dumps({"rank": cfg["rank"], "gpu": rank.gpu, "gbps": gbps, "stored_objects": stored,
-                      "verified": verified}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": cfg["rank"],
+                "gpu": rank.gpu,
+                "gbps": gbps,
+                "stored_objects": stored,
+                "verified": verified,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

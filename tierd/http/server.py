@@ -31,8 +31,10 @@ log = logging.getLogger("tierd.http")
 WORKERS = 4  # threads answering complete requests (/status waits for the main loop, up to 5 s)
 MAX_HEAD = 64 << 10  # request line and headers, bytes
 TICK_S = 0.1  # how often deadlines are checked
-BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 26\r\n"
-        b"Connection: close\r\n\r\ntoo many HTTP connections\n")
+BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 26\r\n"
+    b"Connection: close\r\n\r\ntoo many HTTP connections\n"
+)
 TOO_LARGE = b"HTTP/1.0 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -197,9 +199,11 @@ def _answer_and_close(sock: socket.socket, reply: bytes) -> None:
     sock.close()
 
 
-def start_http_server(board, metrics, host: str, port: int, timeout_s: float = 5.0,
-                      max_connections: int = 64) -> BoundedHTTPServer:
+def start_http_server(
+    board, metrics, host: str, port: int, timeout_s: float = 5.0, max_connections: int = 64
+) -> BoundedHTTPServer:
     """Serve ``board`` (a tierd.status.StatusBoard) and the Prometheus registry ``metrics``."""
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "tierd"
 
@@ -238,6 +242,12 @@ def start_http_server(board, metrics, host: str, port: int, timeout_s: float = 5
 
     server = BoundedHTTPServer(host, port, Handler, timeout_s, max_connections)
     threading.Thread(target=server.serve_forever, name="tierd-http", daemon=True).start()
-    log.info("HTTP on http://%s:%d (/status /metrics /healthz; at most %d connections, %.3g s each to send "
-             "its request)", host, server.server_address[1], max_connections, timeout_s)
+    log.info(
+        "HTTP on http://%s:%d (/status /metrics /healthz; at most %d connections, %.3g s each to send "
+        "its request)",
+        host,
+        server.server_address[1],
+        max_connections,
+        timeout_s,
+    )
     return server

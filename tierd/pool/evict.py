@@ -147,8 +147,9 @@ def _coldest_windows(pool, cls: SizeClass, only: bytes | None) -> Iterator[tuple
             yield anchor, window
 
 
-def _window_plan(slabs, window: tuple, only: bytes | None, below: int | None = None,
-                 work: list[int] | None = None) -> Plan | None:
+def _window_plan(
+    slabs, window: tuple, only: bytes | None, below: int | None = None, work: list[int] | None = None
+) -> Plan | None:
     """Every object of the slabs inside ``window``, if all may go: unpinned, of ``only`` when
     given, and less recent than ``below`` when given. ``work``: a budget, spent on what is seen."""
     seg, off, order = window

@@ -36,13 +36,22 @@ def part_key(group: int, rank: int) -> tuple[int, int]:
     return _PART_KEYS.setdefault(key, key)
 
 
-def lookup(space: dict[bytes, ChunkEntry], keys: Sequence[bytes], specs: Sequence[GroupSpec],
-           chunk_tokens: int, ranks: Sequence[int]) -> tuple[int, list]:
+def lookup(
+    space: dict[bytes, ChunkEntry],
+    keys: Sequence[bytes],
+    specs: Sequence[GroupSpec],
+    chunk_tokens: int,
+    ranks: Sequence[int],
+) -> tuple[int, list]:
     """The longest servable boundary over ``keys`` in one namespace's entries, and what a retrieve
     at that boundary reads, chunk by chunk (full-attention parts, then each other group's)."""
     # full-attention parts, checked for every chunk: (group, rank, needed mask)
-    full = [(gi, r, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
-            for gi, s in enumerate(specs) if s.kind is GroupKind.FULL for r in ranks]
+    full = [
+        (gi, r, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
+        for gi, s in enumerate(specs)
+        if s.kind is GroupKind.FULL
+        for r in ranks
+    ]
     if full:
         entries, objs = _full_prefix(space, keys, full)
     else:
@@ -58,7 +67,7 @@ def lookup(space: dict[bytes, ChunkEntry], keys: Sequence[bytes], specs: Sequenc
         boundary = _boundary(n, folds)
     if boundary == 0:
         return 0, []
-    del objs[boundary * len(full):]
+    del objs[boundary * len(full) :]
     for f in folds:
         f.collect(boundary, objs)
     if any(len(o.span) > 1 for o in objs[: len(full) + 1]):  # combined objects: once each
@@ -70,8 +79,9 @@ VECTOR_MIN = 48  # from this many chunks a fold with misses is evaluated with nu
 FIRST_RUN = 64  # keys of the full-attention walk's first run; each next run is twice as long
 
 
-def _folds(entries: list[ChunkEntry], other: list, chunk_tokens: int, ranks: Sequence[int],
-           top: bool = False) -> list[_Fold]:
+def _folds(
+    entries: list[ChunkEntry], other: list, chunk_tokens: int, ranks: Sequence[int], top: bool = False
+) -> list[_Fold]:
     folds = (_Fold(entries, gi, spec, chunk_tokens, ranks, top) for gi, spec in other)
     return [f for f in folds if f.bpc]  # a sliding group of blocks larger than a chunk needs nothing
 
@@ -82,8 +92,12 @@ def _complete(parts: list, gi: int, need: int) -> list[bool]:
     if span is None:
         return [False] * len(parts)
     shifted = need << span[gi][0]  # objects of one layout share one span dict
-    return [o is not None and o.ready and (o.mask & shifted == shifted if o.span is span
-                                           else (o.mask >> o.span[gi][0]) & need == need) for o in parts]
+    return [
+        o is not None
+        and o.ready
+        and (o.mask & shifted == shifted if o.span is span else (o.mask >> o.span[gi][0]) & need == need)
+        for o in parts
+    ]
 
 
 def _full_prefix(space: dict, keys: Sequence[bytes], full: list) -> tuple[list[ChunkEntry], list]:
@@ -125,8 +139,15 @@ class _Fold:
     window that covers the whole prompt needs every chunk whole: ``cap``, the first chunk that is
     not, bounds the boundary, and no tails are needed."""
 
-    def __init__(self, entries: list[ChunkEntry], gi: int, spec: GroupSpec, chunk_tokens: int,
-                 ranks: Sequence[int], top: bool = False):
+    def __init__(
+        self,
+        entries: list[ChunkEntry],
+        gi: int,
+        spec: GroupSpec,
+        chunk_tokens: int,
+        ranks: Sequence[int],
+        top: bool = False,
+    ):
         self.gi, self.spec, self.state = gi, spec, spec.kind is GroupKind.STATE
         self.chunk, self.block = chunk_tokens, spec.block_tokens
         self.bpc = bpc = spec.blocks_per_chunk(chunk_tokens)
@@ -141,7 +162,7 @@ class _Fold:
             self.cap = len(entries)
         if top and entries:
             self.lo = min(len(entries), len(entries) - 1 if self.state else self.window(len(entries))[0])
-            entries = entries[self.lo:]
+            entries = entries[self.lo :]
         self.parts = [list(map(dict.get, entries, repeat(part_key(gi, r), len(entries)))) for r in ranks]
         need = 1 if self.state else (1 << bpc) - 1
         if not ranks:  # an entry, whatever it holds
@@ -157,8 +178,9 @@ class _Fold:
                 self.cap = min(self.cap, ok.index(False))
                 self.clean = False
             else:
-                tails.append([0 if g else bpc if o is None else _tail(o, gi, need, bpc)
-                              for g, o in zip(ok, parts)])
+                tails.append(
+                    [0 if g else bpc if o is None else _tail(o, gi, need, bpc) for g, o in zip(ok, parts)]
+                )
         if tails:
             self.clean = False
             self.tail = tails[0] if len(tails) == 1 else list(map(max, *tails))

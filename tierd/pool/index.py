@@ -18,11 +18,31 @@ from tierd.protocol.layout import GroupSpec
 class Obj:
     """One stored object: a chunk's bytes of one engine group (or all groups) on one rank."""
 
-    __slots__ = ("ns", "key", "span", "rank", "slab", "slot", "nbytes", "mask", "ready", "pins", "tick",
-                 "label")
+    __slots__ = (
+        "ns",
+        "key",
+        "span",
+        "rank",
+        "slab",
+        "slot",
+        "nbytes",
+        "mask",
+        "ready",
+        "pins",
+        "tick",
+        "label",
+    )
 
-    def __init__(self, ns: bytes, key: bytes, span: dict[int, tuple[int, int]], rank: int, nbytes: int,
-                 mask: int, label: str):
+    def __init__(
+        self,
+        ns: bytes,
+        key: bytes,
+        span: dict[int, tuple[int, int]],
+        rank: int,
+        nbytes: int,
+        mask: int,
+        label: str,
+    ):
         self.ns = ns
         self.key = key
         # engine group -> (bit shift of its blocks in ``mask``, byte offset of its part). One
@@ -83,8 +103,14 @@ class Index:
             if not space:
                 del self.spaces[obj.ns]
 
-    def lookup(self, ns: bytes, keys: Sequence[bytes], specs: Sequence[GroupSpec], chunk_tokens: int,
-               ranks: Sequence[int]) -> tuple[int, list[Obj]]:
+    def lookup(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        specs: Sequence[GroupSpec],
+        chunk_tokens: int,
+        ranks: Sequence[int],
+    ) -> tuple[int, list[Obj]]:
         """Longest servable boundary, and the objects a retrieve at that boundary reads
         (tierd.pool.fold: linear in the keys)."""
         space = self.spaces.get(ns)

@@ -79,7 +79,7 @@ class Journal:
         view = memoryview(self._buf)
         try:
             while view:
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
         finally:
             view.release()
         self._buf.clear()

@@ -38,14 +38,33 @@ def encode_index(generation: int, settings: dict, segments, slabs, objs, extra) 
     nss, spans, labels, rows = {}, {}, {}, []
     for o in objs:
         span = spans.setdefault(id(o.span), (len(spans), o.span))[0]
-        rows.append((nss.setdefault(o.ns, len(nss)), o.key, span, o.rank, o.nbytes, mask_bytes(o.mask),
-                     labels.setdefault(o.label, len(labels)), slab_ids[id(o.slab)], o.slot))
-    body = msgpack.packb({
-        "generation": generation, "settings": settings, "segments": [s.nbytes for s in segments],
-        "slabs": [(s.segment.index, s.offset, s.cls.slot_bytes, s.nslots) for s in slabs],
-        "namespaces": list(nss), "spans": [flat_span(sp) for _, sp in spans.values()], "labels": list(labels),
-        "objects": rows, "extra": extra,
-    }, use_bin_type=True)
+        rows.append(
+            (
+                nss.setdefault(o.ns, len(nss)),
+                o.key,
+                span,
+                o.rank,
+                o.nbytes,
+                mask_bytes(o.mask),
+                labels.setdefault(o.label, len(labels)),
+                slab_ids[id(o.slab)],
+                o.slot,
+            )
+        )
+    body = msgpack.packb(
+        {
+            "generation": generation,
+            "settings": settings,
+            "segments": [s.nbytes for s in segments],
+            "slabs": [(s.segment.index, s.offset, s.cls.slot_bytes, s.nslots) for s in slabs],
+            "namespaces": list(nss),
+            "spans": [flat_span(sp) for _, sp in spans.values()],
+            "labels": list(labels),
+            "objects": rows,
+            "extra": extra,
+        },
+        use_bin_type=True,
+    )
     head = _HEAD.pack(MAGIC, FORMAT, 0, len(body))
     return head + blake2b(head + body, digest_size=32).digest() + body
 
@@ -58,7 +77,7 @@ def decode_index(data: bytes) -> dict:
         raise Cold(f"index format {magic!r}/{fmt}, this tierd reads {MAGIC!r}/{FORMAT}")
     if len(data) != _HEAD.size + 32 + length:
         raise Cold(f"index holds {len(data)} bytes, its header says {_HEAD.size + 32 + length}")
-    body = data[_HEAD.size + 32:]
+    body = data[_HEAD.size + 32 :]
     if blake2b(data[: _HEAD.size] + body, digest_size=32).digest() != data[_HEAD.size : _HEAD.size + 32]:
         raise Cold("index checksum mismatch")
     try:
@@ -106,8 +125,14 @@ class Model:
             raise Cold(f"index body malformed: {type(exc).__name__}: {exc}") from None
 
     def replay(self, records: list[list]) -> None:
-        verbs = {"G": self.grow, "S": self.carve, "R": self.release, "C": self.commit, "D": self.drop,
-                 "X": self.note}
+        verbs = {
+            "G": self.grow,
+            "S": self.carve,
+            "R": self.release,
+            "C": self.commit,
+            "D": self.drop,
+            "X": self.note,
+        }
         for i, rec in enumerate(records):
             try:
                 verbs[rec[0]](*rec[1:])
@@ -120,14 +145,25 @@ class Model:
     # ---- verbs (one per record kind) -----------------------------------------------------------
     def grow(self, seg, nbytes) -> None:
         if seg != len(self.segments) or not _is_int(nbytes, 1) or nbytes % self.align:
-            raise Cold(f"segment {seg} of {nbytes} bytes does not follow the {len(self.segments)} before it "
-                       f"in multiples of {self.align}")
+            raise Cold(
+                f"segment {seg} of {nbytes} bytes does not follow the {len(self.segments)} before it "
+                f"in multiples of {self.align}"
+            )
         self.segments.append(nbytes)
         self._extents.append([])
 
     def carve(self, seg, off, slot_bytes, nslots) -> None:
-        if not (_is_int(seg) and seg < len(self.segments) and _is_int(off) and _is_int(slot_bytes, 1)
-                and _is_int(nslots, 1)) or off % self.align or slot_bytes % self.align:
+        if (
+            not (
+                _is_int(seg)
+                and seg < len(self.segments)
+                and _is_int(off)
+                and _is_int(slot_bytes, 1)
+                and _is_int(nslots, 1)
+            )
+            or off % self.align
+            or slot_bytes % self.align
+        ):
             raise Cold(f"slab {seg}/{off}/{slot_bytes}x{nslots} is not an aligned slab of a known segment")
         end = off + slot_bytes * nslots
         exts = self._extents[seg]
@@ -176,8 +212,14 @@ class Model:
             raise Cold(f"commit into slot {seg}/{off}/{slot}: no such free slot")
         if (span, nbytes, slab[0]) not in self._shapes:  # checked once per distinct shape
             self._shape(span, nbytes, slab[0])
-        if (type(ns) is not bytes or type(key) is not bytes or type(rank) is not int or rank < 0
-                or type(mask) is not bytes or type(label) is not str):
+        if (
+            type(ns) is not bytes
+            or type(key) is not bytes
+            or type(rank) is not int
+            or rank < 0
+            or type(mask) is not bytes
+            or type(label) is not str
+        ):
             raise Cold(f"commit into slot {seg}/{off}/{slot} has fields of the wrong type")
         parts = self._parts
         for g, _ in span:

@@ -54,12 +54,17 @@ KEEP = object()  # save(): keep the extra last given
 class Persist:
     """The pool folder's bookkeeping: recovery at start, the journal, checkpoints."""
 
-    def __init__(self, pool_dir: str, index_dir: str | None, align: int, segment_bytes: int,
-                 meta: dict | None):
+    def __init__(
+        self, pool_dir: str, index_dir: str | None, align: int, segment_bytes: int, meta: dict | None
+    ):
         self.folder = PoolDir(pool_dir, index_dir)
         self.align, self.segment_bytes = align, segment_bytes
-        settings = {"format": FORMAT, "pool_dir": self.folder.path, "align": align,
-                    "segment_bytes": segment_bytes}
+        settings = {
+            "format": FORMAT,
+            "pool_dir": self.folder.path,
+            "align": align,
+            "segment_bytes": segment_bytes,
+        }
         settings.update((f"meta.{k}", v) for k, v in (meta or {}).items())
         self.settings = msgpack.unpackb(msgpack.packb(settings), raw=False)  # as stored, to compare
         self.generation = 0
@@ -80,9 +85,16 @@ class Persist:
             return None
         self.extra = model.extra
         objs = model.objects.values()
-        self.report = {"warm": True, "reason": None, "objects": len(objs), "bytes": sum(r[4] for r in objs),
-                       "journal_records": model.replayed, "torn_bytes": model.torn_bytes,
-                       "seconds": 0.0, "pool_dir": self.folder.path}
+        self.report = {
+            "warm": True,
+            "reason": None,
+            "objects": len(objs),
+            "bytes": sum(r[4] for r in objs),
+            "journal_records": model.replayed,
+            "torn_bytes": model.torn_bytes,
+            "seconds": 0.0,
+            "pool_dir": self.folder.path,
+        }
         return model
 
     def open(self, pool, ceiling: int, initial: int, pinner) -> None:
@@ -90,8 +102,9 @@ class Persist:
         back ``initial`` bytes. ``report["seconds"]``: all of it but the initial backing."""
         t0 = time.perf_counter()
         model = self.recover(self.align, ceiling)
-        segments = lambda restore: SegmentSet(ceiling, 0, self.segment_bytes, self.align, pinner, self.folder,
-                                              restore)
+        segments = lambda restore: SegmentSet(
+            ceiling, 0, self.segment_bytes, self.align, pinner, self.folder, restore
+        )
         try:
             pool._build(segments(model.segments if model else ()), model)
         except (OSError, ValueError) as exc:
@@ -108,8 +121,16 @@ class Persist:
     def cold(self, reason: str) -> None:
         self.folder.wipe()
         self.extra, self._resume = None, None
-        self.report = {"warm": False, "reason": reason, "objects": 0, "bytes": 0, "journal_records": 0,
-                       "torn_bytes": 0, "seconds": 0.0, "pool_dir": self.folder.path}
+        self.report = {
+            "warm": False,
+            "reason": reason,
+            "objects": 0,
+            "bytes": 0,
+            "journal_records": 0,
+            "torn_bytes": 0,
+            "seconds": 0.0,
+            "pool_dir": self.folder.path,
+        }
         log.info("pool %s starts cold: %s", self.folder.path, reason)
 
     def start(self, pool) -> None:
@@ -159,8 +180,10 @@ class Persist:
         for i, nbytes in enumerate(model.segments):
             have = self.folder.segment_size(i)
             if have != nbytes:
-                raise Cold(f"segment-{i:05d} {'is missing' if have is None else f'holds {have} bytes'}, "
-                           f"the index says {nbytes}")
+                raise Cold(
+                    f"segment-{i:05d} {'is missing' if have is None else f'holds {have} bytes'}, "
+                    f"the index says {nbytes}"
+                )
         if sum(model.segments) > ceiling:
             raise Cold(f"the pool ceiling ({ceiling} bytes) is below the {sum(model.segments)} bytes held")
         self.folder.remove_segments_from(len(model.segments))  # created, never journaled: a crash
@@ -238,8 +261,21 @@ class Persist:
         self._add(("R", slab.segment.index, slab.offset))
 
     def committed(self, o) -> None:
-        self._add(("C", o.ns, o.key, flat_span(o.span), o.rank, o.nbytes, mask_bytes(o.mask), o.label,
-                   o.slab.segment.index, o.slab.offset, o.slot))
+        self._add(
+            (
+                "C",
+                o.ns,
+                o.key,
+                flat_span(o.span),
+                o.rank,
+                o.nbytes,
+                mask_bytes(o.mask),
+                o.label,
+                o.slab.segment.index,
+                o.slab.offset,
+                o.slot,
+            )
+        )
 
     def dropped(self, o) -> None:
         self._add(("D", o.slab.segment.index, o.slab.offset, o.slot))

@@ -44,9 +44,19 @@ EXISTS = Exists()
 
 
 class Pool:
-    def __init__(self, ceiling: int, initial: int, align: int, segment_bytes: int = 1 << 30,
-                 pinner: Pinner | None = None, pool_dir: str | None = None, meta: dict | None = None,
-                 index_dir: str | None = None, ns_quota_bytes: int = 0, eviction_log: int = 0):
+    def __init__(
+        self,
+        ceiling: int,
+        initial: int,
+        align: int,
+        segment_bytes: int = 1 << 30,
+        pinner: Pinner | None = None,
+        pool_dir: str | None = None,
+        meta: dict | None = None,
+        index_dir: str | None = None,
+        ns_quota_bytes: int = 0,
+        eviction_log: int = 0,
+    ):
         """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
         recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
         restart must find equal; ``index_dir``: a tmpfs folder for the index and journal
@@ -98,8 +108,16 @@ class Pool:
             slab.settle()
 
     # ---- writing -------------------------------------------------------------------------
-    def begin_write(self, ns: bytes, key: bytes, span: dict[int, tuple[int, int]], rank: int, nbytes: int,
-                    mask: int, label: str):
+    def begin_write(
+        self,
+        ns: bytes,
+        key: bytes,
+        span: dict[int, tuple[int, int]],
+        rank: int,
+        nbytes: int,
+        mask: int,
+        label: str,
+    ):
         """Reserve room for an object. Returns the (pinned, unready) Obj, EXISTS, or None when
         nothing evictable frees enough room."""
         with self.lock:
@@ -115,8 +133,14 @@ class Pool:
             old = {entry[(g, rank)] for g in span if (g, rank) in entry}
             if old:
                 prev = next(iter(old)) if len(old) == 1 else None
-                if (prev is None or not prev.ready or prev.pins or prev.span != span
-                        or mask & prev.mask != prev.mask or mask == prev.mask):
+                if (
+                    prev is None
+                    or not prev.ready
+                    or prev.pins
+                    or prev.span != span
+                    or mask & prev.mask != prev.mask
+                    or mask == prev.mask
+                ):
                     return EXISTS  # stored or being stored; or the new copy would lose blocks
                 replace = prev  # the new copy holds every block the old one had, and more
         cls = self.slabs.size_class(nbytes)
@@ -166,8 +190,14 @@ class Pool:
             self._flush()
 
     # ---- reading -------------------------------------------------------------------------
-    def lookup(self, ns: bytes, keys: Sequence[bytes], specs: Sequence[GroupSpec], chunk_tokens: int,
-               ranks: Sequence[int]):
+    def lookup(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        specs: Sequence[GroupSpec],
+        chunk_tokens: int,
+        ranks: Sequence[int],
+    ):
         with self.lock:
             hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
             self._touch_prefix(objs)
@@ -228,8 +258,9 @@ class Pool:
         """Evict every object (of namespace ``ns`` only, when given) that is not pinned; returns
         how many went."""
         with self.lock:
-            victims = [o for lru in self.lru.values() for o in lru
-                       if o.pins == 0 and (ns is None or o.ns == ns)]
+            victims = [
+                o for lru in self.lru.values() for o in lru if o.pins == 0 and (ns is None or o.ns == ns)
+            ]
             for obj in victims:
                 self.evlog.gone(obj.ns, obj.key)
                 self._drop(obj)

@@ -38,8 +38,11 @@ class PoolDir:
         self.index_dir = os.path.abspath(index_dir or path)
         magic, bsize = _check(self.path, "pool folder", _ACCEPTED)
         if self.index_dir != self.path or magic != TMPFS_MAGIC:
-            _check(self.index_dir, "index folder (hugetlbfs files cannot be written: give one on tmpfs)",
-                   {TMPFS_MAGIC: "tmpfs"})
+            _check(
+                self.index_dir,
+                "index folder (hugetlbfs files cannot be written: give one on tmpfs)",
+                {TMPFS_MAGIC: "tmpfs"},
+            )
         self.fstype = _ACCEPTED[magic]
         self.grain = bsize if magic == HUGETLBFS_MAGIC else 1  # hugetlbfs files are whole huge pages
         self._locks: list[int] = []
@@ -50,8 +53,9 @@ class PoolDir:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise PoolDirError(f"folder {folder} is held by another pool (another tierd? "
-                                       "its lock file is flocked)") from None
+                    raise PoolDirError(
+                        f"folder {folder} is held by another pool (another tierd? its lock file is flocked)"
+                    ) from None
         except BaseException:
             self.close()
             raise
@@ -86,7 +90,7 @@ class PoolDir:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
 
@@ -119,8 +123,10 @@ def _check(path: str, what: str, accepted: dict[int, str]) -> tuple[int, int]:
     os.makedirs(path, mode=0o700, exist_ok=True)
     magic, bsize = statfs(path)
     if magic not in accepted:
-        raise PoolDirError(f"{what} {path} is on {mount_fstype(path)} (statfs magic {magic:#x}); "
-                           f"it must be on {' or '.join(accepted.values())}")
+        raise PoolDirError(
+            f"{what} {path} is on {mount_fstype(path)} (statfs magic {magic:#x}); "
+            f"it must be on {' or '.join(accepted.values())}"
+        )
     return magic, bsize
 
 

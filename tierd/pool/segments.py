@@ -38,8 +38,15 @@ class Pinner(Protocol):
 class Segment:
     __slots__ = ("index", "nbytes", "_fd", "_map", "view", "addr", "_free", "_heaps", "_where", "pinned")
 
-    def __init__(self, index: int, nbytes: int, pinner: Pinner | None, path: str | None = None,
-                 create: bool = True, where: list[set[int]] | None = None):
+    def __init__(
+        self,
+        index: int,
+        nbytes: int,
+        pinner: Pinner | None,
+        path: str | None = None,
+        create: bool = True,
+        where: list[set[int]] | None = None,
+    ):
         """``where``: per order, the indexes of the segments with a free block of that order
         (the SegmentSet's, kept up to date here)."""
         self.index = index
@@ -180,8 +187,16 @@ class Segment:
 class SegmentSet:
     """All segments of the pool, grown up to ``ceiling`` bytes."""
 
-    def __init__(self, ceiling: int, initial: int, segment_bytes: int, align: int,
-                 pinner: Pinner | None = None, folder=None, restore: Sequence[int] = ()):
+    def __init__(
+        self,
+        ceiling: int,
+        initial: int,
+        segment_bytes: int,
+        align: int,
+        pinner: Pinner | None = None,
+        folder=None,
+        restore: Sequence[int] = (),
+    ):
         """``folder``: a PoolDir whose segment files back the pool (memfd without one);
         ``restore``: sizes of segment files 0.. to map as they are (a recovered pool)."""
         if align <= 0 or align & (align - 1):

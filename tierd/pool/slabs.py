@@ -26,8 +26,9 @@ def slab_order(slot_bytes: int, top: int) -> int:
     k = order_of(slot_bytes)
     while k < top:
         size = 1 << k
-        if (size % slot_bytes) * SLAB_WASTE <= size and (size // slot_bytes >= SLAB_SLOTS
-                                                          or size >= SLAB_TARGET_BYTES):
+        if (size % slot_bytes) * SLAB_WASTE <= size and (
+            size // slot_bytes >= SLAB_SLOTS or size >= SLAB_TARGET_BYTES
+        ):
             break
         k += 1
     return k

@@ -38,16 +38,27 @@ def pack(obj: Any) -> bytes:
 def unpack(frame: bytes, max_bytes: int) -> Any:
     """Plain decoding with bounded containers (replies on the client side, tools)."""
     if len(frame) > max_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}"
+        )
     try:
         return msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, ext_hook=_reject_ext, max_bin_len=max_bytes, max_str_len=max_bytes,
-            max_array_len=_MAX_CONTAINER, max_map_len=_MAX_CONTAINER, max_ext_len=0,
+            frame,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=_MAX_CONTAINER,
+            max_map_len=_MAX_CONTAINER,
+            max_ext_len=0,
         )
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable frame: {type(exc).__name__}: {exc}") from None
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"undecodable frame: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def encode_request(op: str, req_id: int, body: Any) -> bytes:
@@ -73,15 +84,23 @@ def _peek_req_id(frame: bytes) -> int | None:
 def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
     """``(op, req_id, raw body)`` of a request frame; raises ProtocolError (req_id set when known)."""
     if len(frame) > max_bytes:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}",
-                            req_id=_peek_req_id(frame))
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}",
+            req_id=_peek_req_id(frame),
+        )
     try:
         op, req_id, body = _envelope.decode(frame)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"a request is a 3-element array [op: str, req_id: int, body: map]:"
-                            f" {exc}", req_id=_peek_req_id(frame)) from None
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"a request is a 3-element array [op: str, req_id: int, body: map]: {exc}",
+            req_id=_peek_req_id(frame),
+        ) from None
     except RecursionError:  # containers nested thousands deep: the decoder's recursion gives out
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "containers nested too deeply", req_id=_peek_req_id(frame)) from None
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "containers nested too deeply", req_id=_peek_req_id(frame)
+        ) from None
     if not 0 <= req_id <= _MAX_REQ_ID:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be a non-negative 63-bit integer")
     return op, req_id, body
@@ -109,6 +128,11 @@ def encode_error(req_id: int, code: ErrorCode, message: str) -> bytes:
 
 def decode_reply(frame: bytes, max_bytes: int) -> tuple[int, bool, dict]:
     msg = unpack(frame, max_bytes)
-    if not isinstance(msg, list) or len(msg) != 3 or not isinstance(msg[0], int) or not isinstance(msg[2], dict):
+    if (
+        not isinstance(msg, list)
+        or len(msg) != 3
+        or not isinstance(msg[0], int)
+        or not isinstance(msg[2], dict)
+    ):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "malformed reply frame")
     return msg[0], bool(msg[1]), msg[2]

@@ -73,7 +73,9 @@ def chunk_hashes(
     extras = list(chunk_extras) if chunk_extras is not None else []
     out: list[bytes] = []
     for i in range(n):
-        extra = msgpack.packb(extras[i], use_bin_type=True) if i < len(extras) and extras[i] is not None else b""
+        extra = (
+            msgpack.packb(extras[i], use_bin_type=True) if i < len(extras) and extras[i] is not None else b""
+        )
         prev = _digest(prev, extra, arr[i * chunk_tokens : (i + 1) * chunk_tokens].tobytes())
         if i >= start:
             out.append(prev)

@@ -87,7 +87,11 @@ class GroupSpec(Wire, frozen=True):
             raise ValueError("a sliding group needs window_tokens >= 1")
 
     def to_wire(self) -> dict:
-        return {"kind": self.kind.value, "block_tokens": self.block_tokens, "window_tokens": self.window_tokens}
+        return {
+            "kind": self.kind.value,
+            "block_tokens": self.block_tokens,
+            "window_tokens": self.window_tokens,
+        }
 
     def blocks_per_chunk(self, chunk_tokens: int) -> int:
         """Block ids a STORE/RETRIEVE carries for this group per chunk."""
@@ -99,7 +103,9 @@ class GroupSpec(Wire, frozen=True):
         # Every kind: a chunk boundary must be a block boundary. For a state group this is what
         # makes "the state at the end of the chunk" exist: an engine keeps states at block ends.
         if chunk_tokens % self.block_tokens:
-            raise invalid(f"{path}: chunk_tokens {chunk_tokens} is not a multiple of block_tokens {self.block_tokens}")
+            raise invalid(
+                f"{path}: chunk_tokens {chunk_tokens} is not a multiple of block_tokens {self.block_tokens}"
+            )
         if self.blocks_per_chunk(chunk_tokens) > MAX_BLOCKS_PER_CHUNK:
             raise invalid(f"{path}: more than {MAX_BLOCKS_PER_CHUNK} blocks per chunk")
 
@@ -149,7 +155,12 @@ class LayerSpan(Wire, frozen=True):
     @property
     def end(self) -> int:
         """One past the last byte any block of this layer touches."""
-        return self.offset + (self.num_blocks - 1) * self.block_stride + (self.runs - 1) * self.run_stride + self.run_bytes
+        return (
+            self.offset
+            + (self.num_blocks - 1) * self.block_stride
+            + (self.runs - 1) * self.run_stride
+            + self.run_bytes
+        )
 
     def to_wire(self) -> dict:
         return msgspec.structs.asdict(self)
@@ -205,8 +216,16 @@ class FdHandle(msgspec.Struct, frozen=True, tag="fd", tag_field="kind"):
 
 # torch's untyped_storage()._share_cuda_(): device, handle, size, offset, ref counter handle,
 # ref counter offset, event handle, event sync
-IpcFields = tuple[int, Annotated[bytes, Meta(max_length=4096)], int, int, Annotated[bytes, Meta(max_length=4096)],
-                  int, Annotated[bytes, Meta(max_length=4096)], bool]
+IpcFields = tuple[
+    int,
+    Annotated[bytes, Meta(max_length=4096)],
+    int,
+    int,
+    Annotated[bytes, Meta(max_length=4096)],
+    int,
+    Annotated[bytes, Meta(max_length=4096)],
+    bool,
+]
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind"):

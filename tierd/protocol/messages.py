@@ -10,14 +10,14 @@ docs/protocol.md's request tables are checked against these definitions (tests/t
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
+from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.errors import ErrorCode, ProtocolError, convert, validation_error  # noqa: F401 - convert: re-exported
 from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES
-from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.layout import (
     MAX_BLOCKS_PER_CHUNK,
     MAX_GROUPS,
@@ -80,7 +80,9 @@ class Chunk(msgspec.Struct, frozen=True):
     """One chunk of a STORE or RETRIEVE: its key and, per engine group, its block ids."""
 
     key: Key
-    blocks: Annotated[list[Annotated[list[int], Meta(max_length=MAX_BLOCKS_PER_CHUNK)]], Meta(max_length=MAX_GROUPS)]
+    blocks: Annotated[
+        list[Annotated[list[int], Meta(max_length=MAX_BLOCKS_PER_CHUNK)]], Meta(max_length=MAX_GROUPS)
+    ]
 
 
 Chunks = Annotated[list[Chunk], Meta(max_length=MAX_REQUEST_PARTS)]  # a chunk is at least one part
@@ -117,7 +119,9 @@ class Status(Message):
 
 class Clear(Message):
     namespace: Namespace | None = None  # only this namespace's objects; all when absent
-    tenant: Name | None = None  # whose namespace (an operator clearing another tenant's); default: the caller's
+    tenant: Name | None = (
+        None  # whose namespace (an operator clearing another tenant's); default: the caller's
+    )
 
 
 class Evicted(Message):

@@ -113,7 +113,9 @@ class CpuRankMemory:
         if isinstance(ref.handle, FdHandle):
             return self._open_fd(opener, where, ref)
         if not isinstance(ref.handle, ShmHandle):
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm or fd tensor handles")
+            raise ProtocolError(
+                ErrorCode.LAYOUT_INVALID, f"{where}: a cpu layout needs shm or fd tensor handles"
+            )
         path, offset = ref.handle.path, ref.handle.offset
         try:
             fd, st = opener.open(path)
@@ -137,12 +139,17 @@ class CpuRankMemory:
         if fds is None:
             fds = self._claim(h.ticket) if self._claim is not None else None
             if fds is None:
-                raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: no descriptors were sent under its ticket "
-                                    f"(send them to the daemon's fd socket, <socket>.fds, first: tierd_client.fdpass)")
+                raise ProtocolError(
+                    ErrorCode.LAYOUT_INVALID,
+                    f"{where}: no descriptors were sent under its ticket "
+                    f"(send them to the daemon's fd socket, <socket>.fds, first: tierd_client.fdpass)",
+                )
             self._tickets[h.ticket] = fds
         if h.index >= len(fds):
-            raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where}: descriptor {h.index} of its ticket was not sent "
-                                f"({len(fds)} were)")
+            raise ProtocolError(
+                ErrorCode.LAYOUT_INVALID,
+                f"{where}: descriptor {h.index} of its ticket was not sent ({len(fds)} were)",
+            )
         fd = fds[h.index]
         try:
             st = opener.check_fd(fd)
@@ -197,8 +204,17 @@ class CpuRankMemory:
             nb = max(1, BATCH_SEGMENTS // (nl * part.runs))
             for b in range(0, len(ids), nb):
                 for li in range(0, len(part.index), nl):
-                    self._copy_part(part, slice(li, li + nl), ids[b:b + nb], pos[b:b + nb], which[b:b + nb],
-                                    items[0].bpc, block_bytes, views, write)
+                    self._copy_part(
+                        part,
+                        slice(li, li + nl),
+                        ids[b : b + nb],
+                        pos[b : b + nb],
+                        which[b : b + nb],
+                        items[0].bpc,
+                        block_bytes,
+                        views,
+                        write,
+                    )
 
     def _copy_part(self, part: _Layers, li: slice, ids, pos, which, bpc, block_bytes, views, write: bool):
         rb, runs = part.run_bytes, part.runs
@@ -206,8 +222,11 @@ class CpuRankMemory:
         index, base = part.index[li], part.base[li]
         block_stride, run_stride = part.block_stride[li], part.run_stride[li]
         shape = (len(index), len(ids), runs)  # (layer, block, run)
-        file_at = (base[:, None, None] + ids[None, :, None] * block_stride[:, None, None]
-                   + (r[None, :] * run_stride[:, None])[:, None, :])
+        file_at = (
+            base[:, None, None]
+            + ids[None, :, None] * block_stride[:, None, None]
+            + (r[None, :] * run_stride[:, None])[:, None, :]
+        )
         block_at = (index[:, None] * bpc + pos[None, :]) * block_bytes
         obj_at = block_at[:, :, None] + (r * rb)[None, None, :]
         item = np.broadcast_to(which[None, :, None], shape)
@@ -237,7 +256,8 @@ class CpuRankMemory:
         ref = self.layout.tensors[tensor]
         raise ShmCopyError(
             f"layout.tensors[{tensor}] {part.file.path}: the file has {size} bytes, the copy needs {need} "
-            f"(the tensor ends at {ref.handle.offset + ref.nbytes}): it shrank after REGISTER")
+            f"(the tensor ends at {ref.handle.offset + ref.nbytes}): it shrank after REGISTER"
+        )
 
     def _io(self, part: _Layers, f: np.ndarray, o: np.ndarray, w: np.ndarray, views, write: bool) -> None:
         rb, n = part.run_bytes, len(f)
@@ -254,8 +274,10 @@ class CpuRankMemory:
         wants = np.add.reduceat(lengths, calls).tolist()
         ats = f[starts[calls]].tolist()
         ends = calls[1:].tolist() + [len(starts)]
-        bufs = [views[wi][oi:oi + li]
-                for wi, oi, li in zip(w[starts].tolist(), o[starts].tolist(), lengths.tolist())]
+        bufs = [
+            views[wi][oi : oi + li]
+            for wi, oi, li in zip(w[starts].tolist(), o[starts].tolist(), lengths.tolist())
+        ]
         fd = part.file.fd
         call = os.pwritev if write else os.preadv
         try:
@@ -270,8 +292,9 @@ class CpuRankMemory:
                     if done != want:
                         self._finish(call, part, fd, bufs[k0:k1], at, want, done)
         except OSError as exc:
-            raise ShmCopyError(f"{part.file.path} (tensors {part.file.tensors[:8]}): {exc.strerror}") \
-                from None
+            raise ShmCopyError(
+                f"{part.file.path} (tensors {part.file.tensors[:8]}): {exc.strerror}"
+            ) from None
 
     def _finish(self, call, part: _Layers, fd: int, bufs: list, at: int, want: int, done: int) -> None:
         """A transfer at ``at`` moved ``done`` of ``want`` bytes: the file shrank (ShmCopyError), or

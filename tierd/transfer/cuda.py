@@ -120,7 +120,11 @@ class HostPinner:
             err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1)  # cudaHostRegisterPortable
         if int(err) != 0:
             self.failed_bytes += nbytes
-            log.warning("cudaHostRegister of %d MiB failed (error %d): copies to it run unpinned", nbytes >> 20, int(err))
+            log.warning(
+                "cudaHostRegister of %d MiB failed (error %d): copies to it run unpinned",
+                nbytes >> 20,
+                int(err),
+            )
             return
         self.ranges[addr] = nbytes
         bisect.insort(self._starts, addr)
@@ -148,9 +152,11 @@ def _primary_contexts(count: int) -> list[int]:
         out = []
         for i in range(count):
             dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-            if lib.cuDeviceGet(ctypes.byref(dev), i) == 0 and lib.cuDevicePrimaryCtxGetState(
-                dev, ctypes.byref(flags), ctypes.byref(active)
-            ) == 0 and active.value:
+            if (
+                lib.cuDeviceGet(ctypes.byref(dev), i) == 0
+                and lib.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+                and active.value
+            ):
                 out.append(i)
         return out
     except OSError:
@@ -191,7 +197,7 @@ class CudaSupport:
         self.devices_open.add(index)
         log.info("CUDA device %d opened (%s)", index, self.torch.cuda.get_device_name(index))
 
-    def rank_memory(self, layout: PageLayout) -> "StagedRankMemory":
+    def rank_memory(self, layout: PageLayout) -> StagedRankMemory:
         memory = StagedRankMemory(layout, self)
         self.memories.add(memory)
         return memory
@@ -219,6 +225,7 @@ class CudaSupport:
 
 # ---- opening the engine's tensors -----------------------------------------------------------------------
 
+
 def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
     """Reopen one ``{"kind": "cuda_ipc"}`` handle on the GPU with the same UUID: (storage, device)."""
     torch = support.torch
@@ -239,9 +246,13 @@ def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
                 device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync
             )
     except (RuntimeError, TypeError, ValueError, OSError) as exc:
-        raise _invalid(f"{where}: cannot open the CUDA IPC handle: {str(exc).splitlines()[0][:300]}") from None
+        raise _invalid(
+            f"{where}: cannot open the CUDA IPC handle: {str(exc).splitlines()[0][:300]}"
+        ) from None
     if storage.nbytes() < ref.nbytes:
-        raise _invalid(f"{where}: the opened storage has {storage.nbytes()} bytes, the layout declares {ref.nbytes}")
+        raise _invalid(
+            f"{where}: the opened storage has {storage.nbytes()} bytes, the layout declares {ref.nbytes}"
+        )
     return storage, device
 
 
@@ -342,7 +353,10 @@ class _Driver:
         dev = ctypes.c_int()
         if self.lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
             raise RuntimeError(f"cuDeviceGet({device}) failed")
-        if self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0 or self.lib.cuCtxSetCurrent(ctx) != 0:
+        if (
+            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
+            or self.lib.cuCtxSetCurrent(ctx) != 0
+        ):
             raise RuntimeError(f"cannot make GPU {device}'s primary context current")
 
     def copy(self, host: int, dev: int, nbytes: int, d2h: bool, stream: int) -> None:
@@ -365,7 +379,12 @@ def _coalesce(hosts: list[int], devs: list[int], sizes: list[int], same_range) -
     """Merge copies contiguous on both sides and inside one pinned registration."""
     out: list[list[int]] = []
     for h, d, n in zip(hosts, devs, sizes):
-        if out and out[-1][0] + out[-1][2] == h and out[-1][1] + out[-1][2] == d and same_range(out[-1][0], h):
+        if (
+            out
+            and out[-1][0] + out[-1][2] == h
+            and out[-1][1] + out[-1][2] == d
+            and same_range(out[-1][0], h)
+        ):
             out[-1][2] += n
         else:
             out.append([h, d, n])
@@ -380,14 +399,17 @@ class StagedRankMemory:
 
     def __init__(self, layout: PageLayout, support: CudaSupport):
         if layout.staging is None:
-            raise _invalid("a cuda layout needs a staging buffer (layout.staging): the engine gathers its blocks "
-                           "there (tierd_client.cuda_stage) and the daemon only copies whole objects")
+            raise _invalid(
+                "a cuda layout needs a staging buffer (layout.staging): the engine gathers its blocks "
+                "there (tierd_client.cuda_stage) and the daemon only copies whole objects"
+            )
         torch = support.torch
         self.torch, self.layout = torch, layout
         self.storage, self.device = open_ipc(layout.staging, "layout.staging", support)
         with torch.cuda.device(self.device):
             self.staging = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-                self.storage, 0, (layout.staging.nbytes,), (1,))
+                self.storage, 0, (layout.staging.nbytes,), (1,)
+            )
             self.d2h = DmaLane(torch, self.device, support.host, d2h=True)
             self.h2d = DmaLane(torch, self.device, support.host, d2h=False)
 

@@ -130,7 +130,9 @@ class TransferEngine:
     def detach(self, lane: str, last: Callable[[], None] | None = None) -> None:
         """Forget a lane (and its read lane); ``last`` runs after every job already queued on both
         and after the device work those jobs left, once it is waited for."""
-        lanes = [x for x in (self._lanes.pop(lane, None), self._lanes.pop(lane + READ_LANE, None)) if x is not None]
+        lanes = [
+            x for x in (self._lanes.pop(lane, None), self._lanes.pop(lane + READ_LANE, None)) if x is not None
+        ]
         if not lanes:  # no lane (closed already): nothing is queued, finish now
             if last is not None:
                 last()
@@ -148,6 +150,7 @@ class TransferEngine:
                 last()
 
         for x in lanes:
+
             def after(x=x) -> None:  # the lane's jobs ran: their waits are queued on its waiter
                 with self._lock:
                     waiter = self._waiters.pop(x, None)

@@ -20,7 +20,9 @@ class CopyItem:
         return len(self.ids) == self.bpc
 
 
-def split_nulls(block_ids: list[int], null: int, positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split_nulls(
+    block_ids: list[int], null: int, positions: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(non-null ids, their positions). ``positions`` (read-only ``arange(len)``) is returned as
     is when no id is null, the common case."""
     if positions is not None and null not in block_ids:

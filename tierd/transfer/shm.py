@@ -40,8 +40,14 @@ import stat
 
 SHM = "/dev/shm"
 _OCTAL = re.compile(r"\\([0-7]{3})")
-_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a fifo", stat.S_IFSOCK: "a socket",
-          stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a fifo",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFLNK: "a symlink",
+}
 
 
 class Refused(Exception):
@@ -78,7 +84,7 @@ class Opener:
             raise Refused("the path has a NUL byte")
         if not path.startswith(SHM + "/"):
             raise Refused(f"not a file under {SHM}/")
-        names = [n for n in path[len(SHM) + 1:].split("/") if n]
+        names = [n for n in path[len(SHM) + 1 :].split("/") if n]
         if not names or any(n in (".", "..") for n in names):
             raise Refused("the path must name a file under /dev/shm without '.' or '..'")
         fds = []
@@ -94,8 +100,10 @@ class Opener:
                 if not stat.S_ISDIR(st.st_mode):
                     raise Refused(f"{where} is {kind(st)}, not a directory")
                 if not self._searchable(st):
-                    raise Refused(f"permission: folder {where} (uid {st.st_uid}, mode "
-                                  f"{st.st_mode & 0o7777:04o}) is not searchable by uid {self.uid}")
+                    raise Refused(
+                        f"permission: folder {where} (uid {st.st_uid}, mode "
+                        f"{st.st_mode & 0o7777:04o}) is not searchable by uid {self.uid}"
+                    )
             where += "/" + names[-1]
             fds.append(self._step(cur, names[-1], where))
             st = os.fstat(fds[-1])
@@ -104,8 +112,10 @@ class Opener:
                     target = os.readlink(names[-1], dir_fd=cur)
                 except OSError:
                     target = "?"
-                raise Refused(f"{where} is a symlink (to {target!r}); no symlink is followed (pass memory "
-                              f"that has no name as a descriptor: tierd_client.fdpass)")
+                raise Refused(
+                    f"{where} is a symlink (to {target!r}); no symlink is followed (pass memory "
+                    f"that has no name as a descriptor: tierd_client.fdpass)"
+                )
             self._check_file(st)
             return fds.pop(), st
         finally:
@@ -118,10 +128,16 @@ class Opener:
             rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             me = os.geteuid()
-            fix = (f"run the engine as the daemon's user (uid {me}), or give the file the daemon's group "
-                   f"with mode 0660" if exc.errno in (errno.EACCES, errno.EPERM) else "")
-            raise Refused(f"permission: the daemon (uid {me}) cannot open it read-write: {exc.strerror}"
-                          + (f"; {fix}" if fix else "")) from None
+            fix = (
+                f"run the engine as the daemon's user (uid {me}), or give the file the daemon's group "
+                f"with mode 0660"
+                if exc.errno in (errno.EACCES, errno.EPERM)
+                else ""
+            )
+            raise Refused(
+                f"permission: the daemon (uid {me}) cannot open it read-write: {exc.strerror}"
+                + (f"; {fix}" if fix else "")
+            ) from None
         got = os.fstat(rw)
         if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):  # cannot happen; never trust it blindly
             os.close(rw)
@@ -197,8 +213,10 @@ class Opener:
         if st.st_uid != self.uid:
             raise Refused(f"owned by uid {st.st_uid}, not {self.whose} uid {self.uid}")
         if st.st_mode & 0o600 != 0o600:
-            raise Refused(f"permission: mode {st.st_mode & 0o7777:04o}, its owner (uid {self.uid}) cannot "
-                          f"read and write it")
+            raise Refused(
+                f"permission: mode {st.st_mode & 0o7777:04o}, its owner (uid {self.uid}) cannot "
+                f"read and write it"
+            )
         if self.refuse is not None:
             why = self.refuse(st)
             if why:
