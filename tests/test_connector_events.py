@@ -228,7 +228,11 @@ def test_chunks_the_daemon_evicted_reach_the_router_as_block_removed(
         stored = cpu(router.drain(), BlockStored)
         assert len(stored) == 3 and d.status()["stored_chunks"] == 3
         ev = e.connector.scheduler.events
-        assert len(ev.announced) == 3 and ev._cursor >= 0  # its first poll was answered
+        deadline = time.monotonic() + 10  # its first poll ("from now on") answered: on a loaded host later
+        while ev._cursor < 0 and time.monotonic() < deadline:
+            e.connector.take_events()  # what vLLM calls every step; it polls EVICTED
+            time.sleep(0.05)
+        assert len(ev.announced) == 3 and ev._cursor >= 0
         assert not cpu(router.events, BlockRemoved)
         # another namespace fills the pool with objects of the same slot size (4 KiB): the LRU
         # takes this engine's chunks, the oldest, first
