@@ -5,4 +5,4 @@ PROTOCOL_VERSION = 1
 # Work one request may ask of the daemon's main loop (docs/protocol.md section 19); clients split
 # (STORE, RETRIEVE) or shorten (LOOKUP: a prefix of the keys) what would exceed them.
 MAX_REQUEST_PARTS = 1024  # chunks x groups of one STORE or RETRIEVE (a few microseconds each)
-MAX_LOOKUP_PARTS = 1 << 16  # keys x groups x ranks one LOOKUP folds over
+MAX_LOOKUP_PARTS = 1 << 15  # keys x groups x ranks one LOOKUP folds over (~5 ms on a 2-core host)
