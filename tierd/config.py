@@ -106,7 +106,7 @@ class Settings:
     max_connections: int = _opt(
         0,
         "Client connections at once (each holds a file descriptor); more are closed "
-        "at once. 0: half the daemon's descriptor limit (raised to its hard limit "
+        "at once. 0: a quarter of the daemon's descriptor limit (raised to its hard limit "
         "at start).",
         min=0,
     )

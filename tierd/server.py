@@ -452,8 +452,9 @@ class Daemon:
 
 
 def _connection_cap(settings: Settings) -> int:
-    """--max-connections, or (0) half the descriptors this process may open, raised first to the
-    hard limit: the other half is for shared-memory files, pool segments and the rest."""
+    """--max-connections, or (0) a quarter of the descriptors this process may open, raised first
+    to the hard limit: the rest is for shared-memory files, pool segments, and the connections a
+    burst brings in before the loop sees them (libzmq accepts on its own thread)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -463,8 +464,8 @@ def _connection_cap(settings: Settings) -> int:
             soft = hard
         except (ValueError, OSError):
             pass
-    half = (1 << 20) if soft == resource.RLIM_INFINITY else max(64, soft // 2)
-    return min(settings.max_connections, half) if settings.max_connections else half
+    cap = (1 << 20) if soft == resource.RLIM_INFINITY else max(64, soft // 4)
+    return min(settings.max_connections, cap) if settings.max_connections else cap
 
 
 def _l2_families(status: dict):
