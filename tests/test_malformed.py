@@ -128,8 +128,9 @@ def test_oversized_request_fails_the_client_call_promptly(daemon_factory, ranks)
     with TierdClient(d.endpoint, timeout_s=30) as c:
         c.wait_ready(10)
         rank = ranks(GroupGeom("full"))
-        with pytest.raises(TierdError) as err:
-            c.lookup(rank.ns, keys(70000), rank.specs(), 16, timeout=5)
+        body = {"namespace": rank.ns, "keys": keys(70000), "groups": rank.specs(), "chunk_tokens": 16}
+        with pytest.raises(TierdError) as err:  # c.lookup would shorten it to what a LOOKUP may ask
+            c.call("LOOKUP", body, timeout=5)
         assert err.value.code == "TOO_LARGE"
 
 
