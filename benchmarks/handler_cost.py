@@ -3,6 +3,11 @@ the frame into its typed request, check it against the layout, plan it (allocate
 objects, build the copy items). In-process, no socket, no copy; p50/p90 over many requests.
 
     python benchmarks/handler_cost.py [--chunks 16] [--groups 1|2] [--repeats 2000]
+    python benchmarks/handler_cost.py --lookup-keys 32768 [--window 1073741824] [--held 200]
+
+``--lookup-keys``: instead, one LOOKUP of that many keys (the largest the bound allows: 32768 for
+one group and one rank) against a sliding-window group of ``--window`` tokens with the first
+``--held`` chunks stored, with a lease (issue 10's attack, at the bound).
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--groups", type=int, default=1, choices=(1, 2), help="1: full; 2: full + sliding")
     ap.add_argument("--repeats", type=int, default=2000)
+    ap.add_argument("--lookup-keys", type=int, default=0)
+    ap.add_argument("--window", type=int, default=1 << 30)
+    ap.add_argument("--held", type=int, default=200)
     args = ap.parse_args()
+    if args.lookup_keys:
+        return lookup_cost(args)
     nb = 2 * args.chunks * CHUNK // BLOCK_TOKENS
     folder = tempfile.mkdtemp(prefix="tierd-hc-")
     d = Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
@@ -89,6 +99,52 @@ def main() -> None:
         d.close()
         for b in bufs:
             b.close()
+
+
+def lookup_cost(args) -> None:
+    folder = tempfile.mkdtemp(prefix="tierd-hc-")
+    d = Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
+    nb = 2 * CHUNK // BLOCK_TOKENS
+    buf = SharedBuffer(nb * BLOCK_BYTES)
+    try:
+        spans = [block_span((nb, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=0, offset=0)]
+        ns = namespace("bench", uuid.uuid4().hex)
+        lay = layout(
+            ns, 0, CHUNK, [buf.ref()], [group("sliding", BLOCK_TOKENS, spans, window_tokens=args.window)]
+        )
+        ident = b"h" * 16
+        handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
+        call = Call(ident, d.registry.session(ident), [ident], 0, 0.0)
+        handlers.register(d.tier, call, messages.convert({"instance": "i", "layout": lay}, messages.Register))
+        keys = [uuid.uuid4().bytes for _ in range(args.lookup_keys)]
+        blocks = [list(range(CHUNK // BLOCK_TOKENS))]
+        for i in range(0, args.held, 64):
+            chunks = [{"key": k, "blocks": blocks} for k in keys[i : min(i + 64, args.held)]]
+            job = handlers.store(
+                d.tier, call, messages.convert({"instance": "i", "chunks": chunks}, messages.Store)
+            )
+            d.pool.commit(job.plan.objs)
+        specs = [{"kind": "sliding", "block_tokens": BLOCK_TOKENS, "window_tokens": args.window}]
+        frame = codec.encode_request(
+            "LOOKUP", 1, {"namespace": ns, "keys": keys, "groups": specs, "chunk_tokens": CHUNK}
+        )
+        times, hit = [], 0
+        for _ in range(max(5, args.repeats // 50)):
+            t0 = time.perf_counter()
+            op, rid, msg = codec.decode_request(frame, 1 << 26)
+            reply = handlers.lookup(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
+            codec.encode_reply(rid, reply)
+            times.append(time.perf_counter() - t0)
+            hit = reply.chunks
+            d.registry.release(reply.lease)
+        t = sorted(times)
+        print(
+            f"LOOKUP of {args.lookup_keys} keys, sliding window {args.window}, {args.held} held: decode + "
+            f"handler + encode p50 {statistics.median(t) * 1e3:.2f} ms, max {t[-1] * 1e3:.2f} ms, hit {hit}"
+        )
+    finally:
+        d.close()
+        buf.close()
 
 
 if __name__ == "__main__":
