@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
+from tierd_client.futures import join, merge_retrieves, merge_stores
 from tierd_client.session import Session
 
 MAX_REQUEST_IDS = 1 << 20  # block ids per request: at most ~5 MiB of frame
@@ -73,11 +73,7 @@ class TierdClient(Session):
             if event is not None:
                 body["event"] = event  # CUDA: IPC event the daemon's gather waits on
             futs.append(self.call_async("STORE", body, timeout))
-        return (
-            futs[0]
-            if len(futs) == 1
-            else _joined(futs, lambda rs: {"results": [x for r in rs for x in r["results"]]})
-        )
+        return _one(futs, merge_stores)
 
     def store(self, *args, **kwargs) -> dict:
         return self.store_async(*args, **kwargs).result()
@@ -89,17 +85,7 @@ class TierdClient(Session):
             self.call_async("RETRIEVE", {"instance": instance, "chunks": part, "lease": lease}, timeout)
             for part in _split(chunks)
         ]
-        return (
-            futs[0]
-            if len(futs) == 1
-            else _joined(
-                futs,
-                lambda rs: {
-                    "ok": [x for r in rs for x in r["ok"]],
-                    "failed": [x for r in rs for x in r["failed"]],
-                },
-            )
-        )
+        return _one(futs, merge_retrieves)
 
     def retrieve(self, *args, **kwargs) -> dict:
         return self.retrieve_async(*args, **kwargs).result()
@@ -130,22 +116,10 @@ def _split(chunks: list[dict]) -> list[list[dict]]:
     return [chunks[i : i + step] for i in range(0, len(chunks), step)] or [chunks]
 
 
-def _joined(futs: list[Future], merge) -> Future:
-    """One future for several requests: their replies merged in order, or the first failure."""
+def _one(futs: list[Future], merge) -> Future:
+    """The future of a request sent in parts: the part's own, or their replies merged in order."""
+    if len(futs) == 1:
+        return futs[0]
     out: Future = Future()
-    left, lock = [len(futs)], threading.Lock()
-
-    def one(_f: Future) -> None:
-        with lock:  # callbacks run on the I/O thread, or here for a future already done
-            left[0] -= 1
-            if left[0]:
-                return
-        for f in futs:
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-        out.set_result(merge([f.result() for f in futs]))
-
-    for f in futs:
-        f.add_done_callback(one)
+    join(futs, out, merge)
     return out

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 
 from tierd.protocol import MAX_REQUEST_PARTS
 from tierd_client.cuda_stage import Stager
+from tierd_client.futures import join, merge_retrieves, merge_stores
 
 MIN_REQUESTS_IN_FLIGHT = 4  # per direction: enough to keep a copy engine busy between requests
 
@@ -142,15 +143,15 @@ class StagedRank:
             if job is None:
                 return
             chunks, kw, out = job
-            merge = _merge_stores if op == "STORE" else self._merge_retrieves
+            merge = merge_stores if op == "STORE" else self._merge_retrieves
             parts: list[Future] = []
             try:
                 for i, batch in enumerate(self._batches(chunks)):
                     parts.append(self._send(op, ring, batch, kw, first=(i == 0)))
             except BaseException as exc:  # noqa: BLE001 - the job fails as a whole; the engine recomputes
-                _join(parts, out, merge, error=exc)  # once the requests already sent are done
+                join(parts, out, merge, error=exc)  # once the requests already sent are done
                 continue
-            _join(parts, out, merge)
+            join(parts, out, merge)
 
     def _send(self, op: str, ring: Ring, batch: list[dict], kw: dict, first: bool) -> Future:
         size = len(batch) * self.stager.chunk_bytes
@@ -221,19 +222,11 @@ class StagedRank:
         """One reply; its ``done`` follows every part's scatter (the parts' answers, and so their
         scatters, may come in any order: an event recorded now, when all are queued)."""
         done = replies[0]["done"] if len(replies) == 1 else self.scatters_done() if replies else None
-        return {
-            "ok": [x for r in replies for x in r["ok"]],
-            "failed": [x for r in replies for x in r["failed"]],
-            "done": done,
-        }
+        return {**merge_retrieves(replies), "done": done}
 
     def _batches(self, chunks: list[dict]):
         for i in range(0, len(chunks), self.per_request):
             yield chunks[i : i + self.per_request]
-
-
-def _merge_stores(replies: list[dict]) -> dict:
-    return {"results": [x for r in replies for x in r["results"]]}
 
 
 def _chain(src: Future, dst: Future) -> None:
@@ -242,33 +235,3 @@ def _chain(src: Future, dst: Future) -> None:
         dst.set_exception(exc)
     else:
         dst.set_result(src.result())
-
-
-def _join(parts: list[Future], out: Future, merge, error: BaseException | None = None) -> None:
-    """Resolve ``out`` once all ``parts`` are done: with ``error`` if given, else their first error,
-    else their merged results."""
-    if not parts:
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(merge([]))
-        return
-    left = [len(parts)]
-    lock = threading.Lock()
-
-    def one(_f: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        if error is not None:
-            out.set_exception(error)
-            return
-        for f in parts:
-            if f.exception() is not None:
-                out.set_exception(f.exception())
-                return
-        out.set_result(merge([f.result() for f in parts]))
-
-    for f in parts:
-        f.add_done_callback(one)

@@ -13,6 +13,7 @@ import time
 import pytest
 import zmq
 from conftest import ROOT, DaemonProcess
+from wire import wait_for
 
 from tierd_client import TierdClient
 
@@ -31,16 +32,6 @@ def connect(endpoint: str, n: int, pace: int = 0) -> tuple[zmq.Context, list[zmq
         s.connect(endpoint)
         socks.append(s)
     return ctx, socks
-
-
-def wait_for(pred, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    return pred()
 
 
 def test_connections_past_the_cap_are_closed_and_the_daemon_serves_on(tmp_path):

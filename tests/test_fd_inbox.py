@@ -17,7 +17,7 @@ import pytest
 from conftest import DaemonProcess  # noqa: F401 - fixtures from conftest
 from kv import keys
 from users import make_user, run_as, shared_socket_dir  # noqa: F401 - fixture
-from wire import Raw
+from wire import Raw, wait_for
 
 from tierd.fdinbox import MAGIC, FdInbox
 from tierd_client import fdpass
@@ -55,15 +55,6 @@ def inbox(tmp_path):
         box.close()
 
 
-def wait_until(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
-
-
 # ---- the inbox ----------------------------------------------------------------------------------
 def test_descriptors_come_back_in_order_across_messages_to_their_senders_uid_only(inbox):
     box, url = inbox()
@@ -72,7 +63,7 @@ def test_descriptors_come_back_in_order_across_messages_to_their_senders_uid_onl
     ticket = fdpass.new_ticket()
     try:
         fdpass.send_fds(url, ticket, fds)
-        assert wait_until(lambda: box.waiting == 600)
+        assert wait_for(lambda: box.waiting == 600)
         assert box.claim(os.getuid() + 1, ticket) is None  # another uid: nothing, and nothing taken
         assert box.claim(os.getuid(), fdpass.new_ticket()) is None  # another ticket
         got = box.claim(os.getuid(), ticket)
@@ -100,7 +91,7 @@ def test_a_malformed_message_is_refused_and_its_descriptors_closed(inbox, payloa
     os.close(fd)
     assert reply.startswith(b"er"), reply
     assert box.waiting == 0 and box.refused == 1
-    assert wait_until(lambda: open_fds() <= before), "the inbox kept a refused descriptor open"
+    assert wait_for(lambda: open_fds() <= before), "the inbox kept a refused descriptor open"
     # control: the same descriptor with a proper message is kept
     (fd,) = memfds([4096])
     fdpass.send_fds(url, fdpass.new_ticket(), [fd])
@@ -117,9 +108,9 @@ def test_unclaimed_descriptors_are_closed_when_their_ticket_expires(inbox):
     for fd in fds:
         os.close(fd)
     assert box.waiting == 3
-    assert wait_until(lambda: box.waiting == 0), "the ticket never expired"
+    assert wait_for(lambda: box.waiting == 0), "the ticket never expired"
     assert box.claim(os.getuid(), ticket) is None
-    assert wait_until(lambda: open_fds() <= before), "expired descriptors are still open"
+    assert wait_for(lambda: open_fds() <= before), "expired descriptors are still open"
 
 
 def test_a_user_holding_too_many_unclaimed_descriptors_is_refused_more(inbox):

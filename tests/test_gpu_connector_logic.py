@@ -12,8 +12,9 @@ import pytest
 
 from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.layout import GroupKind, PageLayout
+from tierd_client.futures import join, merge_stores
 from tierd_client.layouts import block_span, group, layout, namespace
-from tierd_client.staged_rank import StagedRank, _join, _merge_stores
+from tierd_client.staged_rank import StagedRank
 from tierd_client.vllm_connector.config import STAGING_AUTO_CAP_MB, STAGING_AUTO_CHUNKS, ConnectorConfig
 from tierd_client.vllm_connector.geometry import Geometry, Group
 from tierd_client.vllm_connector.registration import chunk_bytes, staging_bytes
@@ -169,7 +170,7 @@ def test_without_the_load_fence_a_load_is_reported_on_its_answer():
 def test_a_job_failing_part_way_fails_only_once_the_requests_sent_are_done():
     parts = [Future(), Future()]
     out: Future = Future()
-    _join(parts, out, _merge_stores, error=RuntimeError("no room in staging"))
+    join(parts, out, merge_stores, error=RuntimeError("no room in staging"))
     parts[0].set_result({"results": ["stored"]})
     assert not out.done()  # part 1 may still be read by the daemon / scattered
     parts[1].set_result({"results": ["stored"]})
@@ -179,7 +180,7 @@ def test_a_job_failing_part_way_fails_only_once_the_requests_sent_are_done():
 
 def test_a_job_that_failed_before_sending_anything_fails_at_once():
     out: Future = Future()
-    _join([], out, _merge_stores, error=RuntimeError("closed"))
+    join([], out, merge_stores, error=RuntimeError("closed"))
     with pytest.raises(RuntimeError, match="closed"):
         out.result(0)
 
@@ -187,7 +188,7 @@ def test_a_job_that_failed_before_sending_anything_fails_at_once():
 def test_a_whole_job_merges_its_requests_in_order():
     parts = [Future(), Future()]
     out: Future = Future()
-    _join(parts, out, _merge_stores)
+    join(parts, out, merge_stores)
     parts[1].set_result({"results": ["exists"]})
     parts[0].set_result({"results": ["stored", "stored"]})
     assert out.result(0) == {"results": ["stored", "stored", "exists"]}

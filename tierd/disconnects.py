@@ -37,15 +37,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import time
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from tierd.peer import NO_UID, socket_peer
+
 log = logging.getLogger("tierd")
-_CRED = struct.Struct("3i")
-NOT_UNIX = -1  # the peer key of connections without credentials (tcp://)
 
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _INPROC = "inproc://tierd-router-monitor-{}"
@@ -55,7 +54,7 @@ class ConnectionWatch:
     def __init__(self, router: zmq.Socket, max_total: int = 1 << 30, max_per_peer: int = 1 << 30):
         self.router = router
         self.max_total, self.max_per_peer = max_total, max_per_peer
-        self._open: dict[int, int] = {}  # fd -> its peer (uid, or NOT_UNIX)
+        self._open: dict[int, int] = {}  # fd -> its peer (uid, or NO_UID)
         self._per_peer: dict[int, int] = {}
         self.refused = 0
         self._said = 0.0
@@ -124,11 +123,10 @@ class ConnectionWatch:
         return len(self._open)
 
     def _accepted(self, fd: int) -> None:
-        peer, dup = NOT_UNIX, None
+        peer, dup = NO_UID, None
         try:
             dup = socket.socket(fileno=os.dup(fd))
-            if dup.family == socket.AF_UNIX:
-                peer = _CRED.unpack(dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
+            peer = socket_peer(dup).uid
             n = self._per_peer.get(peer, 0)
             if len(self._open) >= self.max_total or n >= self.max_per_peer:
                 dup.shutdown(socket.SHUT_RDWR)  # libzmq reads the end and closes it (a DISCONNECTED follows)
@@ -136,7 +134,7 @@ class ConnectionWatch:
                 now = time.monotonic()
                 if now - self._said > 10:
                     self._said = now
-                    who = "tcp://" if peer == NOT_UNIX else f"uid {peer}"
+                    who = "tcp://" if peer == NO_UID else f"uid {peer}"
                     log.warning(
                         "closed a new connection of %s: %d connections in all (--max-connections "
                         "%d), %d of its own (2 x --max-sessions-per-peer = %d)",

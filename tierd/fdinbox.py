@@ -23,16 +23,16 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import threading
 import time
+
+from tierd.peer import socket_peer
 
 log = logging.getLogger("tierd")
 
 MAGIC = b"TDF1"
 TICKET_BYTES = 16
 MAX_FDS_PER_MESSAGE = 250  # the kernel's SCM_MAX_FD is 253
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def inbox_path(socket_file: str) -> str:
@@ -140,7 +140,7 @@ class FdInbox:
             conn.close()
             self.refused += 1
             return
-        _pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        uid = socket_peer(conn).uid
         conn.setblocking(False)
         self._conns[conn] = (uid, time.monotonic())
         self._sel.register(conn, selectors.EVENT_READ)

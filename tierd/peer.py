@@ -8,6 +8,8 @@ when the connection is accepted and attaches them to every message it receives o
 
 from __future__ import annotations
 
+import socket
+import struct
 from dataclasses import dataclass
 
 NO_UID = -1  # a tcp:// peer: no kernel credentials
@@ -27,6 +29,15 @@ class Peer:
 
 
 UNKNOWN = Peer(NO_UID, NO_UID, 0)
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def socket_peer(sock: socket.socket) -> Peer:
+    """The credentials of a Unix socket's other end (SO_PEERCRED); UNKNOWN for other sockets."""
+    if sock.family != socket.AF_UNIX:
+        return UNKNOWN
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return Peer(uid, gid, pid)
 
 
 def parse_peer_address(text: str | None, ipc: bool = True) -> Peer:

@@ -176,14 +176,10 @@ def bench_table(r: dict) -> str:
 
 
 def ranks_table(r: dict) -> str:
-    from tierd.bench.ranks import DEPTH, PHASES_ALL
+    from tierd.bench.ranks import DEPTH, PHASES_ALL, RAW_OF
 
     a, ratio, one = r["aggregate_gbps"], r["ratio_to_raw"], r["ratio_to_one_rank"]
-    base = (
-        {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"}
-        if r["device"] == "cuda"
-        else dict.fromkeys(PHASES_ALL, "raw")
-    )
+    base = RAW_OF[r["device"]]
     rows = [
         (
             "layout",

@@ -35,6 +35,11 @@ from collections import deque
 PHASES_SOLO = ("solo_store", "solo_retrieve", "solo_both")
 PHASES_ALL = ("store", "retrieve", "both")
 RAW = {"cuda": ("raw_d2h", "raw_h2d", "raw_both"), "cpu": ("raw",)}
+# each phase's baseline: the raw copy of the same direction (CPU: memcpy)
+RAW_OF = {
+    "cuda": {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"},
+    "cpu": dict.fromkeys(PHASES_ALL, "raw"),
+}
 GAP_S = 0.3  # between windows: the last requests of one phase drain before the next starts
 DEPTH = 4  # requests in flight per rank and direction
 
@@ -157,11 +162,7 @@ def _phases(device: str) -> tuple[str, ...]:
 def _aggregate(cfg: dict, outs: list[dict], object_bytes: int, block_bytes: int) -> dict:
     outs.sort(key=lambda o: o["rank"])
     agg = {ph: round(sum(o["gbps"][ph] for o in outs), 3) for ph in _phases(cfg["device"])}
-    raw = (
-        {"store": "raw_d2h", "retrieve": "raw_h2d", "both": "raw_both"}
-        if cfg["device"] == "cuda"
-        else {"store": "raw", "retrieve": "raw", "both": "raw"}
-    )
+    raw = RAW_OF[cfg["device"]]
     out = {
         "device": cfg["device"],
         "bench": "ranks",
