@@ -35,6 +35,7 @@ class TierdClient(Session):
         replicated: bool = False,
         lease: bool = True,
         timeout: float | None = None,
+        wait: bool = False,
     ) -> Future:
         # the daemon folds at most MAX_LOOKUP_PARTS (keys x groups x ranks) per LOOKUP: a longer
         # prompt is looked up by its longest prefix that fits (a hit is a prefix anyway)
@@ -48,10 +49,10 @@ class TierdClient(Session):
             "replicated": replicated,
             "lease": lease,
         }
-        return self.call_async("LOOKUP", body, timeout)
+        return self.call_async("LOOKUP", body, timeout, wait=wait)
 
     def lookup(self, *args, **kwargs) -> dict:
-        return self.lookup_async(*args, **kwargs).result()
+        return self.lookup_async(*args, wait=True, **kwargs).result()
 
     def release(self, lease: int, timeout: float | None = None) -> dict:
         return self.call("RELEASE", {"lease": lease}, timeout)
@@ -63,6 +64,7 @@ class TierdClient(Session):
         touch: list[bytes] | None = None,
         timeout: float | None = None,
         event: bytes | None = None,
+        wait: bool = False,
     ) -> Future:
         parts = _split(chunks)
         futs = []
@@ -72,23 +74,34 @@ class TierdClient(Session):
                 body["touch"] = touch
             if event is not None:
                 body["event"] = event  # CUDA: IPC event the daemon's gather waits on
-            futs.append(self.call_async("STORE", body, timeout))
+            futs.append(self.call_async("STORE", body, timeout, wait=wait and len(parts) == 1))
         return _one(futs, merge_stores)
 
     def store(self, *args, **kwargs) -> dict:
-        return self.store_async(*args, **kwargs).result()
+        return self.store_async(*args, wait=True, **kwargs).result()
 
     def retrieve_async(
-        self, instance: str, chunks: list[dict], lease: int = 0, timeout: float | None = None
+        self,
+        instance: str,
+        chunks: list[dict],
+        lease: int = 0,
+        timeout: float | None = None,
+        wait: bool = False,
     ) -> Future:
+        parts = _split(chunks)
         futs = [
-            self.call_async("RETRIEVE", {"instance": instance, "chunks": part, "lease": lease}, timeout)
-            for part in _split(chunks)
+            self.call_async(
+                "RETRIEVE",
+                {"instance": instance, "chunks": part, "lease": lease},
+                timeout,
+                wait=wait and len(parts) == 1,
+            )
+            for part in parts
         ]
         return _one(futs, merge_retrieves)
 
     def retrieve(self, *args, **kwargs) -> dict:
-        return self.retrieve_async(*args, **kwargs).result()
+        return self.retrieve_async(*args, wait=True, **kwargs).result()
 
     def ping(self, timeout: float | None = None) -> dict:
         return self.call("PING", {}, timeout)

@@ -11,12 +11,28 @@ Hazards handled here:
 - A reply that comes after its request's deadline is dropped: the caller has moved on.
 - A request with a ``publish`` hook has ``publish.open(url)`` called right before it is sent and
   ``publish.close()`` once it ends, whichever way it ends (reply, deadline, disconnect, close).
+
+The caller's own thread does the socket work where it can (two thread hand-offs less per call;
+docs/protocol.md section 14): whoever holds ``_lock`` owns the socket, and the I/O thread polls
+the socket's notification descriptor, not the socket, so it never touches it without the lock.
+- A request with nothing queued ahead of it is sent by the thread that makes it (``_send_now``).
+- A thread waiting on a reply's ``result()`` reads the socket itself for up to FAST_WAIT_S
+  (``_pump``); a success for its own request resolves there. Every other reply it reads (and its
+  own errors, which may be retried) goes to the I/O thread, so callbacks and retries still run
+  only there. Past FAST_WAIT_S it waits for the I/O thread like any other caller.
+- A request made to be waited for at once (``wait=True``: ``call()``, the verbs' blocking forms)
+  is *claimed* for FAST_WAIT_S: while every request in flight is claimed, the I/O thread does not
+  watch the socket at all, so a reply wakes only the thread waiting for it. A claim that runs out
+  (its caller never waited) hands the request to the I/O thread.
+- ZeroMQ's descriptor is edge-triggered: whoever sent or read drains the socket to EAGAIN, or
+  wakes the I/O thread, before letting the lock go.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -34,6 +50,32 @@ from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 
 log = logging.getLogger("tierd_client")
 
+FAST_WAIT_S = 0.005  # a caller reads the socket for its own reply this long before the I/O thread does
+
+
+class Reply(Future):
+    """A request's future whose ``result()``/``exception()`` first read the socket on the waiting
+    thread (``Transport._pump``), then wait for the I/O thread as a plain future does."""
+
+    def __init__(self, transport: Transport):
+        super().__init__()
+        self._transport = transport
+        self.pending: Pending | None = None  # set by Transport._request
+
+    def result(self, timeout: float | None = None):
+        return super().result(self._pumped(timeout))
+
+    def exception(self, timeout: float | None = None):
+        return super().exception(self._pumped(timeout))
+
+    def _pumped(self, timeout: float | None) -> float | None:
+        """Pump, and return what is left of ``timeout``."""
+        if self.done() or timeout == 0:
+            return timeout
+        t0 = time.monotonic()
+        self._transport._pump(self, timeout)
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+
 
 @dataclass(eq=False)
 class Pending:
@@ -45,6 +87,7 @@ class Pending:
     callback: Callable[[bool, dict], None] | None = None
     retried: bool = False
     publish: object | None = None  # .open() before it is sent, .close() once it ends
+    claimed_until: float = 0.0  # monotonic: its caller reads its reply until then (module doc)
 
 
 class Transport:
@@ -63,21 +106,111 @@ class Transport:
         os.set_blocking(self._wake_r, False)
         self._pending: dict[int, Pending] = {}
         self._front: list[Pending] = []
+        self._waiting: list[Pending] = []  # taken from the outbox, not yet sent: no connection so far
+        self._lock = threading.Lock()  # owns the socket and the state above (module doc)
+        self._sock: zmq.Socket | None = None
+        self._stash: list[tuple[int, bool, dict]] = []  # replies a caller read for the I/O thread
+        self._watching = True  # the I/O thread's poll includes the socket's descriptor
         self._closed = threading.Event()
         self._connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
         self._ever_connected = False
         self._thread = threading.Thread(target=self._loop, name=f"tierd-client-{name}", daemon=True)
 
     # ---- any thread -----------------------------------------------------------------------------
-    def _request(self, op: str, body: dict, timeout: float | None = None, **kw) -> Pending:
+    def _request(
+        self, op: str, body: dict, timeout: float | None = None, wait: bool = False, **kw
+    ) -> Pending:
         timeout = self.timeout_s if timeout is None else timeout
-        return Pending(op, body, time.monotonic() + timeout, timeout, **kw)
+        now = time.monotonic()
+        p = Pending(op, body, now + timeout, timeout, **kw)
+        if wait:
+            p.claimed_until = now + FAST_WAIT_S
+        if isinstance(p.future, Reply):
+            p.future.pending = p
+        return p
 
     def _submit(self, p: Pending) -> None:
         if self._closed.is_set():
             raise TierdError("CLOSED", "client is closed")
+        if p.publish is None and p.callback is None and self._send_now(p):
+            return
         self._outbox.put(p)
         self._wake()
+
+    def _send_now(self, p: Pending) -> bool:
+        """Send ``p`` on this thread if the socket is free and connected and nothing is queued ahead
+        of it (the order of one thread's requests is kept); else the I/O thread sends it."""
+        if not self._connected or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            sock = self._sock
+            ahead = self._waiting or self._front or not self._outbox.empty()
+            if sock is None or not self._connected or ahead:
+                return False
+            req_id = next(self._ids)
+            try:
+                sock.send(codec.encode_request(p.op, req_id, p.body), zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self._pending[req_id] = p
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._wake()  # the send took in a reply: the descriptor will not say so again
+            elif not self._watching and p.claimed_until <= time.monotonic():
+                self._wake()  # nobody would read its reply: the I/O thread watches the socket again
+            return True
+        finally:
+            self._lock.release()
+
+    def _pump(self, fut: Future, limit: float | None) -> None:
+        """Read the socket on this thread until ``fut`` (a request's own future) is resolved, for at
+        most FAST_WAIT_S (and ``limit``). Only a success of ``fut``'s own request resolves here."""
+        wait = FAST_WAIT_S if limit is None else min(FAST_WAIT_S, limit)
+        end = time.monotonic() + wait
+        if wait <= 0 or not self._lock.acquire(timeout=wait):
+            return
+        mine, handed = None, False
+        p = getattr(fut, "pending", None)
+        try:
+            sock = self._sock
+            if sock is None or fut.done() or p is None:
+                return
+            p.claimed_until = max(p.claimed_until, end)
+            for i, (req_id, ok, _body) in enumerate(self._stash):  # read by another caller
+                p = self._pending.get(req_id)
+                if ok and p is not None and p.future is fut:
+                    mine = (self._pending.pop(req_id), self._stash.pop(i)[2])
+                    return
+            while True:
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    if mine is not None or handed:
+                        return  # drained: the descriptor is armed again
+                    left = end - time.monotonic()
+                    if left <= 0 or not zmq.zmq_poll([(sock, zmq.POLLIN)], math.ceil(left * 1000)):
+                        return
+                    continue
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                try:
+                    req_id, ok, body = codec.decode_reply(frame, 1 << 31)
+                except ProtocolError as exc:
+                    log.warning("undecodable reply from tierd: %s", exc)
+                    continue
+                p = self._pending.get(req_id)
+                if ok and p is not None and p.future is fut and mine is None:
+                    mine = (self._pending.pop(req_id), body)
+                else:  # someone else's, or an error the I/O thread may retry
+                    self._stash.append((req_id, ok, body))
+                    handed = handed or (p is not None and p.future is fut)
+        finally:
+            if mine is None and p is not None:
+                p.claimed_until = 0.0  # not answered yet: the I/O thread reads it from now on
+            if self._stash or (mine is None and not fut.done()):
+                self._wake()
+            self._lock.release()
+            if mine is not None:
+                self._on_reply(mine[0], True, mine[1])
 
     def _wake(self) -> None:
         try:
@@ -116,39 +249,69 @@ class Transport:
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.url)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        fd = sock.getsockopt(zmq.FD)  # watched, not the socket: callers use the socket too
+        poller.register(fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        waiting: list[Pending] = []  # not yet sent: no connection so far
+        with self._lock:
+            self._sock = sock
+        timeout_ms = 50
         try:
             while not self._closed.is_set():
-                events = dict(poller.poll(50))
-                if monitor in events:
-                    self._on_monitor(monitor)
-                if sock in events:
-                    self._recv_all(sock)
+                events = dict(poller.poll(timeout_ms))
                 if self._wake_r in events:
                     try:
                         while os.read(self._wake_r, 4096):
                             pass
                     except BlockingIOError:
                         pass
-                while True:
-                    try:
-                        waiting.append(self._outbox.get_nowait())
-                    except queue.Empty:
-                        break
-                if self._front:
-                    waiting, self._front = self._front + waiting, []
-                waiting = self._expire(self._send_waiting(sock, waiting))
-                self._tick()
+                with self._lock:
+                    if monitor in events:
+                        self._on_monitor(monitor)
+                    stash, self._stash = self._stash, []
+                    for req_id, ok, body in stash:
+                        self._dispatch(req_id, ok, body)
+                    self._recv_all(sock)
+                    while True:
+                        try:
+                            self._waiting.append(self._outbox.get_nowait())
+                        except queue.Empty:
+                            break
+                    if self._front:
+                        self._waiting, self._front = self._front + self._waiting, []
+                    if self._waiting:
+                        self._waiting = self._send_waiting(sock, self._waiting)
+                        self._recv_all(sock)  # a send may have taken in replies (edge-triggered descriptor)
+                    self._waiting = self._expire(self._waiting)
+                    self._tick()
+                    watch, timeout_ms = self._watch_socket()
+                    if watch != self._watching:
+                        self._watching = watch
+                        if watch:
+                            poller.register(fd, zmq.POLLIN)
+                        else:
+                            poller.unregister(fd)
         finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            for p in list(self._pending.values()) + waiting + self._front:
-                self._fail(p, TierdError("CLOSED", "client closed"))
-            self._pending.clear()
+            with self._lock:
+                self._sock = None
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
+                for p in list(self._pending.values()) + self._waiting + self._front:
+                    self._fail(p, TierdError("CLOSED", "client closed"))
+                self._pending.clear()
+
+    def _watch_socket(self) -> tuple[bool, int]:
+        """Whether the I/O thread watches the socket (some request in flight is not claimed by a
+        caller reading its reply), and its poll's timeout in ms (until the next claim runs out)."""
+        if self._stash or self._waiting or self._front:
+            return True, 50
+        now, until = time.monotonic(), None
+        for p in self._pending.values():
+            if p.claimed_until <= now:
+                return True, 50
+            until = p.claimed_until if until is None else min(until, p.claimed_until)
+        return False, 50 if until is None else max(1, math.ceil((until - now) * 1000))
 
     def _send_waiting(self, sock, waiting: list[Pending]) -> list[Pending]:
         left = []
@@ -210,9 +373,12 @@ class Transport:
             except ProtocolError as exc:
                 log.warning("undecodable reply from tierd: %s", exc)
                 continue
-            p = self._pending.pop(req_id, None)
-            if p is not None:  # else: the answer to a request that already timed out
-                self._on_reply(p, ok, body)
+            self._dispatch(req_id, ok, body)
+
+    def _dispatch(self, req_id: int, ok: bool, body: dict) -> None:
+        p = self._pending.pop(req_id, None)
+        if p is not None:  # else: the answer to a request that already timed out
+            self._on_reply(p, ok, body)
 
     def _expire(self, waiting: list[Pending]) -> list[Pending]:
         now = time.monotonic()

@@ -1,0 +1,82 @@
+"""The client's fast path (tierd_client.transport): a blocking call is sent and its reply read on
+the calling thread; a claim nobody waits on is handed to the I/O thread; threads that call at once,
+blocking and not, each get their own answer. Real daemon, real sockets."""
+
+import threading
+import time
+
+from kv import GroupGeom, keys
+from util import chunk, ranks  # noqa: F401 - fixtures
+
+from tierd_client.transport import FAST_WAIT_S
+
+
+def _resolved_on(fut) -> list[int]:
+    seen: list[int] = []
+    fut.add_done_callback(lambda _f: seen.append(threading.get_ident()))
+    return seen
+
+
+def test_blocking_call_reads_its_reply_on_the_calling_thread(daemon, client_factory):
+    c = client_factory(daemon)
+    c.ping()
+    io_thread = c._thread.ident
+    me = threading.get_ident()
+    on = []
+    for _ in range(20):  # every one (a reply the I/O thread read would resolve there)
+        fut = c.call_async("PING", {}, wait=True)
+        seen = _resolved_on(fut)
+        assert "time" in fut.result(timeout=5)
+        on += seen
+    assert on == [me] * 20
+    fut = c.call_async("PING", {})  # not claimed, and nobody in result(): the I/O thread reads it
+    seen = _resolved_on(fut)
+    deadline = time.monotonic() + 5
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert seen == [io_thread]
+
+
+def test_claimed_request_nobody_waits_on_is_answered_by_the_io_thread(daemon, client_factory):
+    c = client_factory(daemon)  # calls time out after 10 s: the answer must come long before
+    c.ping()
+    for _ in range(5):
+        fut = c.call_async("PING", {}, wait=True)  # claimed, but result() is never called
+        deadline = time.monotonic() + 2
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(FAST_WAIT_S / 5)
+        assert fut.done()
+        assert "time" in fut.result(timeout=0)
+
+
+def test_threads_calling_at_once_each_get_their_own_answer(daemon, client_factory, ranks):
+    c = client_factory(daemon)
+    rank = ranks(GroupGeom("full"))
+    c.register("r", rank.layout())
+    ks = keys(8)
+    assert c.store("r", [chunk(k, range(4 * j, 4 * j + 4)) for j, k in enumerate(ks)])["results"] == [
+        "stored"
+    ] * 8
+    errors: list[str] = []
+
+    def worker(n: int) -> None:
+        # prefix of n stored keys then an unknown one: the answer says n, and only this thread's
+        probe = ks[:n] + keys(1)
+        for i in range(150):
+            blocking = i % 3 != 0
+            if blocking:
+                got = c.lookup(rank.ns, probe, rank.specs(), 16, lease=False)["chunks"]
+            else:
+                got = c.lookup_async(rank.ns, probe, rank.specs(), 16, lease=False).result(5)["chunks"]
+            if got != n:
+                errors.append(f"thread {n} call {i}: {got}")
+                return
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(1, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert not any(t.is_alive() for t in threads)
+    assert "time" in c.ping()
