@@ -99,14 +99,17 @@ class Stager:
         return self.buf.numel()
 
     # ---- copies -------------------------------------------------------------------------------
-    def gather(self, chunks: list[list[list[int]]], at: int, after=None, null: int = -1) -> bytes:
+    def gather(
+        self, chunks: list[list[list[int]]], at: int, after=None, null: int = -1, fence: bool = True
+    ) -> bytes | None:
         """Blocks of ``chunks`` (per chunk, per group, ids; ``null`` = none) into staging from ``at``,
-        after the event ``after``; returns the IPC event handle the daemon's DMA waits for."""
+        after the event ``after``; returns the IPC event handle the daemon's DMA waits for (with
+        ``fence``; None without: the caller orders the DMA on the host)."""
         with self.lock, self.torch.cuda.device(self.device):
             if after is not None:
                 self.stream.wait_event(after)
             self._copy(chunks, at, null, scatter=False, skip=None)
-            return self.fence.mark(self.stream)
+            return self.fence.mark(self.stream) if fence else None
 
     def scatter(
         self,

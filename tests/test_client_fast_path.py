@@ -54,9 +54,10 @@ def test_threads_calling_at_once_each_get_their_own_answer(daemon, client_factor
     rank = ranks(GroupGeom("full"))
     c.register("r", rank.layout())
     ks = keys(8)
-    assert c.store("r", [chunk(k, range(4 * j, 4 * j + 4)) for j, k in enumerate(ks)])["results"] == [
-        "stored"
-    ] * 8
+    assert (
+        c.store("r", [chunk(k, range(4 * j, 4 * j + 4)) for j, k in enumerate(ks)])["results"]
+        == ["stored"] * 8
+    )
     errors: list[str] = []
 
     def worker(n: int) -> None:

@@ -1,5 +1,7 @@
 """Connector settings: our keys, and LMCacheMPConnector's keys as aliases."""
 
+import pytest
+
 from tierd.config import default_socket
 from tierd_client.vllm_connector.config import ConnectorConfig
 
@@ -33,3 +35,10 @@ def test_tierd_keys_win_over_aliases():
         }
     )
     assert cfg.url == "ipc:///a" and cfg.chunk_tokens == 128 and not cfg.store_decode
+
+
+def test_gpu_order_defaults_to_host_and_refuses_anything_else():
+    assert ConnectorConfig.from_extra({}).gpu_order == "host"
+    assert ConnectorConfig.from_extra({"tierd.gpu_order": "device"}).gpu_order == "device"
+    with pytest.raises(ValueError, match="tierd.gpu_order"):
+        ConnectorConfig.from_extra({"tierd.gpu_order": "gpu"})

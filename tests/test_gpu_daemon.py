@@ -39,7 +39,9 @@ def built():
 class Engine:
     """vLLM 0.33-style KV: one buffer, per-layer [B, H, N, C] views in physical order ``kind``."""
 
-    def __init__(self, kind="LBNHC", layers=4, blocks=64, heads=2, c=64, r=1, impl="auto", staging_mb=64):
+    def __init__(
+        self, kind="LBNHC", layers=4, blocks=64, heads=2, c=64, r=1, impl="auto", staging_mb=64, staging=0
+    ):
         dims = {"L": layers, "B": blocks * r, "H": heads, "N": BLOCK // r, "C": c}
         phys = [dims[ch] for ch in kind]
         n = 1
@@ -62,7 +64,7 @@ class Engine:
             [group("full", BLOCK, spans)],
             device="cuda",
         )
-        self.stager = Stager(PageLayout.from_wire(self.layout), [self.buf], staging_mb << 20, impl)
+        self.stager = Stager(PageLayout.from_wire(self.layout), [self.buf], staging or staging_mb << 20, impl)
         self.layout["staging"] = self.stager.ref
 
     def rank(self, client, instance="r0", **kw) -> StagedRank:
@@ -116,13 +118,18 @@ def test_no_context_before_registration_then_pinned_pool(daemon_factory, client_
     assert st["memory_pinned_bytes"] == st["memory_total_bytes"]
 
 
-@pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize(
+    "impl,host_order",
+    [("kernel", False), ("torch", False), ("kernel", True)],
+    ids=["kernel", "torch", "kernel-host-order"],
+)
 @pytest.mark.parametrize("kind,r", [("LBNHC", 1), ("LHBNC", 1), ("BHLNC", 2), ("BLNHC", 1)])
-def test_round_trip_through_the_daemon(daemon_factory, client_factory, impl, kind, r):
+def test_round_trip_through_the_daemon(daemon_factory, client_factory, impl, host_order, kind, r):
     d = daemon_factory(pool_mb=256)
     c = client_factory(d, timeout_s=60)
     eng = Engine(kind, r=r, impl=impl)
-    rank = eng.rank(c, request_bytes=2 * eng.stager.chunk_bytes)  # several requests per job
+    # several requests per job
+    rank = eng.rank(c, request_bytes=2 * eng.stager.chunk_bytes, host_order=host_order)
     ks = keys(6)
     src, dst = list(range(0, 6 * BPC)), list(range(32, 32 + 6 * BPC))
     assert rank.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * 6
@@ -136,11 +143,12 @@ def test_round_trip_through_the_daemon(daemon_factory, client_factory, impl, kin
     assert lanes["store"]["bytes"] > 0 and lanes["retrieve"]["bytes"] > 0
 
 
-def test_store_and_retrieve_of_one_rank_run_at_once(daemon_factory, client_factory):
+@pytest.mark.parametrize("host_order", [False, True], ids=["device", "host"])
+def test_store_and_retrieve_of_one_rank_run_at_once(daemon_factory, client_factory, host_order):
     d = daemon_factory(pool_mb=512)
     c = client_factory(d, timeout_s=60)
     eng = Engine(layers=8, blocks=256, heads=4, c=128)
-    rank = eng.rank(c, request_bytes=4 * eng.stager.chunk_bytes)
+    rank = eng.rank(c, request_bytes=4 * eng.stager.chunk_bytes, host_order=host_order)
     ka, kb = keys(20), keys(20)
     a, b, into = list(range(0, 80)), list(range(80, 160)), list(range(160, 240))
     assert all(x == "stored" for x in rank.store(chunks(ka, a), after=after_now()).result()["results"])
@@ -202,17 +210,19 @@ def test_bad_handles_are_layout_invalid(daemon_factory, client_factory):
     assert d.status()["errors_by_code"]["LAYOUT_INVALID"] == 5
 
 
+@pytest.mark.parametrize("host_order", [False, True], ids=["device", "host"])
 def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(
-    daemon_factory, client_factory
+    daemon_factory, client_factory, host_order
 ):
     """The engine rewrites blocks behind a long kernel on its forward stream. A store without the
-    forward's event gathers the old bytes; with it, always the new ones."""
+    forward's event gathers the old bytes; with it, always the new ones (the daemon's DMA ordered
+    after the gather on the GPU, or, in host order, the STORE sent once the gather is done)."""
     if not hasattr(torch.cuda, "_sleep"):
         pytest.skip("torch.cuda._sleep is gone")
     d = daemon_factory(pool_mb=256)
     c = client_factory(d, timeout_s=60)
     eng = Engine(layers=4, blocks=64)
-    rank = eng.rank(c)
+    rank = eng.rank(c, host_order=host_order)
     src, dst = list(range(0, 4 * BPC)), list(range(32, 32 + 4 * BPC))
     forward = torch.cuda.Stream(DEV)
     outcome = {}
@@ -301,3 +311,52 @@ def test_two_ranks_on_one_gpu_copy_through_one_daemon(daemon_factory, client_fac
     print(f"\ntwo ranks restored {2 * 16} chunks in {(time.perf_counter() - t) * 1e3:.1f} ms")
     for e in engines:
         assert torch.equal(e.blocks(dst), e.blocks(src))
+
+
+def test_host_order_retrieve_reuses_a_staging_room_only_after_its_scatter_negative_control(
+    daemon_factory, client_factory
+):
+    """Host order: the daemon's DMA into a staging room does not wait on the GPU for the engine's
+    scatter out of it, so the engine sends a RETRIEVE into a room only once the room's earlier
+    scatter is complete. With one room each way and scatters queued behind a long kernel, two
+    loads in a row: without that wait (control) the second load's bytes land in the room before
+    the first scatter reads it, and the first load restores the second's bytes."""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is gone")
+    d = daemon_factory(pool_mb=256)
+    c = client_factory(d, timeout_s=60)
+    probe = Engine(layers=4, blocks=64)
+    eng = Engine(layers=4, blocks=64, staging=2 * probe.stager.chunk_bytes)  # one chunk's room each way
+    rank = eng.rank(c, host_order=True)
+    a, b = list(range(0, BPC)), list(range(BPC, 2 * BPC))
+    into_a, into_b = list(range(32, 32 + BPC)), list(range(40, 40 + BPC))
+    ka, kb = keys(1), keys(1)
+    assert rank.store(chunks(ka, a), after=after_now()).result()["results"] == ["stored"]
+    assert rank.store(chunks(kb, b), after=after_now()).result()["results"] == ["stored"]
+    assert not torch.equal(eng.blocks(a), eng.blocks(b))
+    scatter = eng.stager.scatter
+
+    def late_scatter(*args, **kw):  # the staging stream is busy: each scatter queues behind a kernel
+        with torch.cuda.stream(eng.stager.scatter_stream):
+            torch.cuda._sleep(SPIN // 4)
+        return scatter(*args, **kw)
+
+    eng.stager.scatter = late_scatter
+    wrong = {}
+    for waits in (False, True):
+        rank.rings["RETRIEVE"].device_done = waits
+        bad = 0
+        for _ in range(2):
+            eng.zero(into_a + into_b)
+            torch.cuda.synchronize()
+            first = rank.retrieve(chunks(ka, into_a))
+            second = rank.retrieve(chunks(kb, into_b))
+            for f in (first, second):
+                got = f.result()
+                assert got["ok"] == [True]
+                got["done"].synchronize()
+            bad += not torch.equal(eng.blocks(into_a), eng.blocks(a))
+            assert torch.equal(eng.blocks(into_b), eng.blocks(b))
+        wrong[waits] = bad
+    assert wrong[False] > 0, "control: a room reused before its scatter ran should restore the wrong bytes"
+    assert wrong[True] == 0

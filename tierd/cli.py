@@ -197,6 +197,14 @@ def _status_socket(socket: str) -> dict:
     help="CUDA: CTAs per engine-side gather/scatter kernel (0: 8 per multiprocessor).",
 )
 @click.option(
+    "--gpu-order",
+    type=click.Choice(["host", "device"]),
+    default="host",
+    show_default=True,
+    help="CUDA: the engine sends each request once its staging bytes are ready (host), or the daemon's "
+    "DMAs wait on the GPU for the engine's interprocess events (device; slows a co-running engine more).",
+)
+@click.option(
     "--ranks",
     default=1,
     show_default=True,

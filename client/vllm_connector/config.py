@@ -37,6 +37,10 @@ class ConnectorConfig:
     # one chunk. Larger steps pipeline through it: the submitter thread waits for room, the
     # forward never does. It is allocated after vLLM sized its KV cache, outside that budget.
     staging_mb: float = 0.0
+    # CUDA ranks: "host" (default): each STORE/RETRIEVE is sent once its staging bytes are ready, so
+    # the daemon's DMAs never wait on the GPU for the engine's events; "device": they do (interprocess
+    # events), which slowed a co-running matmul 1.072x against 1.019x (tierd_client.staged_rank)
+    gpu_order: str = "host"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -53,6 +57,9 @@ class ConnectorConfig:
         staging = float(extra.get("tierd.staging_mb", 0.0))
         if not staging >= 0:
             raise ValueError(f"tierd.staging_mb must be >= 0 (0: sized from the chunk), got {staging}")
+        order = str(extra.get("tierd.gpu_order", "host"))
+        if order not in ("host", "device"):
+            raise ValueError(f"tierd.gpu_order must be 'host' or 'device', got {order!r}")
         return cls(
             url=str(url) if url else default_socket(),
             chunk_tokens=chunk,
@@ -63,6 +70,7 @@ class ConnectorConfig:
             connect_timeout_s=float(extra.get("tierd.connect_timeout_s", 1.0)),
             register_retry_s=float(extra.get("tierd.register_retry_s", 5.0)),
             staging_mb=staging,
+            gpu_order=order,
         )
 
 

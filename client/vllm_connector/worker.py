@@ -81,7 +81,12 @@ class WorkerSide:
 
             self.device = stager.device
             self.staged = StagedRank(
-                self.client, self.instance, stager, null=self.null, timeout_s=self.cfg.timeout_s
+                self.client,
+                self.instance,
+                stager,
+                null=self.null,
+                timeout_s=self.cfg.timeout_s,
+                host_order=self.cfg.gpu_order == "host",
             )
 
     def _try_register(self) -> bool:

@@ -31,6 +31,7 @@ def run_bench(
     ranks: int = 1,
     seconds: float = 2.0,
     ctas: int = 0,
+    gpu_order: str = "host",
 ) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
@@ -74,7 +75,9 @@ def run_bench(
     if device == "cuda":
         from tierd.bench.cuda import run_cuda_bench
 
-        return run_cuda_bench(**kw, interference=interference, staging_mb=staging_mb, impl=impl, ctas=ctas)
+        return run_cuda_bench(
+            **kw, interference=interference, staging_mb=staging_mb, impl=impl, ctas=ctas, gpu_order=gpu_order
+        )
     if interference:
         raise BenchError("--interference measures GPU steps: it needs --device cuda")
     from tierd.bench.cpu import run_cpu_bench

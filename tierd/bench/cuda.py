@@ -112,6 +112,7 @@ def run_cuda_bench(
     staging_mb: int = 1024,
     impl: str = "auto",
     ctas: int = 0,
+    gpu_order: str = "host",
 ) -> dict:
     import torch
 
@@ -201,7 +202,14 @@ def run_cuda_bench(
         t_reg = time.monotonic()
         client.register("bench-0", lay, timeout=300)
         register_s = time.monotonic() - t_reg
-        rank = StagedRank(client, "bench-0", stager, request_bytes=batch * object_bytes, timeout_s=300)
+        rank = StagedRank(
+            client,
+            "bench-0",
+            stager,
+            request_bytes=batch * object_bytes,
+            timeout_s=300,
+            host_order=gpu_order == "host",
+        )
         after = torch.cuda.Event()
 
         def store(keys, blocks):
@@ -311,6 +319,7 @@ def run_cuda_bench(
             "lookups_per_s": round(lookups_seq, 1),
             "impl": "kernel" if native.get() is not None and impl != "torch" else "torch",
             "ctas": stager.grid,
+            "gpu_order": gpu_order,
             "native": native.state(),
             "register_s": round(register_s, 3),
             "bench_build_s": round(build_s, 3),
