@@ -71,7 +71,7 @@ def run_bench(
         from tierd.bench.ranks import run_ranks_bench
 
         kw.pop("rounds")
-        return run_ranks_bench(**kw, device=device, ranks=ranks, seconds=seconds)
+        return run_ranks_bench(**kw, device=device, ranks=ranks, seconds=seconds, gpu_order=gpu_order)
     if device == "cuda":
         from tierd.bench.cuda import run_cuda_bench
 

@@ -66,6 +66,7 @@ def run_ranks_bench(
     batch,
     pool_gb,
     progress,
+    gpu_order: str = "host",
 ) -> dict:
     from tierd.bench.common import BenchError, private_daemon
 
@@ -97,6 +98,7 @@ def run_ranks_bench(
         chunks=chunks,
         batch=batch,
         run=run,
+        gpu_order=gpu_order,
     )
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}") if device == "cuda" else ()
     progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
@@ -168,6 +170,7 @@ def _aggregate(cfg: dict, outs: list[dict], object_bytes: int, block_bytes: int)
         "bench": "ranks",
         "ranks": cfg["ranks"],
         "layout": "mla" if cfg["mla"] else "mha",
+        "gpu_order": cfg.get("gpu_order") if cfg["device"] == "cuda" else None,
         "layers": cfg["layers"],
         "block_bytes": block_bytes,
         "object_bytes": object_bytes,
@@ -284,7 +287,12 @@ class _Rank:
         lay["staging"] = stager.ref
         self.client.register(f"bench-rank-{self.rank}", lay, timeout=300)
         self.staged = StagedRank(
-            self.client, f"bench-rank-{self.rank}", stager, request_bytes=self.request_bytes, timeout_s=300
+            self.client,
+            f"bench-rank-{self.rank}",
+            stager,
+            request_bytes=self.request_bytes,
+            timeout_s=300,
+            host_order=c.get("gpu_order", "host") == "host",
         )
         n = self.request_bytes
         self._host = (
