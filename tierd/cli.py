@@ -205,6 +205,14 @@ def _status_socket(socket: str) -> dict:
     "DMAs wait on the GPU for the engine's interprocess events (device; slows a co-running engine more).",
 )
 @click.option(
+    "--step-burst",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="CUDA --interference: queue the timed engine steps this many at a time (0: all at once). A full "
+    "launch queue holds the GIL inside a launch and can starve the copies' threads in the bench process.",
+)
+@click.option(
     "--ranks",
     default=1,
     show_default=True,

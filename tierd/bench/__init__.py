@@ -32,6 +32,7 @@ def run_bench(
     seconds: float = 2.0,
     ctas: int = 0,
     gpu_order: str = "host",
+    step_burst: int = 0,
 ) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
@@ -76,7 +77,13 @@ def run_bench(
         from tierd.bench.cuda import run_cuda_bench
 
         return run_cuda_bench(
-            **kw, interference=interference, staging_mb=staging_mb, impl=impl, ctas=ctas, gpu_order=gpu_order
+            **kw,
+            interference=interference,
+            staging_mb=staging_mb,
+            impl=impl,
+            ctas=ctas,
+            gpu_order=gpu_order,
+            step_burst=step_burst,
         )
     if interference:
         raise BenchError("--interference measures GPU steps: it needs --device cuda")

@@ -113,6 +113,7 @@ def run_cuda_bench(
     impl: str = "auto",
     ctas: int = 0,
     gpu_order: str = "host",
+    step_burst: int = 0,
 ) -> dict:
     import torch
 
@@ -271,7 +272,10 @@ def run_cuda_bench(
             progress.phase("interference: compute and HBM steps alone, with tierd copying, with raw DMA")
             client.call("CLEAR", {"namespace": ns})
             settle(store(keys_a, src), lambda *_: None)
-            out["interference"] = _interference(torch, dev, store, retrieve, keys_a, src2, dst, settle, total)
+            out["interference"] = _interference(
+                torch, dev, store, retrieve, keys_a, src2, dst, settle, total, step_burst
+            )
+            out["interference_step_burst"] = step_burst
         status = client.status()
         client.call("CLEAR", {"namespace": ns})  # leave nothing behind in the operator's daemon
         rank.idle(30)
@@ -380,7 +384,7 @@ def _latencies(torch, rank, kv, probe: list[int], bpc: int, dev) -> dict:
     return out
 
 
-def _interference(torch, dev, store, retrieve, keys, src, dst, settle, total: int) -> dict:
+def _interference(torch, dev, store, retrieve, keys, src, dst, settle, total: int, burst: int = 0) -> dict:
     """Engine steps timed with CUDA events: alone, with tierd copying both ways, with raw DMA."""
     import threading
 
@@ -392,14 +396,23 @@ def _interference(torch, dev, store, retrieve, keys, src, dst, settle, total: in
     steps = {"matmul": lambda: a @ b, "hbm_copy": lambda: big2.copy_(big)}
 
     def time_step(fn, reps=20) -> float:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        """GPU time per step; with ``burst``, over bursts of that many steps, so no more launches
+        are queued at once (a full launch queue blocks the launching thread inside a launch,
+        holding the GIL, which may starve this process's other threads: the tierd client's and
+        the raw DMA loop's). 0: all ``reps`` queued at once (the recorded runs)."""
         fn()
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e) / reps
+        total, done = 0.0, 0
+        while done < reps:
+            k = reps - done if burst <= 0 else min(burst, reps - done)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(k):
+                fn()
+            e.record()
+            e.synchronize()
+            total += s.elapsed_time(e)
+            done += k
+        return total / reps
 
     def background(kind: str, stop: threading.Event, moved: list):
         if kind == "tierd":
