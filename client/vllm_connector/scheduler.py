@@ -87,6 +87,7 @@ class SchedulerSide:
                     C,
                     replicated=self.geo.replicated,
                     timeout=self.cfg.lookup_timeout_s,
+                    wait=self.cfg.lookup_wait_ms > 0,  # read on this thread while it waits below
                 )
             except Exception as exc:  # noqa: BLE001 - the tier is an optimisation; never fail the request
                 log.warning("tierd lookup for %s not sent: %s", req_id, exc)
