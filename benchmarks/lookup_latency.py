@@ -7,14 +7,22 @@ A private ``tierd serve`` is filled through the real protocol with ``--objects``
 arrive from an engine: with 16-token chunks (2048 keys a LOOKUP) and with 256-token chunks (128
 keys), hit and miss. Latency is client-side round trip (ZeroMQ ipc, msgpack, the fold), p50/p99.
 Metadata overhead is the daemon's RSS growth minus the pool memory backed meanwhile.
+
+Baselines of the same run, to read the latencies against: ``floor_echo_*``, a bare pyzmq
+ROUTER that polls and echoes each frame (another process, the same ipc transport, a frame of the
+LOOKUP's size; what any Python daemon's round trip costs before it does anything), and
+``ping``, TierdClient.ping() to this daemon.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 
@@ -23,6 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from tierd.bench.common import private_daemon  # noqa: E402
+from tierd.protocol import codec  # noqa: E402
 from tierd_client import TierdClient  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402
@@ -46,6 +55,57 @@ def percentiles(samples: list[float]) -> dict:
         "mean_ms": round(float(a.mean()), 4),
         "n": len(samples),
     }
+
+
+def _echo(endpoint: str, ready) -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    ready.set()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while True:
+        poller.poll(1000)
+        while True:
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if parts[-1].bytes == b"stop":
+                return
+            sock.send_multipart([parts[0].bytes, parts[-1]], zmq.NOBLOCK)
+
+
+def echo_floor(frame_bytes: int, repeats: int) -> dict:
+    """Round trips of a ``frame_bytes`` frame through a bare pyzmq ROUTER echo in another process."""
+    import zmq
+
+    folder = tempfile.mkdtemp(prefix="tierd-echo-")
+    endpoint = f"ipc://{folder}/echo.sock"
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_echo, args=(endpoint, ready), daemon=True)
+    proc.start()
+    ready.wait(10)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    frame = os.urandom(frame_bytes)
+    lat = []
+    try:
+        for i in range(repeats + 50):
+            t = time.perf_counter()
+            sock.send(frame)
+            sock.recv()
+            if i >= 50:
+                lat.append(time.perf_counter() - t)
+        sock.send(b"stop")
+    finally:
+        sock.close()
+        proc.join(5)
+        shutil.rmtree(folder, ignore_errors=True)
+    return percentiles(lat)
 
 
 def main() -> None:
@@ -135,6 +195,21 @@ def main() -> None:
                 client.lookup(ns2, keys128, specs, 256, lease=False)
                 n += 1
             results["lookups_per_s_128_keys_sequential"] = round(n / (time.perf_counter() - t))
+            lat = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                client.ping()
+                lat.append(time.perf_counter() - t)
+            results["ping"] = percentiles(lat)
+            for name, keys in (("128", keys128), ("2048", keys_prompt)):
+                size = len(
+                    codec.encode_request(
+                        "LOOKUP",
+                        1,
+                        {"namespace": ns, "keys": keys, "groups": specs, "chunk_tokens": 16, "lease": False},
+                    )
+                )
+                results[f"floor_echo_{name}_keys"] = {**echo_floor(size, args.repeats), "frame_bytes": size}
         finally:
             client.close()
             buf.close()
