@@ -169,15 +169,15 @@ class Transport:
         if wait <= 0 or not self._lock.acquire(timeout=wait):
             return
         mine, handed = None, False
-        p = getattr(fut, "pending", None)
+        own = getattr(fut, "pending", None)  # (``p`` below: whatever request a reply answers)
         try:
             sock = self._sock
-            if sock is None or fut.done() or p is None:
+            if sock is None or fut.done() or own is None:
                 return
-            p.claimed_until = max(p.claimed_until, end)
+            own.claimed_until = max(own.claimed_until, end)
             for i, (req_id, ok, _body) in enumerate(self._stash):  # read by another caller
                 p = self._pending.get(req_id)
-                if ok and p is not None and p.future is fut:
+                if ok and p is own:
                     mine = (self._pending.pop(req_id), self._stash.pop(i)[2])
                     return
             while True:
@@ -198,14 +198,14 @@ class Transport:
                     log.warning("undecodable reply from tierd: %s", exc)
                     continue
                 p = self._pending.get(req_id)
-                if ok and p is not None and p.future is fut and mine is None:
+                if ok and p is own and mine is None:
                     mine = (self._pending.pop(req_id), body)
                 else:  # someone else's, or an error the I/O thread may retry
                     self._stash.append((req_id, ok, body))
-                    handed = handed or (p is not None and p.future is fut)
+                    handed = handed or p is own
         finally:
-            if mine is None and p is not None:
-                p.claimed_until = 0.0  # not answered yet: the I/O thread reads it from now on
+            if mine is None and own is not None:
+                own.claimed_until = 0.0  # not answered yet: the I/O thread reads it from now on
             if self._stash or (mine is None and not fut.done()):
                 self._wake()
             self._lock.release()
