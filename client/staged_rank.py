@@ -63,8 +63,14 @@ class Ring:
     def _free(self, fut: Future) -> bool:
         if not fut.done():
             return False
-        done = _done_event(fut) if self.device_done else None
+        done = self._scatter_done(fut)
         return done is None or done.query()
+
+    def _scatter_done(self, fut: Future):
+        """With ``device_done``: the scatter event of a finished RETRIEVE request (None if failed)."""
+        if not self.device_done or fut.exception() is not None:
+            return None
+        return fut.result().get("done")
 
     def take(self, size: int) -> int:
         end_all = self.start + self.nbytes
@@ -80,7 +86,7 @@ class Ring:
                 oldest.result(timeout=self.timeout_s)
             except Exception:  # noqa: BLE001 - failed or timed out: its room is free either way
                 pass
-            done = _done_event(oldest) if self.device_done else None
+            done = self._scatter_done(oldest)
             if done is not None:
                 done.synchronize()  # its scatter has read the room: the daemon may overwrite it
 
@@ -121,7 +127,8 @@ class StagedRank:
             "RETRIEVE": Ring(half, half, timeout_s, device_done=host_order),
         }
         self._jobs = {op: queue.SimpleQueue() for op in self.rings}
-        self._waits: queue.SimpleQueue = queue.SimpleQueue()  # (event, then): rare waits, off the I/O thread
+        # (event, then): waits off the I/O thread: every host-order STORE's gather, rare ones else
+        self._waits: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
             threading.Thread(
                 target=self._submitter, args=(op,), daemon=True, name=f"tierd-stage-{op.lower()}"
@@ -280,13 +287,6 @@ class StagedRank:
     def _batches(self, chunks: list[dict]):
         for i in range(0, len(chunks), self.per_request):
             yield chunks[i : i + self.per_request]
-
-
-def _done_event(fut: Future):
-    """The ``done`` event of a finished RETRIEVE request's future (None if it failed)."""
-    if fut.exception() is not None:
-        return None
-    return fut.result().get("done")
 
 
 def _chain(src: Future, dst: Future) -> None:

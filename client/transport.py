@@ -51,6 +51,7 @@ from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 log = logging.getLogger("tierd_client")
 
 FAST_WAIT_S = 0.005  # a caller reads the socket for its own reply this long before the I/O thread does
+TICK_MS = 50  # the I/O thread's longest sleep: heartbeats, deadlines and claims checked this often
 
 
 class Reply(Future):
@@ -93,7 +94,7 @@ class Pending:
 class Transport:
     """Subclasses react through three hooks, all called on the I/O thread: ``_on_connect`` (a
     ZMTP handshake completed), ``_on_reply`` (a reply matched a request) and ``_tick`` (every
-    loop turn, at least every 50 ms). ``_front`` holds requests to send before anything waiting."""
+    loop turn, at least every TICK_MS). ``_front`` holds requests to send before anything waiting."""
 
     def __init__(self, url: str, timeout_s: float, name: str):
         self.url = url
@@ -189,14 +190,12 @@ class Transport:
                         return
                     continue
                 try:
-                    frame = sock.recv(zmq.NOBLOCK)
+                    reply = _decode(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     continue
-                try:
-                    req_id, ok, body = codec.decode_reply(frame, 1 << 31)
-                except ProtocolError as exc:
-                    log.warning("undecodable reply from tierd: %s", exc)
+                if reply is None:
                     continue
+                req_id, ok, body = reply
                 p = self._pending.get(req_id)
                 if ok and p is own and mine is None:
                     mine = (self._pending.pop(req_id), body)
@@ -255,7 +254,7 @@ class Transport:
         poller.register(monitor, zmq.POLLIN)
         with self._lock:
             self._sock = sock
-        timeout_ms = 50
+        timeout_ms = TICK_MS
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(timeout_ms))
@@ -305,13 +304,13 @@ class Transport:
         """Whether the I/O thread watches the socket (some request in flight is not claimed by a
         caller reading its reply), and its poll's timeout in ms (until the next claim runs out)."""
         if self._stash or self._waiting or self._front:
-            return True, 50
+            return True, TICK_MS
         now, until = time.monotonic(), None
         for p in self._pending.values():
             if p.claimed_until <= now:
-                return True, 50
+                return True, TICK_MS
             until = p.claimed_until if until is None else min(until, p.claimed_until)
-        return False, 50 if until is None else max(1, math.ceil((until - now) * 1000))
+        return False, TICK_MS if until is None else max(1, math.ceil((until - now) * 1000))
 
     def _send_waiting(self, sock, waiting: list[Pending]) -> list[Pending]:
         left = []
@@ -365,15 +364,11 @@ class Transport:
     def _recv_all(self, sock) -> None:
         while True:
             try:
-                frame = sock.recv(zmq.NOBLOCK)
+                reply = _decode(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            try:
-                req_id, ok, body = codec.decode_reply(frame, 1 << 31)
-            except ProtocolError as exc:
-                log.warning("undecodable reply from tierd: %s", exc)
-                continue
-            self._dispatch(req_id, ok, body)
+            if reply is not None:
+                self._dispatch(*reply)
 
     def _dispatch(self, req_id: int, ok: bool, body: dict) -> None:
         p = self._pending.pop(req_id, None)
@@ -420,3 +415,12 @@ class Transport:
                 log.warning(
                     "tierd: withdrawing the shared-memory names of %s failed: %s", p.body.get("instance"), exc
                 )
+
+
+def _decode(frame: bytes) -> tuple[int, bool, dict] | None:
+    """A reply's (req_id, ok, body); None (logged) if it cannot be decoded."""
+    try:
+        return codec.decode_reply(frame, 1 << 31)
+    except ProtocolError as exc:
+        log.warning("undecodable reply from tierd: %s", exc)
+        return None
