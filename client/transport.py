@@ -177,10 +177,10 @@ class Transport:
                 return
             own.claimed_until = max(own.claimed_until, end)
             for i, (req_id, ok, _body) in enumerate(self._stash):  # read by another caller
-                p = self._pending.get(req_id)
-                if ok and p is own:
-                    mine = (self._pending.pop(req_id), self._stash.pop(i)[2])
-                    return
+                if self._pending.get(req_id) is own:
+                    if ok:
+                        mine = (self._pending.pop(req_id), self._stash.pop(i)[2])
+                    return  # else an error: the I/O thread (woken below) may retry it
             while True:
                 if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     if mine is not None or handed:

@@ -7,9 +7,11 @@ import threading
 import time
 
 import pytest
+import zmq
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
+from tierd_client import TierdError, transport
 from tierd_client.transport import FAST_WAIT_S
 
 
@@ -111,3 +113,27 @@ def test_a_caller_that_stops_waiting_hands_its_own_request_back_to_the_io_thread
         assert slow.result(timeout=10)["results"] == ["stored", "stored"]
         assert "time" in other.result(timeout=10)
     assert checked, "every STORE was answered within the wait: nothing was checked"
+
+
+def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
+    daemon, client_factory, monkeypatch
+):
+    """Another caller read this request's error reply and left it for the I/O thread (which may
+    retry errors): the waiting caller hands it on at once instead of waiting out its read of the
+    socket. Claims and waits are stretched to 2 s, so waiting them out shows."""
+    monkeypatch.setattr(transport, "FAST_WAIT_S", 2.0)
+    c = client_factory(daemon)
+    c.ping()
+    checked = 0
+    for _ in range(5):
+        fut = c.call_async("RELEASE", {"lease": 987654321}, wait=True)  # answered UNKNOWN_LEASE
+        with c._lock:  # as another pumping caller: read the reply and stash it for the I/O thread
+            if fut.done() or not c._sock.poll(5000, zmq.POLLIN):
+                continue  # the I/O thread read it first (a heartbeat had it watching): try again
+            c._stash.append(transport._decode(c._sock.recv()))
+        t0 = time.monotonic()
+        with pytest.raises(TierdError, match="UNKNOWN_LEASE"):
+            fut.result(timeout=10)
+        assert time.monotonic() - t0 < 1.0, "the caller waited out its read with its reply in the stash"
+        checked += 1
+    assert checked
