@@ -95,6 +95,36 @@ def test_without_a_daemon_requests_run_at_once_without_the_tier(tiny_model, tmp_
         e.close()
 
 
+def test_a_restarted_engines_first_request_is_served_from_the_tier(tiny_model, tmp_path):
+    """vLLM builds the scheduler after its workers registered and schedules at once: the first
+    request must not race the scheduler's HELLO (it did, and was computed in full, on CI)."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    d = DaemonProcess(folder)
+    a = b = None
+    try:
+        tokens = prompt(200, seed=74)
+        a = SimEngine(tiny_model, d.endpoint, [GroupDef("full")], chunk_tokens=CHUNK)
+        a.add("a", tokens)
+        a.run()
+        assert a.first_computed("a") == 0
+        a.close()
+        a = None
+        for n in range(3):  # each a fresh engine whose first step is its first request's lookup
+            b = SimEngine(tiny_model, d.endpoint, [GroupDef("full")], chunk_tokens=CHUNK)
+            b.add(f"b{n}", tokens)
+            b.run()
+            assert b.first_computed(f"b{n}") == 3 * CHUNK, f"engine {n}: first request missed the tier"
+            b.assert_restored(f"b{n}", tokens, 3 * CHUNK)
+            b.close()
+            b = None
+    finally:
+        for e in (a, b):
+            if e is not None:
+                e.close()
+        d.kill()
+
+
 def test_the_tier_turns_on_when_the_daemon_comes_up_after_the_engine(tiny_model, tmp_path):
     folder = tmp_path / "late"
     folder.mkdir()

@@ -223,15 +223,6 @@ class SimEngine:
         )
         vc.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = kcc
-        self.scheduler = Scheduler(
-            vllm_config=vc,
-            kv_cache_config=kcc,
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=self.block_size,
-        )
-        self.connector = self.scheduler.connector
-        assert isinstance(self.connector, TierdConnector)
         self.worker = TierdConnector(vc, KVConnectorRole.WORKER, kcc)
         # simulated KV: per group per layer a [num_blocks, block_size, TOK_BYTES] (or state) int8 tensor;
         # layer i of attention groups of one block size share a tensor, as vLLM's hybrid allocator does
@@ -247,6 +238,17 @@ class SimEngine:
                     shared[key] = torch.zeros(shape, dtype=torch.int8)
                 self.kv[name] = shared[key]
         self.worker.register_kv_caches(self.kv)
+        # vLLM's EngineCore builds its scheduler only now, after the workers registered their KV
+        # caches, and schedules requests at once (the order a restarted engine meets the tier in)
+        self.scheduler = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=self.block_size,
+        )
+        self.connector = self.scheduler.connector
+        assert isinstance(self.connector, TierdConnector)
         self.finished: dict[str, object] = {}
         self.failed_loads: set[str] = set()
         self.computed: dict[str, list[tuple[int, int]]] = {}  # req -> [(start, n)] the forward ran

@@ -86,6 +86,7 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
                 else None
             )
             self.scheduler = SchedulerSide(self.cfg, self.geo, self.client, router)
+            self.scheduler.await_session(self.cfg.connect_timeout_s)
         else:
             rank = _global_rank()
             self.worker = WorkerSide(

@@ -213,6 +213,18 @@ class SchedulerSide:
             except Exception:  # noqa: BLE001 - a lease left behind expires by TTL
                 pass
 
+    def await_session(self, wait_s: float) -> bool:
+        """Start-up: wait up to ``wait_s`` for the client's HELLO to be answered, so that the first
+        requests after an engine (re)start already use the tier. vLLM builds the scheduler after
+        its workers registered and sends requests at once; without this wait they raced the
+        scheduler's own HELLO and were computed in full. No daemon: logged, and requests bypass
+        the tier until one answers (as before)."""
+        try:
+            self.client.wait_ready(wait_s)
+        except Exception:  # noqa: BLE001 - no daemon, or it refused us: _session_up says which
+            pass
+        return self._session_up()
+
     def _session_up(self) -> bool:
         """Whether the client has a session; says so (once per change) in vLLM's log."""
         up = getattr(self.client, "server", None) is not None
