@@ -11,7 +11,9 @@ Metadata overhead is the daemon's RSS growth minus the pool memory backed meanwh
 Baselines of the same run, to read the latencies against: ``floor_echo_*``, a bare pyzmq
 ROUTER that polls and echoes each frame (another process, the same ipc transport, a frame of the
 LOOKUP's size; what any Python daemon's round trip costs before it does anything), and
-``ping``, TierdClient.ping() to this daemon.
+``ping``, TierdClient.ping() to this daemon. ``daemon_mean_ms`` next to each LOOKUP figure is the
+daemon's own time per LOOKUP (its ``tierd_op_seconds`` histogram, from the request's receipt to
+its reply's send): the rest of the round trip is the wire and the two event loops.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 
 import numpy as np
@@ -55,6 +58,26 @@ def percentiles(samples: list[float]) -> dict:
         "mean_ms": round(float(a.mean()), 4),
         "n": len(samples),
     }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def op_seconds(port: int, op: str) -> tuple[float, int]:
+    """(sum, count) of the daemon's tierd_op_seconds histogram for ``op``, from /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith(f'tierd_op_seconds_sum{{op="{op}"}}'):
+            total = float(line.split()[-1])
+        elif line.startswith(f'tierd_op_seconds_count{{op="{op}"}}'):
+            count = int(float(line.split()[-1]))
+    return total, count
 
 
 def _echo(endpoint: str, ready) -> None:
@@ -119,7 +142,9 @@ def main() -> None:
 
     pool = args.objects * BLOCK_BYTES * 2 + (64 << 20)
     results: dict = {"objects": args.objects, "prompt_tokens": args.prompt_tokens}
-    with private_daemon(pool, ("--l1-align-bytes", "64", "--l1-segment-mb", "256")) as endpoint:
+    port = free_port()
+    extra = ("--l1-align-bytes", "64", "--l1-segment-mb", "256", "--http-port", str(port))
+    with private_daemon(pool, extra) as endpoint:
         client = TierdClient(endpoint, timeout_s=120, name="lookup-bench")
         client.wait_ready(30)
         pid = client.server["pid"]
@@ -168,13 +193,16 @@ def main() -> None:
 
             def measure(keys, chunk_tokens, lease, space=ns):
                 lat = []
+                s0, n0 = op_seconds(port, "LOOKUP")
                 for _ in range(args.repeats):
                     t = time.perf_counter()
                     r = client.lookup(space, keys, specs, chunk_tokens, lease=lease)
                     lat.append(time.perf_counter() - t)
                     if r.get("lease"):
                         client.release(r["lease"])
-                return r["chunks"], percentiles(lat)
+                s1, n1 = op_seconds(port, "LOOKUP")
+                daemon = round((s1 - s0) / max(1, n1 - n0) * 1e3, 4)
+                return r["chunks"], {**percentiles(lat), "daemon_mean_ms": daemon}
 
             hit, results["lookup_2048_keys_hit"] = measure(keys_prompt, 16, False)
             assert hit == len(keys_prompt), hit
