@@ -216,3 +216,75 @@ def test_every_chunk_after_a_rejected_one_is_rejected_and_none_before(pool):
         assert len(plan.objs) == 4
     finally:
         tight.close()
+
+
+def test_check_gives_each_groups_block_ids_as_one_array_of_chunks_by_blocks():
+    g = geo(FULL, STATE)
+    blocks = g.check([chunk(0, [0, 1, 2, 3], [9]), chunk(1, [NULL, 5, 6, 7], [NULL])])
+    assert [a.tolist() for a in blocks] == [[[0, 1, 2, 3], [NULL, 5, 6, 7]], [[9], [NULL]]]
+    assert [a.dtype for a in blocks] == [np.int64, np.int64]
+    assert [a.shape for a in g.check([])] == [(0, 4), (0, 1)]
+
+
+@pytest.mark.parametrize(
+    "bad, where",
+    [
+        ([chunk(0, [0, 1, 2, 3]), chunk(1, [0, 1, 2])], "chunks[1].blocks[0]: 3 block ids"),
+        ([chunk(0, [0, 1, 2, 3]), chunk(1, [0, 1, 2, 3, 4])], "chunks[1].blocks[0]: 5 block ids"),
+        ([chunk(0, [0, 1, 2, 2**63])], f"chunks[0].blocks[0][3]: block id {2**63} is neither null"),
+        ([chunk(0, [0, 1, 2, -(2**63) - 1])], "chunks[0].blocks[0][3]: block id"),
+    ],
+)
+def test_ragged_or_out_of_range_block_ids_are_named_not_crashed_on(pool, bad, where):
+    with pytest.raises(ProtocolError) as err:
+        geo(FULL).check(bad)
+    assert err.value.code is ErrorCode.BAD_REQUEST and err.value.message.startswith(where)
+
+
+def test_whole_and_holed_chunks_of_one_store_keep_chunk_order_masks_and_items(pool):
+    g = geo(FULL, SLIDE, separate=False)
+    chunks = [
+        chunk(0, [0, 1, 2, 3], [4, 5, 6, 7]),
+        chunk(1, [8, 9, 10, 11], [NULL, NULL, 14, 15]),
+        chunk(2, [16, 17, 18, 19], [20, 21, 22, 23]),
+    ]
+    plan = plan_store(g, chunks, pool, NS, 0, blocks=g.check(chunks))
+    assert plan.results == ["stored"] * 3
+    assert [o.mask for o in plan.objs] == [0b1111_1111, 0b1100_1111, 0b1111_1111]
+    assert items(plan, 0) == [
+        ([0, 1, 2, 3], [0, 1, 2, 3]),
+        ([8, 9, 10, 11], [0, 1, 2, 3]),
+        ([16, 17, 18, 19], [0, 1, 2, 3]),
+    ]
+    assert items(plan, 1) == [
+        ([4, 5, 6, 7], [0, 1, 2, 3]),
+        ([14, 15], [2, 3]),
+        ([20, 21, 22, 23], [0, 1, 2, 3]),
+    ]
+    assert plan.nbytes == (3 + 2) * 2 * 4 * BLOCK_BYTES + 2 * 2 * BLOCK_BYTES  # 5 whole parts, 2 blocks
+    # the same chunks planned without the caller's arrays plan the same
+    pool.abort(plan.objs)
+    again = plan_store(g, chunks, pool, NS, 0)
+    assert [o.mask for o in again.objs] == [o.mask for o in plan.objs] and items(again, 1) == items(plan, 1)
+
+
+def test_a_whole_chunk_whose_second_object_finds_no_room_keeps_neither():
+    one = Pool(ceiling=2048, initial=0, align=256, segment_bytes=2048)  # room for one 2 KiB object
+    try:
+        g = geo(FULL, SLIDE)  # separate objects: 2 KiB each, two per chunk
+        plan = plan_store(g, [chunk(0, [0, 1, 2, 3], [4, 5, 6, 7])], one, NS, 0)
+        assert plan.results == ["rejected"] and not plan.objs and not plan.copies and plan.nbytes == 0
+        assert one.objects == 0
+    finally:
+        one.close()
+
+
+def test_retrieve_of_whole_and_holed_chunks_restores_each_exactly(pool):
+    g = geo(FULL, SLIDE, separate=False)
+    stored = [chunk(0, [0, 1, 2, 3], [4, 5, 6, 7]), chunk(1, [8, 9, 10, 11], [NULL, NULL, 14, 15])]
+    pool.commit(plan_store(g, stored, pool, NS, 0).objs)
+    want = [chunk(0, [30, 31, 32, 33], [34, 35, 36, 37]), chunk(1, [40, 41, 42, 43], [44, 45, 46, 47])]
+    plan = plan_retrieve(g, want, pool, NS, 0, blocks=g.check(want))
+    assert plan.results == [True, False] and plan.failed == [(1, 44), (1, 45)]
+    assert items(plan, 0) == [([30, 31, 32, 33], [0, 1, 2, 3]), ([40, 41, 42, 43], [0, 1, 2, 3])]
+    assert items(plan, 1) == [([34, 35, 36, 37], [0, 1, 2, 3]), ([46, 47], [2, 3])]

@@ -376,7 +376,7 @@ def _check_deadline(deadline: float) -> None:
 def store(tier: Tier, call: Call, msg: m.Store):
     inst = tier.registry.instance(msg.instance, call.tenant)
     geo = _geometry(tier, inst)
-    geo.check(msg.chunks)
+    blocks = geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
     if msg.touch:
@@ -384,7 +384,7 @@ def store(tier: Tier, call: Call, msg: m.Store):
     if inst.layout.replicated and inst.layout.rank != 0:
         tier.stats.add("stores")
         return m.StoreReply(["exists"] * len(msg.chunks))  # rank 0's copy serves every rank
-    plan = plan_store(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at)
+    plan = plan_store(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at, blocks)
     if not plan.objs:
         _count_store(tier.stats, plan)
         return m.StoreReply(plan.results)
@@ -398,12 +398,12 @@ def retrieve(tier: Tier, call: Call, msg: m.Retrieve, fetch: bool = True):
     if msg.lease:
         tier.registry.lease_of(msg.lease, inst.tenant)  # FORBIDDEN for another tenant's lease
     geo = _geometry(tier, inst)
-    geo.check(msg.chunks)
+    blocks = geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
     if fetch and tier.l2 is not None and tier.l2.fetch_for(tier, call, msg, inst, geo):
         return DEFERRED
-    plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at)
+    plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at, blocks)
     if not plan.objs:
         return _retrieved(tier, inst, plan, msg.lease, None)
     tier.pool.pin(plan.objs)  # no eviction while the bytes are read

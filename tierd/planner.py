@@ -17,7 +17,7 @@ Hazards handled here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,11 +36,15 @@ OBJECT_LAYOUT_VERSION = 1
 
 @dataclass(frozen=True)
 class ObjectShape:
-    """One object a chunk writes: the groups it holds as (group, mask shift, byte offset)."""
+    """One object a chunk writes: the groups it holds as (group, mask shift, byte offset).
+    ``present``: those parts whose group has blocks in a chunk; ``whole_mask``: the mask of a
+    chunk that names every block of every group (Geometry fills both)."""
 
     parts: tuple[tuple[int, int, int], ...]
     nbytes: int
     label: str
+    present: tuple[tuple[int, int, int], ...] = ()
+    whole_mask: int = 0
 
     @property
     def span(self) -> dict[int, tuple[int, int]]:
@@ -77,6 +81,15 @@ class Geometry:
                 shift += self.blocks_per_chunk[g]
                 off += self.group_bytes[g]
             self.objects = [ObjectShape(tuple(parts), off, "all")]
+        self.objects = [
+            replace(
+                o,
+                present=present,
+                whole_mask=sum(self.full_masks[g] << shift for g, shift, _ in present),
+            )
+            for o in self.objects
+            for present in [tuple(p for p in o.parts if self.blocks_per_chunk[p[0]])]
+        ]
         self.spans = [o.span for o in self.objects]
 
     def check_staging(self, staged_at: int | None, n_chunks: int) -> None:
@@ -100,16 +113,55 @@ class Geometry:
     def staged(self, staged_at: int | None, chunk: int, group: int) -> int:
         return -1 if staged_at is None else staged_at + chunk * self.chunk_bytes + self.group_offsets[group]
 
-    def check(self, chunks: list[Chunk]) -> None:
+    def check(self, chunks: list[Chunk]) -> list[np.ndarray]:
         """Every chunk names one block list per group, of the group's length, each id null or in
-        range. Raises BAD_REQUEST naming the first bad id."""
-        ngroups, null = len(self.blocks_per_chunk), self.null
+        range. Returns, per group, the chunks' ids as one (chunks, blocks per chunk) int64 array
+        (what ``plan_store``/``plan_retrieve`` take as ``blocks``). Raises BAD_REQUEST naming the
+        first bad id."""
+        ngroups = len(self.blocks_per_chunk)
         if len(chunks) * ngroups > MAX_REQUEST_PARTS:
             raise _bad(
                 "chunks",
                 f"{len(chunks)} chunks x {ngroups} groups is more than {MAX_REQUEST_PARTS} parts "
                 "in one request: split it (tierd_client does)",
             )
+        try:
+            blocks = self.block_arrays(chunks)
+        except (ValueError, OverflowError):  # ragged, a wrong count or an id past int64
+            blocks = None
+        if blocks is not None:
+            null = self.null
+            for a, limit in zip(blocks, self.num_blocks):
+                if a.size and (int(a.min()) < 0 or int(a.max()) >= limit):
+                    if bool(((a != null) & ((a < 0) | (a >= limit))).any()):
+                        blocks = None  # a bad id: the walk below names the first one
+                        break
+            if blocks is not None:
+                return blocks
+        self._name_first_bad(chunks)
+        raise AssertionError("block_arrays refused what the walk accepts")  # pragma: no cover
+
+    def block_arrays(self, chunks: list[Chunk]) -> list[np.ndarray]:
+        """Per group, the chunks' block ids as one (chunks, blocks per chunk) int64 array, unchecked
+        beyond its shape (ValueError when a chunk names another count of groups or of ids)."""
+        ngroups = len(self.blocks_per_chunk)
+        if any(len(c.blocks) != ngroups for c in chunks):
+            raise ValueError("a chunk names another count of groups")
+        out = []
+        for g, n in enumerate(self.blocks_per_chunk):
+            a = (
+                np.array([c.blocks[g] for c in chunks], dtype=np.int64)
+                if chunks
+                else np.empty((0, n), np.int64)
+            )
+            if a.shape != (len(chunks), n):
+                raise ValueError("a chunk names another count of block ids")
+            out.append(a)
+        return out
+
+    def _name_first_bad(self, chunks: list[Chunk]) -> None:
+        """Raise BAD_REQUEST naming the first bad group count, id count or id of ``chunks``."""
+        ngroups, null = len(self.blocks_per_chunk), self.null
         for i, c in enumerate(chunks):
             if len(c.blocks) != ngroups:
                 raise _bad(f"chunks[{i}].blocks", f"{len(c.blocks)} groups, the layout has {ngroups}")
@@ -119,13 +171,12 @@ class Geometry:
                     raise _bad(
                         f"chunks[{i}].blocks[{g}]", f"{len(ids)} block ids, the group has {n} per chunk"
                     )
-                if ids and (min(ids) < 0 or max(ids) >= limit):
-                    for j, b in enumerate(ids):
-                        if b != null and not 0 <= b < limit:
-                            raise _bad(
-                                f"chunks[{i}].blocks[{g}][{j}]",
-                                f"block id {b} is neither null ({null}) nor in [0, {limit})",
-                            )
+                for j, b in enumerate(ids):
+                    if b != null and not 0 <= b < limit:
+                        raise _bad(
+                            f"chunks[{i}].blocks[{g}][{j}]",
+                            f"block id {b} is neither null ({null}) nor in [0, {limit})",
+                        )
 
 
 def _bad(path: str, what: str) -> ProtocolError:
@@ -148,79 +199,143 @@ class CopyPlan:
 
 
 def plan_store(
-    geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int, staged_at: int | None = None
+    geo: Geometry,
+    chunks: list[Chunk],
+    pool: Pool,
+    ns: bytes,
+    rank: int,
+    staged_at: int | None = None,
+    blocks: list[np.ndarray] | None = None,
 ) -> CopyPlan:
     """Reserve room for the chunks' objects; the plan's objects are pinned and not yet visible
-    (``pool.commit`` once copied, ``pool.abort`` otherwise)."""
+    (``pool.commit`` once copied, ``pool.abort`` otherwise). ``blocks``: ``geo.check(chunks)``'s
+    arrays, when the caller has them."""
+    if blocks is None:
+        blocks = geo.block_arrays(chunks)
     plan = CopyPlan()
+    copies = {g: [] for g in range(len(geo.blocks_per_chunk))}
+    # chunks without a null id in any group (the common case) take the short path below
+    clean = np.ones(len(chunks), dtype=bool)
+    for a in blocks:
+        if a.shape[1]:
+            clean &= ~(a == geo.null).any(axis=1)
     holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
-    for i, c in enumerate(chunks):
-        if holed:
-            plan.results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
-            continue
-        split = [split_nulls(ids, geo.null, geo.positions[g]) for g, ids in enumerate(c.blocks)]
-        if not any(len(ids) for ids, _ in split):
-            plan.results.append("empty")  # an all-null chunk is not stored
-            continue
-        new: list[Obj] = []
-        items: list[tuple[int, CopyItem, int]] = []
-        status = "exists"
-        for shape, span in zip(geo.objects, geo.spans):
-            present = [(g, shift, off) for g, shift, off in shape.parts if len(split[g][0])]
-            if not present:
+    results = plan.results
+    with pool.writes() as w:
+        for i, (c, whole) in enumerate(zip(chunks, clean.tolist())):
+            if holed:
+                results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
                 continue
-            mask = 0
-            for g, shift, _ in present:
-                ids, pos = split[g]
-                if len(ids) == geo.blocks_per_chunk[g]:
-                    mask |= geo.full_masks[g] << shift
-                else:
-                    for p in pos.tolist():
-                        mask |= 1 << (shift + p)
-            obj = pool.begin_write(ns, c.key, span, rank, shape.nbytes, mask, shape.label)
-            if obj is EXISTS:
-                continue
-            if obj is None:
-                status = "rejected"
-                break
-            status = "stored"
-            new.append(obj)
-            view = obj.view()
-            for g, _, off in present:
-                ids, pos = split[g]
-                bpc = geo.blocks_per_chunk[g]
-                items.append(
-                    (
-                        g,
-                        CopyItem(
-                            ids, pos, bpc, view[off : off + geo.group_bytes[g]], geo.staged(staged_at, i, g)
-                        ),
-                        geo.group_bytes[g] * len(ids) // bpc,
-                    )
-                )
-        if status == "rejected":
-            holed = geo.has_full
-            pool.abort(new)  # all groups of a chunk or none
-        else:
-            plan.objs.extend(new)
-            for g, item, nbytes in items:
-                plan.add(g, item, nbytes)
-        plan.results.append(status)
+            if whole:
+                status = _store_whole(geo, w, c.key, i, blocks, ns, rank, staged_at, plan, copies)
+            else:
+                status = _store_with_nulls(geo, w, c, i, ns, rank, staged_at, plan, copies)
+            if status == "rejected":
+                holed = geo.has_full
+            results.append(status)
+    plan.copies = {g: items for g, items in copies.items() if items}
     return plan
 
 
+def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan, copies) -> str:
+    """A chunk holding every block of every group: each object's mask is its shape's whole mask."""
+    new = []
+    for shape, span in zip(geo.objects, geo.spans):
+        if not shape.present:
+            continue
+        obj = w.begin(ns, key, span, rank, shape.nbytes, shape.whole_mask, shape.label)
+        if obj is EXISTS:
+            continue
+        if obj is None:
+            w.abort([o for o, _ in new])  # all groups of a chunk or none
+            return "rejected"
+        new.append((obj, shape))
+    for obj, shape in new:
+        plan.objs.append(obj)
+        view = obj.view()
+        for g, _, off in shape.present:
+            gbytes = geo.group_bytes[g]
+            item = CopyItem(
+                blocks[g][i],
+                geo.positions[g],
+                geo.blocks_per_chunk[g],
+                view[off : off + gbytes],
+                geo.staged(staged_at, i, g),
+            )
+            copies[g].append(item)
+            plan.nbytes += gbytes
+    if new:
+        return "stored"
+    return "exists" if any(shape.present for shape in geo.objects) else "empty"
+
+
+def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan, copies) -> str:
+    """A chunk with null ids: each object's mask holds the blocks it names."""
+    split = [split_nulls(ids, geo.null, geo.positions[g]) for g, ids in enumerate(c.blocks)]
+    if not any(len(ids) for ids, _ in split):
+        return "empty"  # an all-null chunk is not stored
+    new: list[Obj] = []
+    items: list[tuple[int, CopyItem, int]] = []
+    status = "exists"
+    for shape, span in zip(geo.objects, geo.spans):
+        present = [(g, shift, off) for g, shift, off in shape.parts if len(split[g][0])]
+        if not present:
+            continue
+        mask = 0
+        for g, shift, _ in present:
+            ids, pos = split[g]
+            if len(ids) == geo.blocks_per_chunk[g]:
+                mask |= geo.full_masks[g] << shift
+            else:
+                for p in pos.tolist():
+                    mask |= 1 << (shift + p)
+        obj = w.begin(ns, c.key, span, rank, shape.nbytes, mask, shape.label)
+        if obj is EXISTS:
+            continue
+        if obj is None:
+            w.abort(new)  # all groups of a chunk or none
+            return "rejected"
+        status = "stored"
+        new.append(obj)
+        view = obj.view()
+        for g, _, off in present:
+            ids, pos = split[g]
+            bpc = geo.blocks_per_chunk[g]
+            item = CopyItem(ids, pos, bpc, view[off : off + geo.group_bytes[g]], geo.staged(staged_at, i, g))
+            items.append((g, item, geo.group_bytes[g] * len(ids) // bpc))
+    plan.objs.extend(new)
+    for g, item, nbytes in items:
+        copies[g].append(item)
+        plan.nbytes += nbytes
+    return status
+
+
 def plan_retrieve(
-    geo: Geometry, chunks: list[Chunk], pool: Pool, ns: bytes, rank: int, staged_at: int | None = None
+    geo: Geometry,
+    chunks: list[Chunk],
+    pool: Pool,
+    ns: bytes,
+    rank: int,
+    staged_at: int | None = None,
+    blocks: list[np.ndarray] | None = None,
 ) -> CopyPlan:
-    """Find each chunk's objects; the caller pins ``plan.objs`` for the copy."""
+    """Find each chunk's objects; the caller pins ``plan.objs`` for the copy. ``blocks``:
+    ``geo.check(chunks)``'s arrays, when the caller has them."""
+    if blocks is None:
+        blocks = geo.block_arrays(chunks)
     plan = CopyPlan()
     reads: dict[Obj, None] = {}
+    null = geo.null
+    whole = [(~(a == null).any(axis=1)).tolist() if a.shape[1] else [False] * len(a) for a in blocks]
     for i, c in enumerate(chunks):
         ok = True
         for g, ids in enumerate(c.blocks):
-            ids_arr, pos = split_nulls(ids, geo.null, geo.positions[g])
-            if not len(ids_arr):
-                continue
+            if whole[g][i]:
+                ids_arr, pos = blocks[g][i], geo.positions[g]
+            else:
+                ids_arr, pos = split_nulls(ids, null, geo.positions[g])
+                if not len(ids_arr):
+                    continue
             obj = pool.find_ready(ns, c.key, g, rank)
             have = 0 if obj is None else obj.mask >> obj.span[g][0]
             full = geo.full_masks[g]

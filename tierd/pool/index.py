@@ -85,7 +85,9 @@ class Index:
         return None if entry is None else entry.get((group, rank))
 
     def insert(self, obj: Obj) -> None:
-        space = self.spaces.setdefault(obj.ns, {})
+        space = self.spaces.get(obj.ns)
+        if space is None:
+            space = self.spaces[obj.ns] = {}
         entry = space.get(obj.key)
         if entry is None:
             entry = space[obj.key] = {}

@@ -43,6 +43,35 @@ class Exists:
 EXISTS = Exists()
 
 
+class Writes:
+    """Pool.writes(): begin_write and abort for one plan under one hold of the pool's lock. The
+    journal is flushed when the block ends, before any slot it handed out is written (the caller
+    hands its objects to a copy only after the block)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Pool):
+        self._pool = pool
+
+    def __enter__(self) -> Writes:
+        self._pool.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._pool._flush()
+        finally:
+            self._pool.lock.release()
+
+    def begin(self, ns: bytes, key: bytes, span: dict, rank: int, nbytes: int, mask: int, label: str):
+        """Pool.begin_write, the lock held."""
+        return self._pool._begin_write(ns, key, span, rank, nbytes, mask, label)
+
+    def abort(self, objs: Iterable[Obj]) -> None:
+        """Pool.abort, the lock held."""
+        self._pool._abort(objs)
+
+
 class Pool:
     def __init__(
         self,
@@ -89,7 +118,9 @@ class Pool:
         self.per_ns_bytes: Counter[bytes] = Counter()  # bytes (slots) per namespace id
         # with a quota: per (namespace, size class), its objects least recent first
         self.nslru: dict[tuple[bytes, SizeClass], OrderedDict[Obj, None]] = {}
-        self._spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # objects per namespace id
+        self._spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # one shared span dict per layout
+        self._span_seen: dict | None = None  # the span begin_write was last given, and its shared dict
+        self._span_shared: dict | None = None
         self.evictions = 0
         self.evicted_bytes = 0
         if model is not None:
@@ -108,6 +139,11 @@ class Pool:
             slab.settle()
 
     # ---- writing -------------------------------------------------------------------------
+    def writes(self) -> Writes:
+        """``with pool.writes() as w``: ``w.begin``/``w.abort`` as ``begin_write``/``abort``, under
+        one hold of the lock and with one flush at the end (a whole STORE plan's allocations)."""
+        return Writes(self)
+
     def begin_write(
         self,
         ns: bytes,
@@ -155,7 +191,9 @@ class Pool:
             return None
         if replace is not None:
             self._drop(replace)
-        span = self._spans.setdefault(tuple(span.items()), span)  # one dict per layout, shared
+        if span is not self._span_seen:  # one dict per layout, shared (a plan passes one span over and over)
+            self._span_seen, self._span_shared = span, self._spans.setdefault(tuple(span.items()), span)
+        span = self._span_shared
         obj = Obj(ns, key, span, rank, nbytes, mask, label)
         obj.slab, obj.slot = got
         self._place(obj)
@@ -181,13 +219,16 @@ class Pool:
 
     def abort(self, objs: Iterable[Obj]) -> None:
         with self.lock:
-            for obj in objs:
-                assert not obj.ready
-                if obj in self._replacing:  # the copy it replaced went at begin_write
-                    self._replacing.discard(obj)
-                    self.evlog.gone(obj.ns, obj.key)
-                self._drop(obj)
+            self._abort(objs)
             self._flush()
+
+    def _abort(self, objs: Iterable[Obj]) -> None:
+        for obj in objs:
+            assert not obj.ready
+            if obj in self._replacing:  # the copy it replaced went at begin_write
+                self._replacing.discard(obj)
+                self.evlog.gone(obj.ns, obj.key)
+            self._drop(obj)
 
     # ---- reading -------------------------------------------------------------------------
     def lookup(
