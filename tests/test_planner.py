@@ -288,3 +288,32 @@ def test_retrieve_of_whole_and_holed_chunks_restores_each_exactly(pool):
     assert plan.results == [True, False] and plan.failed == [(1, 44), (1, 45)]
     assert items(plan, 0) == [([30, 31, 32, 33], [0, 1, 2, 3]), ([40, 41, 42, 43], [0, 1, 2, 3])]
     assert items(plan, 1) == [([34, 35, 36, 37], [0, 1, 2, 3]), ([46, 47], [2, 3])]
+
+
+def test_a_key_twice_in_one_store_is_stored_once():
+    p = Pool(ceiling=8 << 20, initial=0, align=256, segment_bytes=8 << 20)
+    try:
+        g = geo(FULL)
+        plan = plan_store(
+            g, [chunk(0, [0, 1, 2, 3]), chunk(0, [4, 5, 6, 7]), chunk(1, [8, 9, 10, 11])], p, NS, 0
+        )
+        assert plan.results == ["stored", "exists", "stored"]
+        assert items(plan, 0) == [([0, 1, 2, 3], [0, 1, 2, 3]), ([8, 9, 10, 11], [0, 1, 2, 3])]
+        assert p.objects == 2
+    finally:
+        p.close()
+
+
+def test_without_a_full_group_chunks_after_a_rejected_one_are_still_tried():
+    two = Pool(ceiling=2 * 2048, initial=0, align=256, segment_bytes=2 * 2048)  # room for two objects
+    try:
+        g = geo(SLIDE)
+        in_flight = plan_store(g, [chunk(0, [0, 1, 2, 3]), chunk(1, [4, 5, 6, 7])], two, NS, 0)
+        assert in_flight.results == ["stored", "stored"]  # pinned until committed: not evictable
+        plan = plan_store(
+            g, [chunk(0, [8, 9, 10, 11]), chunk(2, [12, 13, 14, 15]), chunk(1, [0, 1, 2, 3])], two, NS, 0
+        )
+        assert plan.results == ["exists", "rejected", "exists"] and not plan.objs
+        assert two.objects == 2
+    finally:
+        two.close()

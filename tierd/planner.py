@@ -220,19 +220,43 @@ def plan_store(
         if a.shape[1]:
             clean &= ~(a == geo.null).any(axis=1)
     holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
-    results = plan.results
+    results, whole = plan.results, clean.tolist()
+    # one object per chunk (the default layout): a run of whole chunks is allocated in one call
+    single = geo.objects[0] if len(geo.objects) == 1 and geo.objects[0].present else None
+    n, i = len(chunks), 0
     with pool.writes() as w:
-        for i, (c, whole) in enumerate(zip(chunks, clean.tolist())):
+        while i < n:
             if holed:
                 results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
+                i += 1
                 continue
-            if whole:
-                status = _store_whole(geo, w, c.key, i, blocks, ns, rank, staged_at, plan, copies)
+            if whole[i] and single is not None:
+                j = i + 1
+                while j < n and whole[j]:
+                    j += 1
+                keys = [c.key for c in chunks[i:j]]
+                got = w.begin_many(
+                    ns, keys, geo.spans[0], rank, single.nbytes, single.whole_mask, single.label
+                )
+                for k, obj in enumerate(got, i):
+                    if obj is EXISTS:
+                        results.append("exists")
+                    elif obj is None:
+                        results.append("rejected")
+                        holed = geo.has_full
+                    else:
+                        _add_whole(geo, obj, single, k, blocks, staged_at, plan, copies)
+                        results.append("stored")
+                i += len(got)
+                continue
+            if whole[i]:
+                status = _store_whole(geo, w, chunks[i].key, i, blocks, ns, rank, staged_at, plan, copies)
             else:
-                status = _store_with_nulls(geo, w, c, i, ns, rank, staged_at, plan, copies)
+                status = _store_with_nulls(geo, w, chunks[i], i, ns, rank, staged_at, plan, copies)
             if status == "rejected":
                 holed = geo.has_full
             results.append(status)
+            i += 1
     plan.copies = {g: items for g, items in copies.items() if items}
     return plan
 
@@ -251,22 +275,27 @@ def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan, copies) -> s
             return "rejected"
         new.append((obj, shape))
     for obj, shape in new:
-        plan.objs.append(obj)
-        view = obj.view()
-        for g, _, off in shape.present:
-            gbytes = geo.group_bytes[g]
-            item = CopyItem(
-                blocks[g][i],
-                geo.positions[g],
-                geo.blocks_per_chunk[g],
-                view[off : off + gbytes],
-                geo.staged(staged_at, i, g),
-            )
-            copies[g].append(item)
-            plan.nbytes += gbytes
+        _add_whole(geo, obj, shape, i, blocks, staged_at, plan, copies)
     if new:
         return "stored"
     return "exists" if any(shape.present for shape in geo.objects) else "empty"
+
+
+def _add_whole(geo, obj: Obj, shape: ObjectShape, i: int, blocks, staged_at, plan: CopyPlan, copies) -> None:
+    """Plan the copy of a whole chunk ``i`` into its new object ``obj``: every part, every block."""
+    plan.objs.append(obj)
+    view = obj.view()
+    for g, _, off in shape.present:
+        gbytes = geo.group_bytes[g]
+        item = CopyItem(
+            blocks[g][i],
+            geo.positions[g],
+            geo.blocks_per_chunk[g],
+            view[off : off + gbytes],
+            geo.staged(staged_at, i, g),
+        )
+        copies[g].append(item)
+        plan.nbytes += gbytes
 
 
 def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan, copies) -> str:

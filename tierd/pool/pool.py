@@ -67,6 +67,13 @@ class Writes:
         """Pool.begin_write, the lock held."""
         return self._pool._begin_write(ns, key, span, rank, nbytes, mask, label)
 
+    def begin_many(
+        self, ns: bytes, keys: Sequence[bytes], span: dict, rank: int, nbytes: int, mask: int, label: str
+    ) -> list:
+        """``begin`` for each of ``keys`` in order, one object shape for all; the list ends at the
+        first None (no room): the keys after it were not tried."""
+        return self._pool._begin_writes(ns, keys, span, rank, nbytes, mask, label)
+
     def abort(self, objs: Iterable[Obj]) -> None:
         """Pool.abort, the lock held."""
         self._pool._abort(objs)
@@ -162,6 +169,42 @@ class Pool:
             finally:
                 self._flush()  # drops, slabs, segments: on file before the slot is handed out
 
+    def _begin_writes(self, ns, keys, span, rank, nbytes, mask, label) -> list:
+        """``_begin_write`` for each key, up to the first None. A key the index does not hold, in a
+        pool without namespace quotas (a prefill's new chunks), skips its per-key checks: one size
+        class and one shared span for all, a slot straight from the class when it has one."""
+        if self.ns_quota_bytes:
+            out = []
+            for key in keys:
+                out.append(self._begin_write(ns, key, span, rank, nbytes, mask, label))
+                if out[-1] is None:
+                    break
+            return out
+        cls = self.slabs.size_class(nbytes)
+        span = self._shared_span(span)
+        spaces, out = self.index.spaces, []
+        for key in keys:
+            space = spaces.get(ns)  # (eviction may drop a namespace's last object, and its dict)
+            if space is not None and key in space:
+                obj = self._begin_write(ns, key, span, rank, nbytes, mask, label)
+            else:
+                got = cls.take() or self._alloc(cls, ns)
+                obj = None
+                if got is not None:
+                    obj = Obj(ns, key, span, rank, nbytes, mask, label)
+                    obj.slab, obj.slot = got
+                    self._place(obj)
+            out.append(obj)
+            if obj is None:
+                break
+        return out
+
+    def _shared_span(self, span: dict) -> dict:
+        """The one span dict objects of this layout share (a plan passes the same one over and over)."""
+        if span is not self._span_seen:
+            self._span_seen, self._span_shared = span, self._spans.setdefault(tuple(span.items()), span)
+        return self._span_shared
+
     def _begin_write(self, ns, key, span, rank, nbytes, mask, label):
         replace = None
         entry = self.index.get(ns, key)
@@ -191,9 +234,7 @@ class Pool:
             return None
         if replace is not None:
             self._drop(replace)
-        if span is not self._span_seen:  # one dict per layout, shared (a plan passes one span over and over)
-            self._span_seen, self._span_shared = span, self._spans.setdefault(tuple(span.items()), span)
-        span = self._span_shared
+        span = self._shared_span(span)
         obj = Obj(ns, key, span, rank, nbytes, mask, label)
         obj.slab, obj.slot = got
         self._place(obj)
