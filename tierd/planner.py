@@ -213,7 +213,6 @@ def plan_store(
     if blocks is None:
         blocks = geo.block_arrays(chunks)
     plan = CopyPlan()
-    copies = {g: [] for g in range(len(geo.blocks_per_chunk))}
     # chunks without a null id in any group (the common case) take the short path below
     clean = np.ones(len(chunks), dtype=bool)
     for a in blocks:
@@ -245,23 +244,22 @@ def plan_store(
                         results.append("rejected")
                         holed = geo.has_full
                     else:
-                        _add_whole(geo, obj, single, k, blocks, staged_at, plan, copies)
+                        _add_whole(geo, obj, single, k, blocks, staged_at, plan)
                         results.append("stored")
                 i += len(got)
                 continue
             if whole[i]:
-                status = _store_whole(geo, w, chunks[i].key, i, blocks, ns, rank, staged_at, plan, copies)
+                status = _store_whole(geo, w, chunks[i].key, i, blocks, ns, rank, staged_at, plan)
             else:
-                status = _store_with_nulls(geo, w, chunks[i], i, ns, rank, staged_at, plan, copies)
+                status = _store_with_nulls(geo, w, chunks[i], i, ns, rank, staged_at, plan)
             if status == "rejected":
                 holed = geo.has_full
             results.append(status)
             i += 1
-    plan.copies = {g: items for g, items in copies.items() if items}
     return plan
 
 
-def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan, copies) -> str:
+def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan) -> str:
     """A chunk holding every block of every group: each object's mask is its shape's whole mask."""
     new = []
     for shape, span in zip(geo.objects, geo.spans):
@@ -275,13 +273,13 @@ def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan, copies) -> s
             return "rejected"
         new.append((obj, shape))
     for obj, shape in new:
-        _add_whole(geo, obj, shape, i, blocks, staged_at, plan, copies)
+        _add_whole(geo, obj, shape, i, blocks, staged_at, plan)
     if new:
         return "stored"
     return "exists" if any(shape.present for shape in geo.objects) else "empty"
 
 
-def _add_whole(geo, obj: Obj, shape: ObjectShape, i: int, blocks, staged_at, plan: CopyPlan, copies) -> None:
+def _add_whole(geo, obj: Obj, shape: ObjectShape, i: int, blocks, staged_at, plan: CopyPlan) -> None:
     """Plan the copy of a whole chunk ``i`` into its new object ``obj``: every part, every block."""
     plan.objs.append(obj)
     view = obj.view()
@@ -294,11 +292,10 @@ def _add_whole(geo, obj: Obj, shape: ObjectShape, i: int, blocks, staged_at, pla
             view[off : off + gbytes],
             geo.staged(staged_at, i, g),
         )
-        copies[g].append(item)
-        plan.nbytes += gbytes
+        plan.add(g, item, gbytes)
 
 
-def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan, copies) -> str:
+def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan) -> str:
     """A chunk with null ids: each object's mask holds the blocks it names."""
     split = [split_nulls(ids, geo.null, geo.positions[g]) for g, ids in enumerate(c.blocks)]
     if not any(len(ids) for ids, _ in split):
@@ -334,8 +331,7 @@ def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan, copies) ->
             items.append((g, item, geo.group_bytes[g] * len(ids) // bpc))
     plan.objs.extend(new)
     for g, item, nbytes in items:
-        copies[g].append(item)
-        plan.nbytes += nbytes
+        plan.add(g, item, nbytes)
     return status
 
 
