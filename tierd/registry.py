@@ -359,7 +359,9 @@ class Registry:
             )
         tenant = session.tenant
         held = self._leased.setdefault(tenant, {})
-        with self.pool.lock:  # one pass (pinned, then undone past the cap): nobody sees it in between
+        # one pass (pinned, then undone past the cap): nobody sees it in between. Pins only: the LRU
+        # touches of the LOOKUP granting this can wait for its reply (Pool.lookup)
+        with self.pool.lock.plain:
             add, get = 0, held.get
             for o in objs:
                 o.pins += 1
@@ -408,7 +410,7 @@ class Registry:
             return False
         held = self._leased.get(lease.tenant, {})
         freed = 0
-        with self.pool.lock:
+        with self.pool.lock.plain:  # pins only
             for o in lease.objs:
                 o.pins -= 1
                 n = held[o] - 1

@@ -335,6 +335,7 @@ class Daemon:
         except Exception as exc:  # every request gets a reply, whatever broke
             log.exception("handler for %s raised", op)
             self._error(envelope, req_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op)
+        self.pool.settle()  # what the reply did not wait for (a LOOKUP's LRU touch), before the next request
 
     def _error(self, envelope, req_id: int, code: ErrorCode, message: str, op: str) -> None:
         self.stats.error(code.name)

@@ -16,7 +16,7 @@ The objects read are Obj of tierd.pool.index, or anything with their ``ready``, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 
 import numpy as np
@@ -36,15 +36,43 @@ def part_key(group: int, rank: int) -> tuple[int, int]:
     return _PART_KEYS.setdefault(key, key)
 
 
+PartsOf = Callable[[int, int, Sequence[bytes]], list]
+"""``parts_of(group, rank, keys)``: per key, its object of that (group, rank) part, or None."""
+
+
+def entry_parts(space: dict[bytes, ChunkEntry]) -> PartsOf:
+    """Parts read from chunk entries (key -> (group, rank) -> object)."""
+
+    def parts_of(gi: int, r: int, keys: Sequence[bytes]) -> list:
+        got = map(space.get, keys, repeat(EMPTY))
+        return list(map(dict.get, got, repeat(part_key(gi, r))))
+
+    return parts_of
+
+
+def column_parts(columns: dict[tuple[int, int], dict[bytes, object]]) -> PartsOf:
+    """Parts read from per-part columns ((group, rank) -> key -> object): one dict lookup a part."""
+
+    def parts_of(gi: int, r: int, keys: Sequence[bytes]) -> list:
+        return list(map(columns.get(part_key(gi, r), EMPTY).get, keys))
+
+    return parts_of
+
+
 def lookup(
     space: dict[bytes, ChunkEntry],
     keys: Sequence[bytes],
     specs: Sequence[GroupSpec],
     chunk_tokens: int,
     ranks: Sequence[int],
+    parts_of: PartsOf | None = None,
 ) -> tuple[int, list]:
     """The longest servable boundary over ``keys`` in one namespace's entries, and what a retrieve
-    at that boundary reads, chunk by chunk (full-attention parts, then each other group's)."""
+    at that boundary reads, chunk by chunk (full-attention parts, then each other group's).
+    ``parts_of`` reads the parts (default: from ``space``'s entries); ``space`` itself is read only
+    for which keys are there at all, when ``ranks`` is empty."""
+    if parts_of is None:
+        parts_of = entry_parts(space)
     # full-attention parts, checked for every chunk: (group, rank, needed mask)
     full = [
         (gi, r, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
@@ -53,17 +81,19 @@ def lookup(
         for r in ranks
     ]
     if full:
-        entries, objs = _full_prefix(space, keys, full)
+        n, objs = _full_prefix(parts_of, keys, full)
+        keys = keys[:n] if n < len(keys) else keys
     else:
-        entries, objs = list(map(space.get, keys, repeat(EMPTY, len(keys)))), []
-    n = len(entries)
+        n, objs = len(keys), []
     other = [(gi, spec) for gi, spec in enumerate(specs) if spec.kind is not GroupKind.FULL]
     # first only what the longest boundary needs (a window's worth); every chunk only if it fails
-    folds = _folds(entries, other, chunk_tokens, ranks, top=True)
+    folds = _folds(space, parts_of, keys, other, chunk_tokens, ranks, top=True)
     if all(f.top_ok(n) for f in folds):
         boundary = n
     else:  # (a fold whose window is the whole prompt has seen every chunk already)
-        folds = [f if not f.lo else _Fold(entries, f.gi, f.spec, chunk_tokens, ranks) for f in folds]
+        folds = [
+            f if not f.lo else _Fold(space, parts_of, keys, f.gi, f.spec, chunk_tokens, ranks) for f in folds
+        ]
         boundary = _boundary(n, folds)
     if boundary == 0:
         return 0, []
@@ -80,9 +110,15 @@ FIRST_RUN = 64  # keys of the full-attention walk's first run; each next run is 
 
 
 def _folds(
-    entries: list[ChunkEntry], other: list, chunk_tokens: int, ranks: Sequence[int], top: bool = False
+    space: dict,
+    parts_of: PartsOf,
+    keys: Sequence[bytes],
+    other: list,
+    chunk_tokens: int,
+    ranks: Sequence[int],
+    top: bool = False,
 ) -> list[_Fold]:
-    folds = (_Fold(entries, gi, spec, chunk_tokens, ranks, top) for gi, spec in other)
+    folds = (_Fold(space, parts_of, keys, gi, spec, chunk_tokens, ranks, top) for gi, spec in other)
     return [f for f in folds if f.bpc]  # a sliding group of blocks larger than a chunk needs nothing
 
 
@@ -100,30 +136,29 @@ def _complete(parts: list, gi: int, need: int) -> list[bool]:
     ]
 
 
-def _full_prefix(space: dict, keys: Sequence[bytes], full: list) -> tuple[list[ChunkEntry], list]:
-    """The entries of the longest prefix of ``keys`` whose full-attention parts are all there, and
+def _full_prefix(parts_of: PartsOf, keys: Sequence[bytes], full: list) -> tuple[int, list]:
+    """The length of the longest prefix of ``keys`` whose full-attention parts are all there, and
     those parts chunk by chunk in ``full``'s order."""
-    entries: list[ChunkEntry] = []
     cols: list[list] = [[] for _ in full]
     pos, run = 0, FIRST_RUN
     while pos < len(keys):
-        got = list(map(space.get, keys[pos : pos + run], repeat(EMPTY, run)))
-        n = len(got)
+        ks = keys[pos : pos + run]
+        n = len(ks)
         parts = []
         for gi, r, need in full:
-            col = list(map(dict.get, got[:n] if n < len(got) else got, repeat(part_key(gi, r), n)))
+            col = parts_of(gi, r, ks[:n] if n < len(ks) else ks)
             ok = _complete(col, gi, need)
             if False in ok:
                 n = ok.index(False)
             parts.append(col)
-        entries += got[:n]
         for col, part in zip(cols, parts):
             col += part[:n]
-        if n < len(got):
+        pos += n
+        if n < len(ks):
             break
-        pos, run = pos + run, 2 * run
+        run *= 2
     objs = cols[0] if len(cols) == 1 else list(chain.from_iterable(zip(*cols)))
-    return entries, objs
+    return pos, objs
 
 
 class _Fold:
@@ -141,7 +176,9 @@ class _Fold:
 
     def __init__(
         self,
-        entries: list[ChunkEntry],
+        space: dict,
+        parts_of: PartsOf,
+        keys: Sequence[bytes],
         gi: int,
         spec: GroupSpec,
         chunk_tokens: int,
@@ -158,15 +195,15 @@ class _Fold:
         self.cap: int | None = None  # for a window over the whole prompt: boundaries <= cap
         if not bpc:
             return
-        if not self.state and ranks and len(entries) * chunk_tokens <= self.before:
-            self.cap = len(entries)
-        if top and entries:
-            self.lo = min(len(entries), len(entries) - 1 if self.state else self.window(len(entries))[0])
-            entries = entries[self.lo :]
-        self.parts = [list(map(dict.get, entries, repeat(part_key(gi, r), len(entries)))) for r in ranks]
+        if not self.state and ranks and len(keys) * chunk_tokens <= self.before:
+            self.cap = len(keys)
+        if top and keys:
+            self.lo = min(len(keys), len(keys) - 1 if self.state else self.window(len(keys))[0])
+            keys = keys[self.lo :]
+        self.parts = [parts_of(gi, r, keys) for r in ranks]
         need = 1 if self.state else (1 << bpc) - 1
         if not ranks:  # an entry, whatever it holds
-            self.tail = [0 if e is not EMPTY else bpc for e in entries]
+            self.tail = [0 if k in space else bpc for k in keys]
             self.clean = not any(self.tail)
             return
         tails = []

@@ -75,6 +75,9 @@ class Obj:
 class Index:
     def __init__(self):
         self.spaces: dict[bytes, dict[bytes, ChunkEntry]] = {}
+        # namespace -> (group, rank) -> key -> committed Obj: the columns LOOKUP reads, one dict
+        # lookup a part (no chunk entry, no object being written in between)
+        self.columns: dict[bytes, dict[tuple[int, int], dict[bytes, Obj]]] = {}
 
     def get(self, ns: bytes, key: bytes) -> ChunkEntry | None:
         space = self.spaces.get(ns)
@@ -94,8 +97,31 @@ class Index:
         for group in obj.span:
             assert (group, obj.rank) not in entry
             entry[part_key(group, obj.rank)] = obj
+        if obj.ready:
+            self.committed(obj)
+
+    def committed(self, obj: Obj) -> None:
+        """An inserted object became ready: LOOKUP sees it from now on."""
+        columns = self.columns.get(obj.ns)
+        if columns is None:
+            columns = self.columns[obj.ns] = {}
+        for group in obj.span:
+            pk = part_key(group, obj.rank)
+            column = columns.get(pk)
+            if column is None:
+                column = columns[pk] = {}
+            column[obj.key] = obj
 
     def remove(self, obj: Obj) -> None:
+        if obj.ready:
+            columns = self.columns[obj.ns]
+            for group in obj.span:
+                column = columns[group, obj.rank]
+                del column[obj.key]
+                if not column:
+                    del columns[group, obj.rank]
+            if not columns:
+                del self.columns[obj.ns]
         space = self.spaces[obj.ns]
         entry = space[obj.key]
         for group in obj.span:
@@ -118,4 +144,5 @@ class Index:
         space = self.spaces.get(ns)
         if space is None or not keys:
             return 0, []
-        return fold.lookup(space, keys, specs, chunk_tokens, ranks)
+        columns = fold.column_parts(self.columns.get(ns, fold.EMPTY))
+        return fold.lookup(space, keys, specs, chunk_tokens, ranks, columns)

@@ -43,6 +43,38 @@ class Exists:
 EXISTS = Exists()
 
 
+class PoolLock:
+    """The pool's lock. Whoever takes it next first applies the LRU touches that LOOKUPs left
+    (Pool.lookup): a LOOKUP's reply need not wait for them, and nobody sees the LRU without them.
+    The daemon applies them itself right after each reply (Pool.settle). ``plain`` is the same
+    lock without that, for code that neither reads nor changes the LRU (pins, as leases take)."""
+
+    __slots__ = ("_lock", "_pool", "plain")
+
+    def __init__(self, pool: Pool):
+        self._lock = self.plain = threading.Lock()
+        self._pool = pool
+
+    def acquire(self) -> None:
+        self._lock.acquire()
+        if self._pool._untouched:
+            try:
+                self._pool._apply_touches()
+            except BaseException:
+                self._lock.release()
+                raise
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> PoolLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 class Writes:
     """Pool.writes(): begin_write and abort for one plan under one hold of the pool's lock. The
     journal is flushed when the block ends, before any slot it handed out is written (the caller
@@ -99,7 +131,8 @@ class Pool:
         (default ``pool_dir``; required when that is hugetlbfs); ``ns_quota_bytes``: the bytes
         (slots) one namespace may hold, 0 for no quota; ``eviction_log``: the records ``evlog``
         keeps (0: it only counts)."""
-        self.lock = threading.Lock()
+        self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
+        self.lock = PoolLock(self)
         self.ns_quota_bytes = ns_quota_bytes
         self.evlog = EvictionLog(eviction_log)
         self._replacing: set[Obj] = set()  # objects being written in place of a committed one
@@ -116,6 +149,7 @@ class Pool:
         self.segments = segments
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
+        self._untouched = []
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}
         self._tick = 0
         self.objects = 0
@@ -245,10 +279,11 @@ class Pool:
     def commit(self, objs: Sequence[Obj]) -> None:
         """Make written objects visible; the last one given ends up least recent."""
         with self.lock:
-            evlog, replacing = self.evlog, self._replacing
+            evlog, replacing, index = self.evlog, self._replacing, self.index
             for obj in reversed(objs):
                 assert not obj.ready and obj.pins > 0
                 obj.ready = True
+                index.committed(obj)
                 obj.pins -= 1
                 self._touch(obj)
                 evlog.back(obj.ns, obj.key)
@@ -280,10 +315,27 @@ class Pool:
         chunk_tokens: int,
         ranks: Sequence[int],
     ):
+        """Longest servable boundary and the objects a retrieve there reads (tierd.pool.fold).
+        They are touched (most recent: the first) when the lock is next taken, or at ``settle``."""
         with self.lock:
             hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
-            self._touch_prefix(objs)
+            if objs:
+                self._untouched.append(objs)
             return hit, objs
+
+    def settle(self) -> None:
+        """Apply the touches LOOKUPs left (the daemon calls this once a reply is sent)."""
+        if self._untouched:
+            with self.lock:
+                pass
+
+    def _apply_touches(self) -> None:
+        untouched, self._untouched = self._untouched, []
+        for objs in untouched:
+            try:
+                self._touch_prefix(objs)
+            except KeyError:  # one left the pool meanwhile (only code bypassing the lock can do that)
+                self._touch_prefix([o for o in objs if o.ready])
 
     def touch(self, ns: bytes, keys: Sequence[bytes]) -> None:
         """Mark a prefix's chunks used, tail first, so the head is the most recent."""

@@ -10,7 +10,7 @@ Hazards first:
   (tierd.l2.keys.chunk_key): every node derives the same name for the same chunk, and one
   namespace's objects can never answer another's (the id hashes model, layout fingerprint,
   world size and salt; Mooncake itself does not separate tenants).
-- The fold is the L1 fold itself (tierd.pool.index.Index.lookup) run over an overlay in which
+- The fold is the L1 fold itself (tierd.pool.fold.lookup) run over an overlay in which
   objects L2 holds stand in for the ones L1 lacks, so the two tiers can never disagree on what a
   boundary needs (full chunks, the window's blocks, the state at the boundary, every rank).
 
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from tierd.l2.keys import chunk_key
 from tierd.planner import Geometry
-from tierd.pool.index import Index
+from tierd.pool.fold import lookup
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupSpec
 
@@ -134,6 +134,6 @@ def fold(
                 if o is None or not o.ready:
                     entry[(g, part.rank)] = stand
         space[key] = entry
-    overlay = Index()
-    overlay.spaces[ns] = space
-    return overlay.lookup(ns, keys, specs, chunk_tokens, ranks)
+    if not keys:
+        return 0, []
+    return lookup(space, keys, specs, chunk_tokens, ranks)  # the parts read from the overlay's entries

@@ -1,0 +1,180 @@
+"""What LOOKUP reads, without a daemon: the index's per-part columns ((group, rank) -> key ->
+committed object) hold exactly the committed objects through every way an object comes and goes
+(commit, abort, eviction, replacement by a fuller copy, CLEAR), and a LOOKUP's LRU touch, left for
+after its reply, is applied before anybody else takes the pool's lock: eviction order is what it
+was with the touch applied at once."""
+
+import random
+import threading
+
+import pytest
+
+from tierd.pool.pool import EXISTS, Pool
+from tierd.protocol.layout import GroupKind, GroupSpec
+
+KIB = 1 << 10
+FULL = GroupSpec(GroupKind.FULL, 4)
+
+
+def key(i: int) -> bytes:
+    return b"key-%08d" % i
+
+
+@pytest.fixture
+def pool():
+    p = Pool(ceiling=1 << 20, initial=0, align=4 * KIB, segment_bytes=1 << 20)
+    yield p
+    p.close()
+
+
+def derived_columns(pool: Pool) -> dict:
+    """The columns as the chunk entries say they must be: every committed object, by part."""
+    out: dict = {}
+    for ns, space in pool.index.spaces.items():
+        for k, entry in space.items():
+            for part, obj in entry.items():
+                if obj.ready:
+                    out.setdefault(ns, {}).setdefault(part, {})[k] = obj
+    return out
+
+
+def test_columns_hold_exactly_the_committed_objects_through_random_churn(pool):
+    rnd = random.Random(20261201)
+    namespaces = [b"ns-a", b"ns-b"]
+    writing: list = []
+    checked = committed = 0
+    for step in range(3000):
+        op = rnd.random()
+        ns = rnd.choice(namespaces)
+        if op < 0.45:  # a STORE: one object per group of a rank, or one spanning both groups
+            i, rank = rnd.randrange(40), rnd.randrange(2)
+            spans = [{0: (0, 0), 1: (4, 4 * KIB)}] if rnd.random() < 0.4 else [{0: (0, 0)}, {1: (0, 0)}]
+            for span in spans:
+                nbits = 4 * len(span)
+                mask = (1 << nbits) - 1 if rnd.random() < 0.7 else rnd.getrandbits(nbits) | 1
+                obj = pool.begin_write(ns, key(i), span, rank, 16 * KIB * len(span), mask, "g")
+                if obj is not None and obj is not EXISTS:
+                    writing.append(obj)
+        elif op < 0.75 and writing:  # its copy lands, or fails
+            obj = writing.pop(rnd.randrange(len(writing)))
+            if rnd.random() < 0.8:
+                pool.commit([obj])
+                committed += 1
+            else:
+                pool.abort([obj])
+        elif op < 0.9:
+            hit, objs = pool.lookup(ns, [key(j) for j in range(8)], [FULL, FULL], 4, [0, 1])
+            assert len(objs) >= hit
+        elif op < 0.97:
+            coldest = pool.coldest(64 * KIB)
+            with pool.lock:
+                for obj in coldest[:2]:
+                    if not obj.pins:
+                        pool._evict(obj)
+        else:
+            pool.clear(ns)
+        with pool.lock:
+            assert pool.index.columns == derived_columns(pool), step
+        checked += 1
+    assert committed > 500 and pool.evictions > 0  # the churn did what it says
+
+
+def test_a_lookups_touch_is_applied_before_the_lru_is_read(pool):
+    """16 chunks fill the pool; a LOOKUP of the first 4 makes them the most recent, so pressure
+    takes chunks 4.. first, as when the touch was applied inside the LOOKUP."""
+    objs = [pool.begin_write(b"ns", key(i), {0: (0, 0)}, 0, 64 * KIB, 0b1111, "g0") for i in range(16)]
+    pool.commit(objs)  # the last one given ends up least recent: key(15) first
+    hit, got = pool.lookup(b"ns", [key(i) for i in range(4)], [FULL], 16, [0])
+    assert hit == 4 and got == objs[:4]
+    assert pool._untouched == [objs[:4]]  # left for after the reply
+    order = pool.coldest(16 * 64 * KIB)
+    assert order == objs[4:][::-1] + objs[:4][::-1]  # the LOOKUP's prefix, head most recent
+    assert pool._untouched == []
+    pool.lookup(b"ns", [key(i) for i in range(4, 6)], [FULL], 16, [0])
+    pool.settle()  # what the daemon calls once the reply is sent
+    assert pool._untouched == []
+    assert pool.coldest(16 * 64 * KIB)[-2:] == [objs[5], objs[4]]
+
+
+def test_a_touch_that_fails_leaves_the_pool_lock_free(pool, monkeypatch):
+    obj = pool.begin_write(b"ns", key(0), {0: (0, 0)}, 0, 64 * KIB, 0b1111, "g0")
+    pool.commit([obj])
+    pool.lookup(b"ns", [key(0)], [FULL], 16, [0])
+
+    def broken(objs):
+        raise RuntimeError("touch broke")
+
+    monkeypatch.setattr(pool, "_touch_prefix", broken)
+    with pytest.raises(RuntimeError, match="touch broke"):
+        with pool.lock:
+            pass
+    acquired = threading.Event()
+
+    def take():
+        with pool.lock:
+            acquired.set()
+
+    t = threading.Thread(target=take, daemon=True)
+    t.start()
+    t.join(5)
+    assert acquired.is_set()  # not left held by the failed acquire
+
+
+def test_a_touch_of_an_object_gone_meanwhile_touches_the_rest(pool):
+    objs = [pool.begin_write(b"ns", key(i), {0: (0, 0)}, 0, 64 * KIB, 0b1111, "g0") for i in range(3)]
+    pool.commit(objs)
+    pool.lookup(b"ns", [key(i) for i in range(3)], [FULL], 16, [0])
+    pool._evict(objs[1])  # as only code bypassing the lock could
+    assert pool.coldest(3 * 64 * KIB) == [objs[2], objs[0]]
+
+
+def test_the_daemon_applies_a_lookups_touch_once_its_reply_is_sent(tmp_path):
+    """One LOOKUP through the daemon's request step (in process, real handlers and pool): the
+    reply goes out, then the touch is applied, before the next request is taken."""
+    from tierd import handlers
+    from tierd.config import Settings
+    from tierd.handlers import Call
+    from tierd.protocol import codec, messages
+    from tierd.registry import OWN_PEER
+    from tierd.server import Daemon
+    from tierd_client.layouts import block_span, group, layout, namespace
+    from tierd_client.shm import SharedBuffer
+
+    d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625))
+    buf = SharedBuffer(8 * 4096)
+    try:
+        ns = namespace("m", "columns")
+        spans = [block_span((8, 4096), (4096, 1), 1, 0, tensor=0, offset=0)]
+        lay = layout(ns, 0, 16, [buf.ref()], [group("full", 16, spans)])
+        ident = b"c" * 16
+        handlers.hello(d.tier, Call(ident, None, [ident], 1, 0.0), messages.Hello(1))
+        call = Call(ident, d.registry.session(ident), [ident], 2, 0.0)
+        handlers.register(d.tier, call, messages.convert({"instance": "r", "layout": lay}, messages.Register))
+        keys = [key(i) for i in range(4)]
+        chunks = [{"key": k, "blocks": [[i]]} for i, k in enumerate(keys)]
+        job = handlers.store(
+            d.tier, call, messages.convert({"instance": "r", "chunks": chunks}, messages.Store)
+        )
+        d.pool.commit(job.plan.objs)  # the last chunk least recent
+        sent, untouched_at_send = [], []
+
+        def send(envelope, frame):
+            untouched_at_send.append(list(d.pool._untouched))
+            sent.append(codec.decode_reply(frame, 1 << 20))
+
+        d._send = send
+        specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
+        frame = codec.encode_request(
+            "LOOKUP",
+            7,
+            {"namespace": ns, "keys": keys[:2], "groups": specs, "chunk_tokens": 16, "lease": False},
+        )
+        d._on_request([ident], frame, OWN_PEER)
+        assert sent[0][0] == 7 and sent[0][1] and sent[0][2]["chunks"] == 2, sent
+        assert untouched_at_send == [[job.plan.objs[:2]]]  # the reply did not wait for the touch
+        assert d.pool._untouched == []  # ... and it was applied before _on_request returned
+        order = [o.key for o in sorted(job.plan.objs, key=lambda o: o.tick)]
+        assert order == [keys[3], keys[2], keys[1], keys[0]]  # the looked-up head most recent
+    finally:
+        d.close()
+        buf.close()
