@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--held", type=int, default=200)
     args = ap.parse_args()
     if args.lookup_keys:
+        if not 0 < args.held <= args.lookup_keys:
+            ap.error(f"--held must be 1..--lookup-keys ({args.lookup_keys}): it stores the first keys")
         return lookup_cost(args)
     nb = 2 * args.chunks * CHUNK // BLOCK_TOKENS
     folder = tempfile.mkdtemp(prefix="tierd-hc-")

@@ -131,6 +131,41 @@ def echo_floor(frame_bytes: int, repeats: int) -> dict:
     return percentiles(lat)
 
 
+NBLOCKS = 4096
+SPECS = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
+
+
+def _span():
+    return block_span((NBLOCKS, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=0, offset=0)
+
+
+def fill(client, buf, ns, prompt_keys: list, objects: int, batch: int, show: bool = True) -> None:
+    """Register a layout of 16-token chunks (one block each) in ``ns`` and store ``objects``
+    objects through the protocol: the prompt's keys first, then random ones."""
+    client.register("fill", layout(ns, 0, 16, [buf.ref()], [group("full", 16, [_span()])]))
+    stored = 0
+    while stored < objects:
+        n = min(batch, objects - stored)
+        if stored == 0:
+            ks = prompt_keys + [uuid.uuid4().bytes for _ in range(n - len(prompt_keys))]
+        else:
+            ks = [uuid.uuid4().bytes for _ in range(n)]
+        chunks = [{"key": k, "blocks": [[(stored + j) % NBLOCKS]]} for j, k in enumerate(ks)]
+        res = client.store("fill", chunks)
+        assert res["results"].count("stored") == n, res["results"][:4]
+        stored += n
+        if show:
+            print(f"\rfilled {stored:,}/{objects:,} objects", end="", file=sys.stderr, flush=True)
+    if show:
+        print(file=sys.stderr)
+
+
+def fill_256(client, buf, ns, keys: list) -> None:
+    """The same prompt in 256-token chunks (16 blocks each), in a second namespace."""
+    client.register("fill256", layout(ns, 0, 256, [buf.ref()], [group("full", 16, [_span()])]))
+    client.store("fill256", [{"key": k, "blocks": [list(range(16))]} for k in keys])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--objects", type=int, default=1_000_000)
@@ -148,36 +183,15 @@ def main() -> None:
         client = TierdClient(endpoint, timeout_s=120, name="lookup-bench")
         client.wait_ready(30)
         pid = client.server["pid"]
-        nblocks = 4096
-        buf = SharedBuffer(nblocks * BLOCK_BYTES)
+        buf = SharedBuffer(NBLOCKS * BLOCK_BYTES)
         try:
             ns = namespace("lookup-bench", uuid.uuid4().hex[:8])
-            span = block_span((nblocks, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=0, offset=0)
-            # one layout, two chunk geometries: 16-token chunks (1 block) for most of the index
-            client.register("fill", layout(ns, 0, 16, [buf.ref()], [group("full", 16, [span])]))
-            specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
+            specs = SPECS
             rss0, backed0 = rss_bytes(pid), client.status()["memory_total_bytes"]
             keys_prompt = [uuid.uuid4().bytes for _ in range(args.prompt_tokens // 16)]
             t0 = time.perf_counter()
-            stored, i = 0, 0
-            while stored < args.objects:
-                n = min(args.batch, args.objects - stored)
-                if stored == 0:
-                    ks = keys_prompt + [uuid.uuid4().bytes for _ in range(n - len(keys_prompt))]
-                else:
-                    ks = [uuid.uuid4().bytes for _ in range(n)]
-                chunks = [{"key": k, "blocks": [[(i + j) % nblocks]]} for j, k in enumerate(ks)]
-                res = client.store("fill", chunks)
-                assert res["results"].count("stored") == n, res["results"][:4]
-                stored += n
-                i += n
-                if not args.json:
-                    print(
-                        f"\rfilled {stored:,}/{args.objects:,} objects", end="", file=sys.stderr, flush=True
-                    )
+            fill(client, buf, ns, keys_prompt, args.objects, args.batch, show=not args.json)
             fill_s = time.perf_counter() - t0
-            if not args.json:
-                print(file=sys.stderr)
             status = client.status()
             time.sleep(0.5)
             rss1 = rss_bytes(pid)
@@ -212,9 +226,8 @@ def main() -> None:
             _, results["lookup_2048_keys_hit_with_lease"] = measure(keys_prompt, 16, True)
             # 256-token chunks: 128 keys for the same prompt (a second namespace of 16-block chunks)
             ns2 = namespace("lookup-bench-256", uuid.uuid4().hex[:8])
-            client.register("fill256", layout(ns2, 0, 256, [buf.ref()], [group("full", 16, [span])]))
             keys128 = [uuid.uuid4().bytes for _ in range(args.prompt_tokens // 256)]
-            client.store("fill256", [{"key": k, "blocks": [list(range(16))]} for k in keys128])
+            fill_256(client, buf, ns2, keys128)
             hit, results["lookup_128_keys_hit"] = measure(keys128, 256, False, ns2)
             assert hit == len(keys128)
             t = time.perf_counter()

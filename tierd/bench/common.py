@@ -18,8 +18,9 @@ class BenchError(Exception):
 
 
 @contextlib.contextmanager
-def private_daemon(pool_bytes: int, extra: tuple[str, ...] = ()):
-    """A ``tierd serve`` subprocess on a private socket; yields its endpoint."""
+def private_daemon(pool_bytes: int, extra: tuple[str, ...] = (), source: str | None = None):
+    """A ``tierd serve`` subprocess on a private socket; yields its endpoint. ``source``: a folder
+    holding another copy of the ``tierd`` package to run instead (an older revision, for A/B)."""
     folder = tempfile.mkdtemp(prefix="tierd-bench-")
     endpoint = f"ipc://{folder}/tierd.sock"
     cmd = [
@@ -37,7 +38,10 @@ def private_daemon(pool_bytes: int, extra: tuple[str, ...] = ()):
         "warning",
         *extra,
     ]
-    proc = subprocess.Popen(cmd)
+    env = None
+    if source is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, env=env, cwd=source)
     try:
         yield endpoint
     finally:
