@@ -129,7 +129,6 @@ class Registry:
         self._peer_sessions: dict[str, int] = {}  # Principal.peer_key -> live sessions
         self._tenant_instances: dict[str, int] = {}
         self._tenant_files: dict[str, int] = {}
-        self._leased: dict[str, dict[Obj, int]] = {}  # tenant -> object -> how many of its leases pin it
         self.leased_bytes: dict[str, int] = {}  # tenant -> bytes its leases pin (each object once)
         self._noted: set[bytes] = set()  # namespace ids in the pool's extra blob (warm restart)
         self._restore_namespaces(pool.extra)
@@ -358,27 +357,23 @@ class Registry:
                 f"(--max-leases-per-session {lim.leases_per_session}); RELEASE some",
             )
         tenant = session.tenant
-        held = self._leased.setdefault(tenant, {})
         # one pass (pinned, then undone past the cap): nobody sees it in between. Pins only: the LRU
-        # touches of the LOOKUP granting this can wait for its reply (Pool.lookup)
+        # touches of the LOOKUP granting this can wait for its reply (Pool.lookup). An object is
+        # one tenant's (its namespace id is scoped by the tenant), so its own count of leases says
+        # whether the tenant's pinned bytes already hold it.
         with self.pool.lock.plain:
-            add, get = 0, held.get
+            add = 0
             for o in objs:
                 o.pins += 1
-                n = get(o, 0)
-                if not n:
+                if not o.leases:
                     add += o.nbytes  # an object repeated in objs counts once
-                held[o] = n + 1
+                o.leases += 1
             cap = lim.lease_share * self.pool.configured_bytes
             pinned = self.leased_bytes.get(tenant, 0)
             if add and pinned + add > cap:
                 for o in objs:
                     o.pins -= 1
-                    n = held[o] - 1
-                    if n:
-                        held[o] = n
-                    else:
-                        del held[o]
+                    o.leases -= 1
                 raise ProtocolError(
                     ErrorCode.LIMIT,
                     f"this tenant's leases would pin {pinned + add} bytes, more than "
@@ -408,19 +403,13 @@ class Registry:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        held = self._leased.get(lease.tenant, {})
         freed = 0
         with self.pool.lock.plain:  # pins only
             for o in lease.objs:
                 o.pins -= 1
-                n = held[o] - 1
-                if n:
-                    held[o] = n
-                else:
-                    del held[o]
+                o.leases -= 1
+                if not o.leases:
                     freed += o.nbytes
-        if not held:
-            self._leased.pop(lease.tenant, None)
         left = self.leased_bytes.get(lease.tenant, 0) - freed
         if left:
             self.leased_bytes[lease.tenant] = left

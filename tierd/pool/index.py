@@ -29,6 +29,7 @@ class Obj:
         "mask",
         "ready",
         "pins",
+        "leases",
         "tick",
         "label",
     )
@@ -56,6 +57,7 @@ class Obj:
         self.slot = -1
         self.ready = False  # committed: every byte written
         self.pins = 1  # in flight while being written; leases and reads add pins
+        self.leases = 0  # of the pins, how many are leases (tierd.registry counts leased bytes by it)
         self.tick = 0
 
     @property
