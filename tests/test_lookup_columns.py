@@ -8,23 +8,9 @@ import random
 import threading
 
 import pytest
+from test_pool import FULL, KIB, key, pool  # noqa: F401 - pool: fixture
 
 from tierd.pool.pool import EXISTS, Pool
-from tierd.protocol.layout import GroupKind, GroupSpec
-
-KIB = 1 << 10
-FULL = GroupSpec(GroupKind.FULL, 4)
-
-
-def key(i: int) -> bytes:
-    return b"key-%08d" % i
-
-
-@pytest.fixture
-def pool():
-    p = Pool(ceiling=1 << 20, initial=0, align=4 * KIB, segment_bytes=1 << 20)
-    yield p
-    p.close()
 
 
 def derived_columns(pool: Pool) -> dict:

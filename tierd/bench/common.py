@@ -40,7 +40,8 @@ def private_daemon(pool_bytes: int, extra: tuple[str, ...] = (), source: str | N
     ]
     env = None
     if source is not None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")])}
+        path = [source, os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [source]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.Popen(cmd, env=env, cwd=source)
     try:
         yield endpoint

@@ -326,16 +326,13 @@ class Pool:
     def settle(self) -> None:
         """Apply the touches LOOKUPs left (the daemon calls this once a reply is sent)."""
         if self._untouched:
-            with self.lock:
+            with self.lock:  # taking it applies them (PoolLock.acquire)
                 pass
 
     def _apply_touches(self) -> None:
         untouched, self._untouched = self._untouched, []
         for objs in untouched:
-            try:
-                self._touch_prefix(objs)
-            except KeyError:  # one left the pool meanwhile (only code bypassing the lock can do that)
-                self._touch_prefix([o for o in objs if o.ready])
+            self._touch_prefix(objs)
 
     def touch(self, ns: bytes, keys: Sequence[bytes]) -> None:
         """Mark a prefix's chunks used, tail first, so the head is the most recent."""
@@ -525,6 +522,8 @@ class Pool:
         self._drop(obj)
 
     def _drop(self, obj: Obj) -> None:
+        if self._untouched:  # (the lock's holder has applied them; code bypassing it has not)
+            self._apply_touches()  # before an object they name leaves the LRU
         if obj.ready and self.persist is not None:
             self.persist.dropped(obj)  # flushed before the verb returns, so before the slot's reuse
         self.index.remove(obj)
