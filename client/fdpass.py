@@ -16,11 +16,17 @@ MAGIC = b"TDF1"
 MAX_FDS_PER_MESSAGE = 250
 
 
-def fd_socket_path(url: str) -> str | None:
-    """The daemon's descriptor socket for ``url`` (None for tcp:// and abstract ipc://@ names)."""
+def socket_file(url: str) -> str | None:
+    """The daemon's socket file for ``url`` (None for tcp:// and abstract ipc://@ names)."""
     if not url.startswith("ipc://") or url.startswith("ipc://@"):
         return None
-    return os.path.abspath(url[len("ipc://") :]) + ".fds"
+    return os.path.abspath(url[len("ipc://") :])
+
+
+def fd_socket_path(url: str) -> str | None:
+    """The daemon's descriptor socket for ``url`` (None for tcp:// and abstract ipc://@ names)."""
+    path = socket_file(url)
+    return None if path is None else path + ".fds"
 
 
 def new_ticket() -> bytes:

@@ -59,8 +59,11 @@ class Session(Transport):
         name: str = "tierd-client",
         connect_timeout_s: float = 5.0,
         token: str | None = None,
+        lookup_channel: bool = True,
     ):
-        super().__init__(url or default_socket(), timeout_s, name)
+        """``lookup_channel``: send LOOKUP and PING on the daemon's lookup channel when it has one
+        (docs/protocol.md section 2.1); False: everything on the ZeroMQ socket."""
+        super().__init__(url or default_socket(), timeout_s, name, lookup_channel)
         # tcp://: the tenant token the daemon's --tcp-token-file lists (default $TIERD_TOKEN)
         self._token = os.environ.get("TIERD_TOKEN", "") if token is None else token
         self._heartbeat = heartbeat_interval_s
@@ -232,6 +235,7 @@ class Session(Transport):
             if self._heartbeat is None:
                 self._heartbeat = max(0.05, min(5.0, body.get("heartbeat_timeout_s", 30.0) / 4))
             self._next_ping = time.monotonic() + self._heartbeat
+            self._open_channel(int(body.get("channel_max_bytes") or 0))
         elif body.get("code") not in _NOT_REFUSALS:
             self._hello_error = TierdError(str(body.get("code")), str(body.get("message")))
             log.error("tierd at %s refused HELLO: %s", self.url, self._hello_error)

@@ -26,15 +26,26 @@ the socket's notification descriptor, not the socket, so it never touches it wit
   (its caller never waited) hands the request to the I/O thread.
 - ZeroMQ's descriptor is edge-triggered: whoever sent or read drains the socket to EAGAIN, or
   wakes the I/O thread, before letting the lock go.
+
+The lookup channel (tierd.channel; docs/protocol.md section 2.1): once a HELLO is answered with
+``channel_max_bytes`` the I/O thread connects the daemon's ``PATH.lookup`` seqpacket socket and
+names this socket's identity on it; once the daemon acknowledges it, LOOKUP and PING sent by
+``_send_now`` go there (a round trip without ZeroMQ's I/O threads), the rest and everything the
+I/O thread sends on the DEALER. A frame the channel cannot take at once goes on the DEALER; a
+channel that ends fails what is in flight on it (``DaemonUnavailable``) and is not used again
+until the next HELLO. The same lock, claims and watching rules cover both sockets; only the I/O
+thread registers, unregisters and closes the channel's socket (``_sync_channel``).
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import math
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -44,9 +55,11 @@ from dataclasses import dataclass
 
 import zmq
 
+from tierd.channel import CHANNEL_OPS, channel_path
 from tierd.protocol import codec
 from tierd.protocol.errors import ProtocolError
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
+from tierd_client.fdpass import socket_file
 
 log = logging.getLogger("tierd_client")
 
@@ -54,6 +67,7 @@ FAST_WAIT_S = 0.005  # a caller reads the socket for its own reply this long bef
 TICK_MS = 50  # the I/O thread's longest sleep: heartbeats, deadlines and claims checked this often
 # plain ints: pyzmq's enum flags make each ``EVENTS & POLLIN`` test a Python-level __and__ (1 µs)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+CHANNEL_REPLY_BYTES = 1 << 16  # LOOKUP and PING replies are a few hundred bytes
 
 
 class Reply(Future):
@@ -91,6 +105,7 @@ class Pending:
     retried: bool = False
     publish: object | None = None  # .open() before it is sent, .close() once it ends
     claimed_until: float = 0.0  # monotonic: its caller reads its reply until then (module doc)
+    channel: bool = False  # sent on the lookup channel (module doc), not on the DEALER
 
 
 class Transport:
@@ -98,7 +113,7 @@ class Transport:
     ZMTP handshake completed), ``_on_reply`` (a reply matched a request) and ``_tick`` (every
     loop turn, at least every TICK_MS). ``_front`` holds requests to send before anything waiting."""
 
-    def __init__(self, url: str, timeout_s: float, name: str):
+    def __init__(self, url: str, timeout_s: float, name: str, channel: bool = True):
         self.url = url
         self.timeout_s = timeout_s
         self.name = name
@@ -117,6 +132,13 @@ class Transport:
         self._closed = threading.Event()
         self._connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
         self._ever_connected = False
+        self._identity = uuid.uuid4().bytes  # the DEALER's, named on the lookup channel too
+        path = socket_file(url) if channel else None
+        self._channel_path = channel_path(path) if path else None
+        self._channel: socket.socket | None = None  # attached: LOOKUP and PING go here
+        self._channel_max = 0  # the largest frame it takes (HELLO's channel_max_bytes)
+        self._opening: socket.socket | None = None  # connected, its identity not yet acknowledged
+        self._dead: list[socket.socket] = []  # to unregister and close (I/O thread)
         self._thread = threading.Thread(target=self._loop, name=f"tierd-client-{name}", daemon=True)
 
     # ---- any thread -----------------------------------------------------------------------------
@@ -151,12 +173,17 @@ class Transport:
             if sock is None or not self._connected or ahead:
                 return False
             req_id = next(self._ids)
-            try:
-                sock.send(codec.encode_request(p.op, req_id, p.body), zmq.NOBLOCK)
-            except zmq.Again:
-                return False
+            frame = codec.encode_request(p.op, req_id, p.body)
+            channel = self._channel
+            if channel is not None and p.op in CHANNEL_OPS and self._channel_send(channel, frame):
+                p.channel = True
+            else:
+                try:
+                    sock.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    return False
             self._pending[req_id] = p
-            if sock.getsockopt(_EVENTS) & _POLLIN:
+            if not p.channel and sock.getsockopt(_EVENTS) & _POLLIN:
                 self._wake()  # the send took in a reply: the descriptor will not say so again
             elif not self._watching and p.claimed_until <= time.monotonic():
                 self._wake()  # nobody would read its reply: the I/O thread watches the socket again
@@ -176,6 +203,10 @@ class Transport:
         try:
             sock = self._sock
             if sock is None or fut.done() or own is None:
+                return
+            if own.channel:
+                if self._channel is not None:
+                    mine, handed = self._pump_channel(self._channel, own, end)
                 return
             own.claimed_until = max(own.claimed_until, end)
             for i, (req_id, ok, _body) in enumerate(self._stash):  # read by another caller
@@ -213,6 +244,130 @@ class Transport:
             if mine is not None:
                 self._on_reply(mine[0], True, mine[1])
 
+    def _pump_channel(self, channel: socket.socket, own: Pending, end: float):
+        """``_pump`` for a request sent on the lookup channel (level-triggered: nothing to drain)."""
+        own.claimed_until = max(own.claimed_until, end)
+        handed = False
+        while True:
+            reply = self._channel_recv(channel)
+            if reply is None:
+                left = end - time.monotonic()
+                if (
+                    handed
+                    or self._channel is not channel
+                    or left <= 0
+                    or not zmq.zmq_poll([(channel, zmq.POLLIN)], math.ceil(left * 1000))
+                ):
+                    return None, handed
+                continue
+            req_id, ok, body = reply
+            p = self._pending.get(req_id)
+            if ok and p is own:
+                return (self._pending.pop(req_id), body), handed
+            self._stash.append((req_id, ok, body))
+            handed = handed or p is own
+
+    def _channel_send(self, channel: socket.socket, frame: bytes) -> bool:
+        """Whether ``frame`` went on the lookup channel; False (the DEALER carries it) when it is
+        too large for it, its queue is full, or it ended (then it is dropped)."""
+        if len(frame) > self._channel_max:
+            return False
+        try:
+            channel.send(frame)
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            if exc.errno != errno.EMSGSIZE:
+                self._drop_channel(f"sending failed: {exc.strerror}")
+            return False
+
+    def _channel_recv(self, channel: socket.socket) -> tuple[int, bool, dict] | None:
+        """One reply read from the lookup channel, or None (nothing there, or it ended)."""
+        while True:
+            try:
+                frame = channel.recv(CHANNEL_REPLY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                self._drop_channel(f"reading failed: {exc.strerror}")
+                return None
+            if not frame:
+                self._drop_channel("the daemon closed it")
+                return None
+            reply = _decode(frame)
+            if reply is not None:
+                return reply
+
+    def _open_channel(self, max_bytes: int) -> None:
+        """After a HELLO: connect the daemon's lookup channel (0: it has none) and name our identity;
+        it is used once the daemon acknowledges that (``_channel_poll``). Lock held."""
+        self._drop_channel("a new session")
+        if not max_bytes or self._channel_path is None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        s.setblocking(False)
+        try:
+            s.connect(self._channel_path)
+            s.send(self._identity)
+        except OSError as exc:  # none there, not ours to connect, or its backlog full: the DEALER it is
+            log.debug("tierd lookup channel %s not opened: %s", self._channel_path, exc)
+            s.close()
+            return
+        self._opening, self._channel_max = s, max_bytes
+
+    def _drop_channel(self, why: str) -> None:
+        """Stop using the lookup channel; what is in flight on it fails. Lock held."""
+        if self._channel is not None:
+            log.debug("tierd lookup channel dropped: %s", why)
+            self._dead.append(self._channel)
+            self._channel = None
+            lost = [req_id for req_id, p in self._pending.items() if p.channel]
+            for req_id in lost:
+                self._fail(self._pending.pop(req_id), DaemonUnavailable(self.url))
+            self._wake()
+        if self._opening is not None:
+            self._dead.append(self._opening)
+            self._opening = None
+
+    def _channel_poll(self) -> None:
+        """I/O thread, lock held: take the acknowledgement of an opening channel, and any reply."""
+        if self._opening is not None:
+            s = self._opening
+            try:
+                frame = s.recv(CHANNEL_REPLY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                frame = None
+            except OSError:
+                frame = b""
+            if frame is not None:
+                self._opening = None
+                if frame and _decode(frame) == (0, True, {}):
+                    self._channel = s
+                else:  # over the daemon's cap, or not a channel: the DEALER it is
+                    self._dead.append(s)
+        channel = self._channel
+        while channel is not None and self._channel is channel:
+            reply = self._channel_recv(channel)
+            if reply is None:
+                return
+            self._dispatch(*reply)
+
+    def _sync_channel(self, poller: zmq.Poller, polled: socket.socket | None, watch: bool):
+        """Register the channel socket the I/O thread should poll (an opening one always, an attached
+        one while the DEALER is watched too), close dropped ones; returns what is registered now."""
+        want = self._opening or (self._channel if watch else None)
+        if polled is not None and polled is not want:
+            poller.unregister(polled)
+            polled = None
+        for s in self._dead:
+            s.close()
+        self._dead.clear()
+        if want is not None and polled is None:
+            poller.register(want, zmq.POLLIN)
+            polled = want
+        return polled
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -242,7 +397,7 @@ class Transport:
     # ---- I/O thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        sock.setsockopt(zmq.IDENTITY, self._identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not connected
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -257,6 +412,7 @@ class Transport:
         with self._lock:
             self._sock = sock
         timeout_ms = TICK_MS
+        polled = None  # the lookup channel's socket, while registered
         try:
             while not self._closed.is_set():
                 events = dict(poller.poll(timeout_ms))
@@ -273,6 +429,7 @@ class Transport:
                     for req_id, ok, body in stash:
                         self._dispatch(req_id, ok, body)
                     self._recv_all(sock)
+                    self._channel_poll()
                     while True:
                         try:
                             self._waiting.append(self._outbox.get_nowait())
@@ -292,8 +449,11 @@ class Transport:
                             poller.register(fd, zmq.POLLIN)
                         else:
                             poller.unregister(fd)
+                    polled = self._sync_channel(poller, polled, watch)
         finally:
             with self._lock:
+                self._drop_channel("the client closed")
+                self._sync_channel(poller, polled, False)
                 self._sock = None
                 sock.disable_monitor()
                 monitor.close(linger=0)
@@ -328,6 +488,7 @@ class Transport:
                     )
                     continue
             req_id = next(self._ids)
+            p.channel = False  # (a retried request may have gone on the lookup channel first)
             try:
                 sock.send(codec.encode_request(p.op, req_id, p.body), zmq.NOBLOCK)
             except zmq.Again:
@@ -351,6 +512,7 @@ class Transport:
                 return
             if event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
+                self._drop_channel("the daemon disconnected")
                 lost, self._pending = list(self._pending.values()), {}
                 if lost:
                     log.warning(

@@ -80,6 +80,11 @@ class Settings:
         min=0,
         max=1 << 24,
     )
+    lookup_channel: bool = _opt(
+        True,
+        "Serve LOOKUP and PING on a Unix seqpacket socket next to the ipc:// socket "
+        "(PATH.lookup) as well: a round trip without ZeroMQ's I/O threads.",
+    )
     drop_on_disconnect: bool = _opt(
         True,
         "Drop a client's session (its leases and registered ranks) as soon "

@@ -27,6 +27,7 @@ import grp
 import logging
 import os
 import pwd
+import socket
 import stat
 
 import zmq
@@ -91,6 +92,35 @@ def bind(router: zmq.Socket, url: str, socket_mode: str) -> Endpoint:
         os.close(fd)
         raise
     return Endpoint(url, path, fd, (st.st_dev, st.st_ino))
+
+
+def listen_seqpacket(path: str, mode: int, backlog: int = 64) -> socket.socket:
+    """A non-blocking Unix seqpacket socket listening at ``path`` (next to the ipc:// socket,
+    whose lock the caller holds: a socket file left there by a dead daemon is unlinked), never
+    more permissive than ``mode``, not even between bind and chmod."""
+    unlink_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    umask = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.umask(umask)
+    os.chmod(path, mode)
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+def unlink_socket(path: str) -> None:
+    """Remove the socket file at ``path``; any other kind of file is left alone."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def check_folder(folder: str, uid: int | None = None) -> None:

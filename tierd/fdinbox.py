@@ -22,10 +22,10 @@ import logging
 import os
 import selectors
 import socket
-import stat
 import threading
 import time
 
+from tierd.endpoint import listen_seqpacket, unlink_socket
 from tierd.peer import socket_peer
 
 log = logging.getLogger("tierd")
@@ -56,20 +56,7 @@ class FdInbox:
         self._count: dict[int, int] = {}  # uid -> unclaimed descriptors
         self.received = self.refused = 0
         self._conns: dict[socket.socket, tuple[int, float]] = {}  # -> (uid, last heard)
-        try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                os.unlink(path)  # a dead daemon's (the caller holds the endpoint's lock)
-        except FileNotFoundError:
-            pass
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        umask = os.umask(0o777 & ~mode)  # never more than the socket's mode, not even at bind
-        try:
-            self._sock.bind(path)
-        finally:
-            os.umask(umask)
-        os.chmod(path, mode)
-        self._sock.listen(64)
-        self._sock.setblocking(False)
+        self._sock = listen_seqpacket(path, mode)
         self._stop_r, self._stop_w = os.pipe()
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._sock, selectors.EVENT_READ)
@@ -109,11 +96,7 @@ class FdInbox:
                     os.close(fd)
             self._held.clear()
             self._count.clear()
-        try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_socket(self.path)
 
     # ---- the inbox thread ------------------------------------------------------------------------
     def _serve(self) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierd import __version__
+from tierd.channel import Channel
 from tierd.config import Settings
 from tierd.peer import Peer
 from tierd.planner import CopyPlan, Geometry, plan_retrieve, plan_store
@@ -50,6 +51,7 @@ class Tier:
     status: Callable[[], dict]
     tenants: Tenants = None  # who a HELLO acts as (None: everyone is the daemon's own tenant)
     l2: object = None  # tierd.tier2.SecondTier with --l2-url
+    channel_max_bytes: int = 0  # the lookup channel's largest frame (tierd.channel); 0: none
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Call:
 
     identity: bytes
     session: Session | None
-    envelope: list[bytes]
+    envelope: list[bytes] | Channel  # the ROUTER's [identity], or the lookup channel it came on
     req_id: int
     t0: float
     peer: Peer | None = None  # the kernel's credentials of the connection (None: the daemon's own user)
@@ -230,6 +232,7 @@ def hello(tier: Tier, call: Call, msg: m.Hello) -> m.HelloReply:
         s.max_frame_bytes,
         session.tenant,
         session.principal.operator,
+        tier.channel_max_bytes,
     )
 
 

@@ -19,6 +19,7 @@ import uuid
 import zmq
 
 from tierd import __version__, endpoint, handlers, warm
+from tierd.channel import CHANNEL_OPS, Channel, ChannelServer, channel_path
 from tierd.config import Settings
 from tierd.disconnects import ConnectionWatch
 from tierd.handlers import Call, Job, Tier
@@ -119,6 +120,7 @@ class Daemon:
         )
         self.l2 = _second_tier(settings, self.pool)  # None without --l2-url
         self.tier.l2 = self.l2
+        self.tier.channel_max_bytes = self.channel.max_bytes if self.channel is not None else 0
         self.stopping = False
         self._next_freeze = 0.0
         self.board = StatusBoard()  # the last /status, for the HTTP thread
@@ -130,7 +132,11 @@ class Daemon:
         # ipc://: a safe folder, the endpoint's lock held for our life, then the socket (tierd.endpoint)
         self.endpoint = endpoint.bind(self.router, self.settings.socket, self.settings.socket_mode)
         self.inbox = None  # engines hand their unnamed shared memory over as descriptors (tierd.fdinbox)
+        self.channel = None  # LOOKUP and PING without ZeroMQ (tierd.channel)
         path = self.endpoint.path
+        if path and self.settings.lookup_channel:
+            mode = int(self.settings.socket_mode, 8)
+            self.channel = ChannelServer(channel_path(path), mode, self.max_connections)
         if path:
             from tierd.fdinbox import FdInbox, inbox_path
 
@@ -197,6 +203,10 @@ class Daemon:
             poller.register(self.l2.wake_r, zmq.POLLIN)
         if self.watch is not None:
             poller.register(self.watch.monitor, zmq.POLLIN)
+        channels = None
+        if self.channel is not None:
+            self.channel.watch(poller)
+            channels = self.channel.conns
         next_house = time.monotonic()
         stop_deadline = None
         log.info(
@@ -216,6 +226,11 @@ class Daemon:
                     self._drop_disconnected()
                 elif sock == self.board.wake_r:
                     self.board.answer(self.status)
+                elif channels is not None:
+                    if sock == self.channel.fd:
+                        self.channel.accept()
+                    elif sock in channels:
+                        self._recv_channel(channels[sock])
             self._finish_jobs()
             if self.l2 is not None:
                 self._finish_l2()
@@ -281,6 +296,13 @@ class Daemon:
             if watch is not None:
                 self._drop_disconnected()
 
+    def _recv_channel(self, channel: Channel) -> None:
+        for frame in self.channel.receive(channel, RECV_BURST):
+            if isinstance(frame, ProtocolError):
+                self._error(channel, frame.req_id or 0, frame.code, frame.message, "?")
+            else:
+                self._on_request(channel, frame, channel.peer)
+
     def _drop_disconnected(self) -> None:
         """Sessions whose connection closed go now, as a heartbeat timeout would take them."""
         reg = self.registry
@@ -310,15 +332,22 @@ class Daemon:
             peer = self._peers[address] = parse_peer_address(address, self._ipc)
         return peer
 
-    def _on_request(self, envelope: list[bytes], frame, peer: Peer) -> None:
+    def _on_request(self, envelope: list[bytes] | Channel, frame, peer: Peer) -> None:
+        """One request from the ROUTER (``envelope`` [identity]) or from a lookup channel."""
         t0 = time.perf_counter()
         req_id, op = 0, "?"
         try:
             op, req_id, body = codec.split_request(frame, self.settings.max_frame_bytes)
             msg = messages.decode(op, body)
+            if type(envelope) is Channel:
+                if op not in CHANNEL_OPS:
+                    only = " and ".join(CHANNEL_OPS)
+                    raise ProtocolError(ErrorCode.BAD_REQUEST, f"the lookup channel serves {only}, not {op}")
+                identity = envelope.identity
+            else:
+                identity = envelope[0]
             if self.stopping and op not in NO_STATE_OPS:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
-            identity = envelope[0]
             session = None if op in SESSIONLESS_OPS else self.registry.session(identity, peer.uid)
             result = handlers.HANDLERS[op](
                 self.tier, Call(identity, session, envelope, req_id, t0, peer), msg
@@ -342,7 +371,11 @@ class Daemon:
         log.debug("%s req %d -> %s: %s", op, req_id, code.name, message)
         self._send(envelope, codec.encode_error(req_id, code, message))
 
-    def _send(self, envelope: list[bytes], frame: bytes) -> None:
+    def _send(self, envelope: list[bytes] | Channel, frame: bytes) -> None:
+        if type(envelope) is Channel:
+            if not envelope.send(frame):  # its queue is full or it is gone: its deadline covers it
+                self.channel.dropped += 1
+            return
         try:
             self.router.send_multipart([*envelope, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: the client's deadline covers it
@@ -447,6 +480,8 @@ class Daemon:
         self.router.close(linger=linger_ms)
         if self.inbox is not None:
             self.inbox.close()
+        if self.channel is not None:
+            self.channel.close()
         self.endpoint.close()  # our socket file goes, then the lock
         os.close(self._stop_r)
         os.close(self._stop_w)

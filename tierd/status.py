@@ -155,6 +155,17 @@ def build_status(daemon) -> dict:
         if inbox is None
         else {"waiting": inbox.waiting, "received": inbox.received, "refused": inbox.refused}
     )
+    channel = daemon.channel
+    out["lookup_channel"] = (
+        None
+        if channel is None
+        else {
+            "connections": len(channel.conns),
+            "requests": channel.requests,
+            "closed_over_cap": channel.refused,
+            "replies_dropped": channel.dropped,
+        }
+    )
     now = time.monotonic()
     out["instances"] = [
         {

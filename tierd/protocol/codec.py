@@ -65,7 +65,7 @@ def encode_request(op: str, req_id: int, body: Any) -> bytes:
     return _encoder.encode((op, req_id, body))
 
 
-def _peek_req_id(frame: bytes) -> int | None:
+def peek_req_id(frame: bytes) -> int | None:
     """The req_id of a frame that does not split, read from its head alone."""
     unpacker = msgpack.Unpacker(raw=False, ext_hook=_reject_ext, max_buffer_size=_PEEK_BYTES)
     unpacker.feed(frame[:_PEEK_BYTES])
@@ -87,7 +87,7 @@ def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
         raise ProtocolError(
             ErrorCode.TOO_LARGE,
             f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}",
-            req_id=_peek_req_id(frame),
+            req_id=peek_req_id(frame),
         )
     try:
         op, req_id, body = _envelope.decode(frame)
@@ -95,11 +95,11 @@ def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
             f"a request is a 3-element array [op: str, req_id: int, body: map]: {exc}",
-            req_id=_peek_req_id(frame),
+            req_id=peek_req_id(frame),
         ) from None
     except RecursionError:  # containers nested thousands deep: the decoder's recursion gives out
         raise ProtocolError(
-            ErrorCode.BAD_REQUEST, "containers nested too deeply", req_id=_peek_req_id(frame)
+            ErrorCode.BAD_REQUEST, "containers nested too deeply", req_id=peek_req_id(frame)
         ) from None
     if not 0 <= req_id <= _MAX_REQ_ID:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "req_id must be a non-negative 63-bit integer")

@@ -159,6 +159,7 @@ class HelloReply(msgspec.Struct):
     max_frame_bytes: int
     tenant: str  # what the daemon takes this session to be ("" = the daemon's own user)
     operator: bool  # may CLEAR
+    channel_max_bytes: int = 0  # the lookup channel's largest frame (docs/protocol.md 2.1); 0: none
 
 
 class RegisterReply(msgspec.Struct):
