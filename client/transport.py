@@ -29,9 +29,9 @@ the socket's notification descriptor, not the socket, so it never touches it wit
 
 The lookup channel (tierd.channel; docs/protocol.md section 2.1): once a HELLO is answered with
 ``channel_max_bytes`` the I/O thread connects the daemon's ``PATH.lookup`` seqpacket socket and
-names this socket's identity on it; once the daemon acknowledges it, LOOKUP and PING sent by
-``_send_now`` go there (a round trip without ZeroMQ's I/O threads), the rest and everything the
-I/O thread sends on the DEALER. A frame the channel cannot take at once goes on the DEALER; a
+names this socket's identity on it; once the daemon acknowledges it, callers' LOOKUP and PING
+go there (a round trip without ZeroMQ's I/O threads), everything else (heartbeats too) on the
+DEALER. A frame the channel cannot take at once goes on the DEALER; a
 channel that ends fails what is in flight on it (``DaemonUnavailable``) and is not used again
 until the next HELLO. The same lock, claims and watching rules cover both sockets; only the I/O
 thread registers, unregisters and closes the channel's socket (``_sync_channel``).
@@ -273,7 +273,7 @@ class Transport:
         if len(frame) > self._channel_max:
             return False
         try:
-            channel.send(frame)
+            channel.send(frame, socket.MSG_NOSIGNAL)
             return True
         except (BlockingIOError, InterruptedError):
             return False
@@ -309,7 +309,7 @@ class Transport:
         s.setblocking(False)
         try:
             s.connect(self._channel_path)
-            s.send(self._identity)
+            s.send(self._identity, socket.MSG_NOSIGNAL)
         except OSError as exc:  # none there, not ours to connect, or its backlog full: the DEALER it is
             log.debug("tierd lookup channel %s not opened: %s", self._channel_path, exc)
             s.close()
@@ -488,9 +488,15 @@ class Transport:
                     )
                     continue
             req_id = next(self._ids)
-            p.channel = False  # (a retried request may have gone on the lookup channel first)
+            frame = codec.encode_request(p.op, req_id, p.body)
+            channel = self._channel  # a caller's LOOKUP or PING (heartbeats have callbacks: the DEALER)
+            p.channel = channel is not None and p.op in CHANNEL_OPS and p.callback is None
+            if p.channel and self._channel_send(channel, frame):
+                self._pending[req_id] = p
+                continue
+            p.channel = False
             try:
-                sock.send(codec.encode_request(p.op, req_id, p.body), zmq.NOBLOCK)
+                sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 if self._ever_connected and not self._connected:
                     # the daemon went away: answer now rather than at the deadline

@@ -55,7 +55,7 @@ class Channel:
     def send(self, frame: bytes) -> bool:
         """Queue one reply without waiting; False if the client's queue is full or it is gone."""
         try:
-            self.sock.send(frame)
+            self.sock.send(frame, socket.MSG_NOSIGNAL)  # (a peer gone: EPIPE, never SIGPIPE)
             return True
         except OSError:  # full (BlockingIOError) or gone: its reads see the end
             return False
