@@ -8,12 +8,16 @@ arrive from an engine: with 16-token chunks (2048 keys a LOOKUP) and with 256-to
 keys), hit and miss. Latency is client-side round trip (ZeroMQ ipc, msgpack, the fold), p50/p99.
 Metadata overhead is the daemon's RSS growth minus the pool memory backed meanwhile.
 
-Baselines of the same run, to read the latencies against: ``floor_echo_*``, a bare pyzmq
-ROUTER that polls and echoes each frame (another process, the same ipc transport, a frame of the
-LOOKUP's size; what any Python daemon's round trip costs before it does anything), and
-``ping``, TierdClient.ping() to this daemon. ``daemon_mean_ms`` next to each LOOKUP figure is the
-daemon's own time per LOOKUP (its ``tierd_op_seconds`` histogram, from the request's receipt to
-its reply's send): the rest of the round trip is the wire and the two event loops.
+Every round trip is measured twice, alternately request by request: on the lookup channel
+(docs/protocol.md section 2.1; a default TierdClient) and on ZeroMQ alone
+(``TierdClient(lookup_channel=False)``, the ``zmq`` figures). Baselines of the same run, to read
+the latencies against: ``floor_echo_*``, a bare pyzmq ROUTER that polls and echoes each frame
+(another process, the same ipc transport, a frame of the LOOKUP's size; what any Python daemon's
+round trip costs before it does anything), ``floor_channel_echo_*``, the same over a Unix
+seqpacket socket, and ``ping``, TierdClient.ping() to this daemon. ``daemon_mean_ms`` next to
+each LOOKUP figure is the daemon's own time per LOOKUP, both ways together (its
+``tierd_op_seconds`` histogram, from the request's receipt to its reply's send): the rest of the
+round trip is the wire and the two event loops.
 """
 
 from __future__ import annotations
@@ -100,6 +104,38 @@ def _echo(endpoint: str, ready) -> None:
             sock.send_multipart([parts[0].bytes, parts[-1]], zmq.NOBLOCK)
 
 
+def _channel_echo(sock) -> None:
+    buf = bytearray(1 << 20)
+    while True:
+        n = sock.recv_into(buf)
+        if n <= 4 and bytes(buf[:n]) == b"stop":
+            return
+        sock.send(memoryview(buf)[:n])
+
+
+def channel_echo_floor(frame_bytes: int, repeats: int) -> dict:
+    """Round trips of a ``frame_bytes`` frame through a seqpacket echo in another process."""
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = multiprocessing.get_context("fork").Process(target=_channel_echo, args=(theirs,), daemon=True)
+    proc.start()
+    theirs.close()
+    frame, buf, lat = os.urandom(frame_bytes), bytearray(1 << 20), []
+    try:
+        for i in range(repeats + 50):
+            t = time.perf_counter()
+            ours.send(frame)
+            ours.recv_into(buf)
+            if i >= 50:
+                lat.append(time.perf_counter() - t)
+        ours.send(b"stop")
+    finally:
+        ours.close()
+        proc.join(5)
+    return percentiles(lat)
+
+
 def echo_floor(frame_bytes: int, repeats: int) -> dict:
     """Round trips of a ``frame_bytes`` frame through a bare pyzmq ROUTER echo in another process."""
     import zmq
@@ -182,6 +218,8 @@ def main() -> None:
     with private_daemon(pool, extra) as endpoint:
         client = TierdClient(endpoint, timeout_s=120, name="lookup-bench")
         client.wait_ready(30)
+        plain = TierdClient(endpoint, timeout_s=120, name="lookup-bench-zmq", lookup_channel=False)
+        plain.wait_ready(30)
         pid = client.server["pid"]
         buf = SharedBuffer(NBLOCKS * BLOCK_BYTES)
         try:
@@ -205,18 +243,34 @@ def main() -> None:
             results["metadata_bytes_per_object"] = round(overhead / args.objects, 1)
             results["metadata_mib_per_million_objects"] = round(overhead / args.objects * 1e6 / 2**20, 1)
 
-            def measure(keys, chunk_tokens, lease, space=ns):
-                lat = []
-                s0, n0 = op_seconds(port, "LOOKUP")
+            def alternate(call, after=None) -> dict:
+                """``call(c)`` on the channel's client and on the plain one in turn, timed; then
+                ``after(c, result)``, not timed."""
+                lat: dict = {client: [], plain: []}
                 for _ in range(args.repeats):
-                    t = time.perf_counter()
-                    r = client.lookup(space, keys, specs, chunk_tokens, lease=lease)
-                    lat.append(time.perf_counter() - t)
+                    for c in (client, plain):
+                        t = time.perf_counter()
+                        r = call(c)
+                        lat[c].append(time.perf_counter() - t)
+                        if after is not None:
+                            after(c, r)
+                zmq_only = percentiles(lat[plain])
+                return {**percentiles(lat[client]), "zmq": {k: zmq_only[k] for k in ("p50_ms", "p99_ms")}}
+
+            def measure(keys, chunk_tokens, lease, space=ns):
+                got = []
+
+                def done(c, r):
+                    got.append(r["chunks"])
                     if r.get("lease"):
-                        client.release(r["lease"])
+                        c.release(r["lease"])
+
+                s0, n0 = op_seconds(port, "LOOKUP")
+                figures = alternate(lambda c: c.lookup(space, keys, specs, chunk_tokens, lease=lease), done)
                 s1, n1 = op_seconds(port, "LOOKUP")
+                assert len(set(got)) == 1, set(got)  # both ways, the same answer
                 daemon = round((s1 - s0) / max(1, n1 - n0) * 1e3, 4)
-                return r["chunks"], {**percentiles(lat), "daemon_mean_ms": daemon}
+                return got[0], {**figures, "daemon_mean_ms": daemon}
 
             hit, results["lookup_2048_keys_hit"] = measure(keys_prompt, 16, False)
             assert hit == len(keys_prompt), hit
@@ -236,12 +290,8 @@ def main() -> None:
                 client.lookup(ns2, keys128, specs, 256, lease=False)
                 n += 1
             results["lookups_per_s_128_keys_sequential"] = round(n / (time.perf_counter() - t))
-            lat = []
-            for _ in range(args.repeats):
-                t = time.perf_counter()
-                client.ping()
-                lat.append(time.perf_counter() - t)
-            results["ping"] = percentiles(lat)
+            results["ping"] = alternate(lambda c: c.ping())
+            results["requests_on_the_channel"] = client.status()["lookup_channel"]["requests"]
             for name, keys in (("128", keys128), ("2048", keys_prompt)):
                 size = len(
                     codec.encode_request(
@@ -251,7 +301,9 @@ def main() -> None:
                     )
                 )
                 results[f"floor_echo_{name}_keys"] = {**echo_floor(size, args.repeats), "frame_bytes": size}
+                results[f"floor_channel_echo_{name}_keys"] = channel_echo_floor(size, args.repeats)
         finally:
+            plain.close()
             client.close()
             buf.close()
     if args.json:
