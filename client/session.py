@@ -11,6 +11,8 @@ recovery after a daemon restart, BYE, and the request/deadline API the verbs are
   re-sends the request once. A daemon that comes up only after the first HELLO expired is
   greeted when its connection comes up, so a client started before its daemon still gets a
   session (and its ranks registered) later.
+- A HELLO that expires on a connection that is up (a daemon still backing and pinning its pool
+  after binding its socket) is sent again, until one is answered; ``wait_ready`` waits on.
 - A HELLO the daemon refuses (e.g. ``UNSUPPORTED_VERSION``) is not "no daemon": ``wait_ready``
   raises the daemon's own error, and requests that fail for want of a session carry it too.
 - ``close`` says BYE (bounded; an older daemon's ``UNKNOWN_OP`` is fine), so the daemon drops
@@ -229,6 +231,12 @@ class Session(Transport):
 
     def _on_hello(self, ok: bool, body: dict) -> None:
         self._recovering = False
+        if not ok and body.get("code") == "DEADLINE" and self._connected and not self._leaving:
+            # connected, yet no answer in time: the daemon is still opening (backing and pinning its
+            # pool comes after it binds its socket) or busy. Ask again; wait_ready waits on.
+            log.info("tierd at %s has not answered HELLO yet; asking again", self.url)
+            self._resync()
+            return
         if ok:
             self._hello_error = None
             self._hello = body

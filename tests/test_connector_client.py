@@ -4,12 +4,15 @@ BYE is harmless, and a client started before its daemon gets a session when the 
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import zmq
-from conftest import DaemonProcess
+from conftest import ROOT, DaemonProcess
 
 from tierd.protocol import codec
 from tierd.protocol.errors import ErrorCode
@@ -134,3 +137,26 @@ def test_a_client_started_before_its_daemon_gets_a_session_when_the_daemon_comes
         c.close()
         if d is not None:
             d.kill()
+
+
+def test_a_client_that_connects_while_the_daemon_backs_its_pool_gets_a_session(tmp_path, caplog):
+    """A daemon binds its socket first, then backs (and on CUDA hosts pins) its pool: seconds for
+    GiBs. A HELLO sent in between expires on a live connection; the client must ask again, and
+    wait_ready wait for that answer, instead of reporting no daemon (and never having a session)."""
+    sock = tmp_path / "tierd.sock"
+    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", f"ipc://{sock}", "--http-port", "-1"]
+    cmd += ["--l1-size-gb", "2", "--l1-init-size-gb", "1.5"]  # backing 1.5 GiB: 0.15 s at 10 GB/s
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(sock.exists, timeout=30), "the daemon never bound its socket"
+        caplog.set_level(logging.INFO, "tierd_client")
+        c = TierdClient(f"ipc://{sock}", timeout_s=10, connect_timeout_s=0.02)
+        try:
+            assert c.wait_ready(60)["pid"] == proc.pid
+            assert c.ping()["boot_id"] == c.server["boot_id"]
+        finally:
+            c.close()
+        assert any("has not answered HELLO yet" in r.getMessage() for r in caplog.records)
+    finally:
+        proc.terminate()
+        proc.wait(15)
