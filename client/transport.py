@@ -31,10 +31,10 @@ The lookup channel (tierd.channel; docs/protocol.md section 2.1): once a HELLO i
 ``channel_max_bytes`` the I/O thread connects the daemon's ``PATH.lookup`` seqpacket socket and
 names this socket's identity on it; once the daemon acknowledges it, callers' LOOKUP and PING
 go there (a round trip without ZeroMQ's I/O threads), everything else (heartbeats too) on the
-DEALER. A frame the channel cannot take at once goes on the DEALER; a
-channel that ends fails what is in flight on it (``DaemonUnavailable``) and is not used again
-until the next HELLO. The same lock, claims and watching rules cover both sockets; only the I/O
-thread registers, unregisters and closes the channel's socket (``_sync_channel``).
+DEALER. A frame the channel cannot take at once goes on the DEALER; a channel that ends fails
+what is in flight on it (``DaemonUnavailable``) and is not used again until the next HELLO. The
+same lock, claims and watching rules cover both sockets; only the I/O thread registers,
+unregisters and closes the channel's socket (``_sync_channel``).
 """
 
 from __future__ import annotations
@@ -452,8 +452,6 @@ class Transport:
                     polled = self._sync_channel(poller, polled, watch)
         finally:
             with self._lock:
-                self._drop_channel("the client closed")
-                self._sync_channel(poller, polled, False)
                 self._sock = None
                 sock.disable_monitor()
                 monitor.close(linger=0)
@@ -461,6 +459,8 @@ class Transport:
                 for p in list(self._pending.values()) + self._waiting + self._front:
                     self._fail(p, TierdError("CLOSED", "client closed"))
                 self._pending.clear()
+                self._drop_channel("the client closed")
+                self._sync_channel(poller, polled, False)
 
     def _watch_socket(self) -> tuple[bool, int]:
         """Whether the I/O thread watches the socket (some request in flight is not claimed by a

@@ -301,3 +301,20 @@ def test_a_channel_that_ends_fails_its_lookups_and_the_dealer_carries_the_next(d
     wait_for(lambda: c._channel is None, 5, what="the channel to be dropped")
     assert c.lookup(rank.ns, ks, rank.specs(), 16, lease=False)["chunks"] == 2  # on the DEALER
     assert channel_requests(daemon) == before + 1  # the failed one was read; the next was not sent there
+
+
+def test_a_lookup_in_flight_on_the_channel_when_the_client_closes_fails_closed(daemon, client_factory, ranks):
+    c = client_factory(daemon, timeout_s=30)
+    rank = ranks(GEOM, num_blocks=64)
+    ks = stored(c, rank, 2)
+    wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        fut = c.lookup_async(rank.ns, ks, rank.specs(), 16)
+        time.sleep(0.1)
+        c.close(bye_timeout=0.2)
+        with pytest.raises(TierdError) as err:
+            fut.result(timeout=5)
+        assert err.value.code == "CLOSED"  # like everything else in flight at close
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
