@@ -11,6 +11,7 @@ import pytest
 from test_pool import FULL, KIB, key, pool  # noqa: F401 - pool: fixture
 
 from tierd.pool.pool import EXISTS, Pool
+from tierd.registry import OWN_PEER
 
 
 def derived_columns(pool: Pool) -> dict:
@@ -114,14 +115,14 @@ def test_a_touch_of_an_object_gone_meanwhile_touches_the_rest(pool):
     assert pool.coldest(3 * 64 * KIB) == [objs[2], objs[0]]
 
 
-def test_the_daemon_applies_a_lookups_touch_once_its_reply_is_sent(tmp_path):
-    """One LOOKUP through the daemon's request step (in process, real handlers and pool): the
-    reply goes out, then the touch is applied, before the next request is taken."""
+@pytest.fixture
+def stored(tmp_path):
+    """An in-process Daemon (real handlers and pool) with one session and four committed chunks,
+    the last one least recent; its ``_send`` records each reply and what was pending then."""
     from tierd import handlers
     from tierd.config import Settings
     from tierd.handlers import Call
     from tierd.protocol import codec, messages
-    from tierd.registry import OWN_PEER
     from tierd.server import Daemon
     from tierd_client.layouts import block_span, group, layout, namespace
     from tierd_client.shm import SharedBuffer
@@ -141,26 +142,49 @@ def test_the_daemon_applies_a_lookups_touch_once_its_reply_is_sent(tmp_path):
         job = handlers.store(
             d.tier, call, messages.convert({"instance": "r", "chunks": chunks}, messages.Store)
         )
-        d.pool.commit(job.plan.objs)  # the last chunk least recent
-        sent, untouched_at_send = [], []
+        d.pool.commit(job.plan.objs)
+        sent: list = []
 
         def send(envelope, frame):
-            untouched_at_send.append(list(d.pool._untouched))
-            sent.append(codec.decode_reply(frame, 1 << 20))
+            pool = d.pool
+            pins = [o.pins for o in job.plan.objs]
+            sent.append((codec.decode_reply(frame, 1 << 20), list(pool._untouched), pins))
 
         d._send = send
-        specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
-        frame = codec.encode_request(
-            "LOOKUP",
-            7,
-            {"namespace": ns, "keys": keys[:2], "groups": specs, "chunk_tokens": 16, "lease": False},
-        )
-        d._on_request([ident], frame, OWN_PEER)
-        assert sent[0][0] == 7 and sent[0][1] and sent[0][2]["chunks"] == 2, sent
-        assert untouched_at_send == [[job.plan.objs[:2]]]  # the reply did not wait for the touch
-        assert d.pool._untouched == []  # ... and it was applied before _on_request returned
-        order = [o.key for o in sorted(job.plan.objs, key=lambda o: o.tick)]
-        assert order == [keys[3], keys[2], keys[1], keys[0]]  # the looked-up head most recent
+
+        def lookup(n: int, lease: bool) -> None:
+            specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
+            body = {"namespace": ns, "keys": keys[:n], "groups": specs, "chunk_tokens": 16, "lease": lease}
+            d._on_request([ident], codec.encode_request("LOOKUP", 7, body), OWN_PEER)
+
+        yield d, job.plan.objs, keys, lookup, sent
     finally:
         d.close()
         buf.close()
+
+
+def test_the_daemon_applies_a_lookups_touch_once_its_reply_is_sent(stored):
+    """The reply goes out, then the touch is applied, before the next request is taken."""
+    d, objs, keys, lookup, sent = stored
+    lookup(2, lease=False)
+    (req_id, ok, body), untouched_at_send, _ = sent[0]
+    assert (req_id, ok, body["chunks"]) == (7, True, 2), sent
+    assert untouched_at_send == [objs[:2]]  # the reply did not wait for the touch
+    assert d.pool._untouched == []  # ... and it was applied before _on_request returned
+    order = [o.key for o in sorted(objs, key=lambda o: o.tick)]
+    assert order == [keys[3], keys[2], keys[1], keys[0]]  # the looked-up head most recent
+
+
+def test_the_daemon_applies_a_leases_pins_once_its_reply_is_sent(stored):
+    """A LOOKUP's lease: the reply does not wait for its pins, which are applied before the next
+    request is taken; the lease's objects then outlive a CLEAR, and its RELEASE frees them."""
+    d, objs, keys, lookup, sent = stored
+    lookup(3, lease=True)
+    (req_id, ok, body), _, pins_at_send = sent[0]
+    assert ok and body["chunks"] == 3 and body["lease"] > 0
+    assert pins_at_send == [0, 0, 0, 0]  # the reply went first
+    assert [o.pins for o in objs] == [1, 1, 1, 0] and [o.leases for o in objs] == [1, 1, 1, 0]
+    assert d.registry.leased_bytes[""] == sum(o.nbytes for o in objs[:3])
+    assert d.pool.clear() == 1 and [o.key for o in objs if o.ready] == keys[:3]
+    assert d.registry.release(body["lease"])
+    assert [o.pins for o in objs[:3]] == [0, 0, 0] and not d.registry.leased_bytes

@@ -66,6 +66,7 @@ def test_a_lease_pins_its_objects_until_every_rank_has_retrieved(reg):
     s = reg.open_session(b"a", "sched", 1)
     objs = objects(reg, 3)
     lease = reg.grant(s, objs, world_size=2)
+    reg.pool.settle()  # the pins wait for the reply (the daemon settles after each one)
     assert lease == 1 and s.leases == {1} and [o.pins for o in objs] == [1, 1, 1]
     reg.consume(lease, 0)
     assert lease in reg.leases and [o.pins for o in objs] == [1, 1, 1]
@@ -193,6 +194,7 @@ def test_leases_past_the_session_cap_are_refused(reg):
     with pytest.raises(ProtocolError) as e:
         r.grant(s, objs[2:], 1)
     assert e.value.code is ErrorCode.LIMIT and "--max-leases-per-session 2" in e.value.message
+    r.pool.settle()
     assert [o.pins for o in objs] == [1, 1, 0]
 
 
@@ -210,6 +212,40 @@ def test_the_lease_share_counts_each_object_once_and_a_refused_lease_pins_nothin
     assert [o.pins for o in objs] == [3, 2, 2, 0, 0, 0], "the refused lease left pins behind"
     assert r.leased_bytes[""] == 3 * 256
     lease = r.grant(s, objs[3:4], 1)  # one more fits exactly
+    r.pool.settle()
     assert r.leased_bytes[""] == 4 * 256
     r.release(lease)
     assert r.leased_bytes[""] == 3 * 256 and objs[3].pins == 0
+
+
+def test_a_leases_pins_left_for_after_the_reply_are_applied_by_whoever_takes_the_pool_lock(reg):
+    s = reg.open_session(b"a", "sched", 1)
+    objs = objects(reg, 4)
+    reg.grant(s, objs[:3], 1)  # well within the cap: its pins wait for the reply
+    assert [o.pins for o in objs] == [0, 0, 0, 0]
+    assert reg.pool.clear() == 1  # an eviction takes the lock: the pins are applied first
+    assert [o.pins for o in objs[:3]] == [1, 1, 1] and [o.ready for o in objs] == [True] * 3 + [False]
+    assert reg.leased_bytes[""] == 3 * 256
+
+
+def test_a_lease_released_before_its_pins_are_applied_leaves_none_behind(reg):
+    s = reg.open_session(b"a", "sched", 1)
+    objs = objects(reg, 2)
+    lease = reg.grant(s, objs, 1)
+    assert reg.release(lease)  # the same loop turn: no settle in between
+    assert [(o.pins, o.leases) for o in objs] == [(0, 0), (0, 0)] and not reg.leased_bytes
+    reg.pool.settle()
+    assert [(o.pins, o.leases) for o in objs] == [(0, 0), (0, 0)]
+
+
+def test_a_grant_counts_the_pins_another_grant_left_for_after_its_reply(reg):
+    # four 256-byte slots fit the share (1048 bytes); two grants in one loop turn (L2 answers
+    # delivered together), no settle between: 3 + 2 objects must not both be granted
+    r = limited(reg.pool, reg.lanes, lease_share=0.001)
+    s = r.open_session(b"a", "x", 1)
+    objs = objects(reg, 5)
+    r.grant(s, objs[:3], 1)
+    with pytest.raises(ProtocolError) as e:
+        r.grant(s, objs[3:], 1)
+    assert e.value.code is ErrorCode.LIMIT
+    assert [o.pins for o in objs] == [1, 1, 1, 0, 0] and r.leased_bytes[""] == 3 * 256

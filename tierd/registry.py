@@ -17,6 +17,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
 
 from tierd.peer import Peer
 from tierd.pool.index import Obj
@@ -24,6 +26,8 @@ from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import Namespace, PageLayout
 from tierd.tenants import DEFAULT_TENANT, Principal, scoped_namespace_id
+
+_NBYTES = attrgetter("nbytes")
 
 log = logging.getLogger("tierd")
 
@@ -357,40 +361,62 @@ class Registry:
                 f"(--max-leases-per-session {lim.leases_per_session}); RELEASE some",
             )
         tenant = session.tenant
-        # one pass (pinned, then undone past the cap): nobody sees it in between. Pins only: the LRU
-        # touches of the LOOKUP granting this can wait for its reply (Pool.lookup). An object is
-        # one tenant's (its namespace id is scoped by the tenant), so its own count of leases says
-        # whether the tenant's pinned bytes already hold it.
-        with self.pool.lock.plain:
-            add = 0
-            for o in objs:
-                o.pins += 1
-                if not o.leases:
-                    add += o.nbytes  # an object repeated in objs counts once
-                o.leases += 1
-            cap = lim.lease_share * self.pool.configured_bytes
-            pinned = self.leased_bytes.get(tenant, 0)
-            if add and pinned + add > cap:
-                for o in objs:
-                    o.pins -= 1
-                    o.leases -= 1
-                raise ProtocolError(
-                    ErrorCode.LIMIT,
-                    f"this tenant's leases would pin {pinned + add} bytes, more than "
-                    f"--max-lease-share {lim.lease_share:g} of the pool ({int(cap)} bytes)",
-                )
-        self.leased_bytes[tenant] = pinned + add
+        self.pool.settle_pins()  # another grant's (several L2 answers in one turn): counted first
+        cap = lim.lease_share * self.pool.configured_bytes
+        pinned = self.leased_bytes.get(tenant, 0)
         lease = Lease(
-            next(self._lease_ids),
+            0,  # numbered once granted
             session.identity,
             objs,
             set(range(world_size)),
             time.monotonic() + self.lease_ttl_s,
             tenant,
         )
+        if pinned + sum(map(_NBYTES, objs)) <= cap:
+            # within the cap even if none of them is leased yet: the pins can wait for the reply.
+            # The pool's lock applies them before anyone reads pins (an eviction, a release).
+            self.pool.defer_pins(partial(self._pin, lease))
+        else:  # count each object once (some may be leased already), and undo past the cap
+            with self.pool.lock.plain:
+                add = self._pin(lease)
+                if add and pinned + add > cap:
+                    self._unpin(lease)
+                    raise ProtocolError(
+                        ErrorCode.LIMIT,
+                        f"this tenant's leases would pin {pinned + add} bytes, more than "
+                        f"--max-lease-share {lim.lease_share:g} of the pool ({int(cap)} bytes)",
+                    )
+        lease.id = next(self._lease_ids)
         self.leases[lease.id] = lease
         session.leases.add(lease.id)
         return lease.id
+
+    def _pin(self, lease: Lease) -> int:
+        """Pin a lease's objects; its tenant's pinned bytes grow by the objects no lease held yet
+        (an object is one tenant's: its namespace id is scoped by the tenant). Lock held."""
+        add = 0
+        for o in lease.objs:
+            o.pins += 1
+            if not o.leases:
+                add += o.nbytes  # an object repeated in objs counts once
+            o.leases += 1
+        if add:
+            self.leased_bytes[lease.tenant] = self.leased_bytes.get(lease.tenant, 0) + add
+        return add
+
+    def _unpin(self, lease: Lease) -> None:
+        """Undo ``_pin``. Lock held."""
+        freed = 0
+        for o in lease.objs:
+            o.pins -= 1
+            o.leases -= 1
+            if not o.leases:
+                freed += o.nbytes
+        left = self.leased_bytes.get(lease.tenant, 0) - freed
+        if left:
+            self.leased_bytes[lease.tenant] = left
+        else:
+            self.leased_bytes.pop(lease.tenant, None)
 
     def lease_of(self, lease_id: int, tenant: str) -> Lease | None:
         """The lease, if it is ``tenant``'s (another tenant's lease is FORBIDDEN)."""
@@ -403,18 +429,8 @@ class Registry:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        freed = 0
-        with self.pool.lock.plain:  # pins only
-            for o in lease.objs:
-                o.pins -= 1
-                o.leases -= 1
-                if not o.leases:
-                    freed += o.nbytes
-        left = self.leased_bytes.get(lease.tenant, 0) - freed
-        if left:
-            self.leased_bytes[lease.tenant] = left
-        else:
-            self.leased_bytes.pop(lease.tenant, None)
+        with self.pool.lock.plain:  # pins only (and a grant's not applied yet, first)
+            self._unpin(lease)
         owner = self.sessions.get(lease.session)
         if owner is not None:
             owner.leases.discard(lease_id)

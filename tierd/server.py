@@ -411,6 +411,7 @@ class Daemon:
     def _finish_l2(self) -> None:
         for call, op, result in self.l2.drain(self.tier, time.monotonic()):
             self._deliver(call, op, result)
+        self.pool.settle()  # the touches and lease pins of LOOKUPs answered now
 
     def _deliver(self, call: Call, op: str, result) -> None:
         """The reply, or the copy, of a request that waited for L2."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierd.pool import evict
 from tierd.pool.evlog import EvictionLog
@@ -44,22 +44,28 @@ EXISTS = Exists()
 
 
 class PoolLock:
-    """The pool's lock. Whoever takes it next first applies the LRU touches that LOOKUPs left
-    (Pool.lookup): a LOOKUP's reply need not wait for them, and nobody sees the LRU without them.
-    The daemon applies them itself right after each reply (Pool.settle). ``plain`` is the same
-    lock without that, for code that neither reads nor changes the LRU (pins, as leases take)."""
+    """The pool's lock. Whoever takes it next first applies what a LOOKUP's reply did not wait for:
+    the pins of the leases it granted (Pool.defer_pins), then its LRU touches (Pool.lookup). So
+    nobody sees pins or the LRU without them, and the daemon applies them itself right after each
+    reply (Pool.settle). ``plain`` is the same lock applying the pins only, for code that neither
+    reads nor changes the LRU (lease grants and releases)."""
 
     __slots__ = ("_lock", "_pool", "plain")
 
     def __init__(self, pool: Pool):
-        self._lock = self.plain = threading.Lock()
+        self._lock = threading.Lock()
         self._pool = pool
+        self.plain = _PinsLock(self._lock, pool)
 
     def acquire(self) -> None:
         self._lock.acquire()
-        if self._pool._untouched:
+        pool = self._pool
+        if pool._unpinned or pool._untouched:
             try:
-                self._pool._apply_touches()
+                if pool._unpinned:
+                    pool._apply_pins()
+                if pool._untouched:
+                    pool._apply_touches()
             except BaseException:
                 self._lock.release()
                 raise
@@ -69,6 +75,28 @@ class PoolLock:
 
     def __enter__(self) -> PoolLock:
         self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+class _PinsLock:
+    """PoolLock.plain: the pool's lock, applying pending lease pins (not LRU touches) when taken."""
+
+    __slots__ = ("_lock", "_pool")
+
+    def __init__(self, lock: threading.Lock, pool: Pool):
+        self._lock, self._pool = lock, pool
+
+    def __enter__(self) -> _PinsLock:
+        self._lock.acquire()
+        if self._pool._unpinned:
+            try:
+                self._pool._apply_pins()
+            except BaseException:
+                self._lock.release()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -132,6 +160,7 @@ class Pool:
         (slots) one namespace may hold, 0 for no quota; ``eviction_log``: the records ``evlog``
         keeps (0: it only counts)."""
         self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
+        self._unpinned: list[Callable[[], None]] = []  # lease grants whose pins are not applied yet
         self.lock = PoolLock(self)
         self.ns_quota_bytes = ns_quota_bytes
         self.evlog = EvictionLog(eviction_log)
@@ -324,10 +353,24 @@ class Pool:
             return hit, objs
 
     def settle(self) -> None:
-        """Apply the touches LOOKUPs left (the daemon calls this once a reply is sent)."""
-        if self._untouched:
+        """Apply the pins and touches LOOKUPs left (the daemon calls this once a reply is sent)."""
+        if self._untouched or self._unpinned:
             with self.lock:  # taking it applies them (PoolLock.acquire)
                 pass
+
+    def defer_pins(self, pin: Callable[[], None]) -> None:
+        """``pin()`` (a lease's pins) runs when the lock is next taken, before anything else does."""
+        self._unpinned.append(pin)
+
+    def settle_pins(self) -> None:
+        """Apply the lease pins granted so far (``defer_pins``), not the LRU touches."""
+        if self._unpinned:
+            with self.lock.plain:
+                pass
+
+    def _apply_pins(self) -> None:
+        while self._unpinned:
+            self._unpinned.pop(0)()
 
     def _apply_touches(self) -> None:
         untouched, self._untouched = self._untouched, []
