@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import socket
 
+import zmq
+
 from tierd.endpoint import listen_seqpacket, unlink_socket
 from tierd.peer import Peer, socket_peer
 from tierd.protocol import codec
@@ -76,7 +78,7 @@ class ChannelServer:
     def watch(self, poller) -> None:
         """Poll the listening socket (and every connection from now on) with ``poller``."""
         self._poller = poller
-        poller.register(self.fd, 1)  # zmq.POLLIN
+        poller.register(self.fd, zmq.POLLIN)
 
     def accept(self) -> None:
         while True:
@@ -95,7 +97,7 @@ class ChannelServer:
             channel = Channel(conn, socket_peer(conn))
             self.conns[channel.fd] = channel
             if self._poller is not None:
-                self._poller.register(channel.fd, 1)
+                self._poller.register(channel.fd, zmq.POLLIN)
 
     def receive(self, channel: Channel, limit: int) -> list[bytes | ProtocolError]:
         """Up to ``limit`` request frames read from ``channel``, a frame over ``max_bytes`` as its
