@@ -174,10 +174,7 @@ class Transport:
                 return False
             req_id = next(self._ids)
             frame = codec.encode_request(p.op, req_id, p.body)
-            channel = self._channel
-            if channel is not None and p.op in CHANNEL_OPS and self._channel_send(channel, frame):
-                p.channel = True
-            else:
+            if not self._send_on_channel(p, frame):
                 try:
                     sock.send(frame, zmq.NOBLOCK)
                 except zmq.Again:
@@ -266,6 +263,18 @@ class Transport:
                 return (self._pending.pop(req_id), body), handed
             self._stash.append((req_id, ok, body))
             handed = handed or p is own
+
+    def _send_on_channel(self, p: Pending, frame: bytes) -> bool:
+        """Whether ``p`` went on the lookup channel (``p.channel``): a caller's LOOKUP or PING
+        (heartbeats have callbacks) the channel takes; else the DEALER carries it. Lock held."""
+        channel = self._channel
+        p.channel = (
+            channel is not None
+            and p.op in CHANNEL_OPS
+            and p.callback is None
+            and self._channel_send(channel, frame)
+        )
+        return p.channel
 
     def _channel_send(self, channel: socket.socket, frame: bytes) -> bool:
         """Whether ``frame`` went on the lookup channel; False (the DEALER carries it) when it is
@@ -489,12 +498,9 @@ class Transport:
                     continue
             req_id = next(self._ids)
             frame = codec.encode_request(p.op, req_id, p.body)
-            channel = self._channel  # a caller's LOOKUP or PING (heartbeats have callbacks: the DEALER)
-            p.channel = channel is not None and p.op in CHANNEL_OPS and p.callback is None
-            if p.channel and self._channel_send(channel, frame):
+            if self._send_on_channel(p, frame):
                 self._pending[req_id] = p
                 continue
-            p.channel = False
             try:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:

@@ -58,17 +58,7 @@ class PoolLock:
         self.plain = _PinsLock(self._lock, pool)
 
     def acquire(self) -> None:
-        self._lock.acquire()
-        pool = self._pool
-        if pool._unpinned or pool._untouched:
-            try:
-                if pool._unpinned:
-                    pool._apply_pins()
-                if pool._untouched:
-                    pool._apply_touches()
-            except BaseException:
-                self._lock.release()
-                raise
+        _take(self._lock, self._pool, touches=True)
 
     def release(self) -> None:
         self._lock.release()
@@ -90,17 +80,26 @@ class _PinsLock:
         self._lock, self._pool = lock, pool
 
     def __enter__(self) -> _PinsLock:
-        self._lock.acquire()
-        if self._pool._unpinned:
-            try:
-                self._pool._apply_pins()
-            except BaseException:
-                self._lock.release()
-                raise
+        _take(self._lock, self._pool, touches=False)
         return self
 
     def __exit__(self, *exc) -> None:
         self._lock.release()
+
+
+def _take(lock: threading.Lock, pool: Pool, touches: bool) -> None:
+    """Acquire ``lock``, then apply the pool's pending pins (and LRU touches, with ``touches``);
+    if applying raises, the lock is let go before the exception propagates."""
+    lock.acquire()
+    if pool._unpinned or (touches and pool._untouched):
+        try:
+            if pool._unpinned:
+                pool._apply_pins()
+            if touches and pool._untouched:
+                pool._apply_touches()
+        except BaseException:
+            lock.release()
+            raise
 
 
 class Writes:
