@@ -116,6 +116,18 @@ def _channel_echo(sock) -> None:
         sock.send(memoryview(buf)[:n])
 
 
+def round_trips(send, recv, frame: bytes, repeats: int, warmup: int = 50) -> dict:
+    """Percentiles of ``send(frame); recv()`` timed ``repeats`` times, after ``warmup`` untimed."""
+    lat = []
+    for i in range(repeats + warmup):
+        t = time.perf_counter()
+        send(frame)
+        recv()
+        if i >= warmup:
+            lat.append(time.perf_counter() - t)
+    return percentiles(lat)
+
+
 def channel_echo_floor(frame_bytes: int, repeats: int) -> dict:
     """Round trips of a ``frame_bytes`` frame through a seqpacket echo in another process."""
     import socket
@@ -124,19 +136,14 @@ def channel_echo_floor(frame_bytes: int, repeats: int) -> dict:
     proc = multiprocessing.get_context("fork").Process(target=_channel_echo, args=(theirs,), daemon=True)
     proc.start()
     theirs.close()
-    frame, buf, lat = os.urandom(frame_bytes), bytearray(1 << 20), []
+    buf = bytearray(1 << 20)
     try:
-        for i in range(repeats + 50):
-            t = time.perf_counter()
-            ours.send(frame)
-            ours.recv_into(buf)
-            if i >= 50:
-                lat.append(time.perf_counter() - t)
+        figures = round_trips(ours.send, lambda: ours.recv_into(buf), os.urandom(frame_bytes), repeats)
         ours.send(b"stop")
     finally:
         ours.close()
         proc.join(5)
-    return percentiles(lat)
+    return figures
 
 
 def echo_floor(frame_bytes: int, repeats: int) -> dict:
@@ -153,21 +160,14 @@ def echo_floor(frame_bytes: int, repeats: int) -> dict:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    frame = os.urandom(frame_bytes)
-    lat = []
     try:
-        for i in range(repeats + 50):
-            t = time.perf_counter()
-            sock.send(frame)
-            sock.recv()
-            if i >= 50:
-                lat.append(time.perf_counter() - t)
+        figures = round_trips(sock.send, sock.recv, os.urandom(frame_bytes), repeats)
         sock.send(b"stop")
     finally:
         sock.close()
         proc.join(5)
         shutil.rmtree(folder, ignore_errors=True)
-    return percentiles(lat)
+    return figures
 
 
 NBLOCKS = 4096
