@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
-MAGIC = b"TDF1"
-MAX_FDS_PER_MESSAGE = 250
+from tierd.fdinbox import MAGIC, MAX_FDS_PER_MESSAGE, TICKET_BYTES, inbox_path
 
 
 def socket_file(url: str) -> str | None:
@@ -26,11 +25,11 @@ def socket_file(url: str) -> str | None:
 def fd_socket_path(url: str) -> str | None:
     """The daemon's descriptor socket for ``url`` (None for tcp:// and abstract ipc://@ names)."""
     path = socket_file(url)
-    return None if path is None else path + ".fds"
+    return None if path is None else inbox_path(path)
 
 
 def new_ticket() -> bytes:
-    return os.urandom(16)
+    return os.urandom(TICKET_BYTES)
 
 
 def send_fds(url: str, ticket: bytes, fds: list[int], timeout_s: float = 5.0) -> None:
