@@ -1,8 +1,9 @@
-"""What LOOKUP reads, without a daemon: the index's per-part columns ((group, rank) -> key ->
-committed object) hold exactly the committed objects through every way an object comes and goes
-(commit, abort, eviction, replacement by a fuller copy, CLEAR), and a LOOKUP's LRU touch, left for
-after its reply, is applied before anybody else takes the pool's lock: eviction order is what it
-was with the touch applied at once."""
+"""What LOOKUP reads, without a daemon: the index's per-part columns ((group, rank) -> column ->
+key -> committed object, the column saying whether the object is whole) hold exactly the committed
+objects through every way an object comes and goes (commit, abort, eviction, replacement by a
+fuller copy, CLEAR), a LOOKUP over them answers what the fold over the chunk entries (every object
+read and checked) answers, and a LOOKUP's LRU touch, left for after its reply, is applied before
+anybody else takes the pool's lock: eviction order is what it was with the touch applied at once."""
 
 import random
 import threading
@@ -10,32 +11,53 @@ import threading
 import pytest
 from test_pool import FULL, KIB, key, pool  # noqa: F401 - pool: fixture
 
+from tierd.pool import fold
+from tierd.pool.index import Span, column_of
 from tierd.pool.pool import EXISTS, Pool
+from tierd.protocol.layout import GroupKind, GroupSpec
 from tierd.registry import OWN_PEER
 
 
 def derived_columns(pool: Pool) -> dict:
-    """The columns as the chunk entries say they must be: every committed object, by part."""
+    """The columns as the chunk entries say they must be: every committed object, by part and by
+    whether it holds every block of its group there (its span's block count, else 0)."""
     out: dict = {}
     for ns, space in pool.index.spaces.items():
         for k, entry in space.items():
             for part, obj in entry.items():
                 if obj.ready:
-                    out.setdefault(ns, {}).setdefault(part, {})[k] = obj
+                    column = column_of(obj.span, part[0], obj.mask)
+                    if column:
+                        assert (obj.mask >> obj.span[part[0]][0]) & 0b1111 == 0b1111
+                    out.setdefault(ns, {}).setdefault(part, {}).setdefault(column, {})[k] = obj
     return out
+
+
+SLIDE = GroupSpec(GroupKind.SLIDING, 4, 8)  # a window of 8 tokens: two 4-token blocks
+LOOKUPS = [  # (groups, chunk tokens): 16-token chunks read whole columns, 4-token ones check each object
+    ([FULL, FULL], 16),
+    ([FULL, FULL], 4),
+    ([FULL, SLIDE], 16),
+    ([SLIDE, GroupSpec(GroupKind.STATE, 16)], 16),
+]
 
 
 def test_columns_hold_exactly_the_committed_objects_through_random_churn(pool):
     rnd = random.Random(20261201)
     namespaces = [b"ns-a", b"ns-b"]
     writing: list = []
-    checked = committed = 0
+    checked = committed = lookups = 0
     for step in range(3000):
         op = rnd.random()
         ns = rnd.choice(namespaces)
         if op < 0.45:  # a STORE: one object per group of a rank, or one spanning both groups
-            i, rank = rnd.randrange(40), rnd.randrange(2)
-            spans = [{0: (0, 0), 1: (4, 4 * KIB)}] if rnd.random() < 0.4 else [{0: (0, 0)}, {1: (0, 0)}]
+            i, rank = rnd.randrange(12), rnd.randrange(2)
+            if rnd.random() < 0.4:  # as a plan's Geometry passes them (4 blocks a group), or plain dicts
+                spans = [Span({0: (0, 0), 1: (4, 4 * KIB)}, {0: 4, 1: 4})]
+            else:
+                spans = [Span({0: (0, 0)}, {0: 4}), Span({1: (0, 0)}, {1: 4})]
+            if rnd.random() < 0.2:
+                spans = [dict(span) for span in spans]
             for span in spans:
                 nbits = 4 * len(span)
                 mask = (1 << nbits) - 1 if rnd.random() < 0.7 else rnd.getrandbits(nbits) | 1
@@ -50,8 +72,16 @@ def test_columns_hold_exactly_the_committed_objects_through_random_churn(pool):
             else:
                 pool.abort([obj])
         elif op < 0.9:
-            hit, objs = pool.lookup(ns, [key(j) for j in range(8)], [FULL, FULL], 4, [0, 1])
-            assert len(objs) >= hit
+            first = rnd.randrange(12)
+            keys = [key(j) for j in range(first, first + rnd.randrange(1, 8))]
+            specs, chunk = rnd.choice(LOOKUPS)
+            ranks = rnd.choice([[0, 1], [0], [1]])
+            got = pool.lookup(ns, keys, specs, chunk, ranks)
+            with pool.lock:
+                space = pool.index.spaces.get(ns, {})
+                want = fold.lookup(space, keys, specs, chunk, ranks) if space else (0, [])
+            assert got == want, step
+            lookups += bool(got[0])
         elif op < 0.97:
             coldest = pool.coldest(64 * KIB)
             with pool.lock:
@@ -63,7 +93,9 @@ def test_columns_hold_exactly_the_committed_objects_through_random_churn(pool):
         with pool.lock:
             assert pool.index.columns == derived_columns(pool), step
         checked += 1
-    assert committed > 500 and pool.evictions > 0  # the churn did what it says
+    assert committed > 500 and pool.evictions > 0 and lookups > 10  # the churn did what it says
+    wholes = {c for ns in pool.index.columns.values() for part in ns.values() for c in part}
+    assert wholes == {0, 4}, wholes  # both kinds of column took part
 
 
 def test_a_lookups_touch_is_applied_before_the_lru_is_read(pool):
@@ -188,3 +220,22 @@ def test_the_daemon_applies_a_leases_pins_once_its_reply_is_sent(stored):
     assert d.pool.clear() == 1 and [o.key for o in objs if o.ready] == keys[:3]
     assert d.registry.release(body["lease"])
     assert [o.pins for o in objs[:3]] == [0, 0, 0] and not d.registry.leased_bytes
+
+
+def test_whole_objects_are_served_from_their_column_and_partial_ones_are_checked(pool):
+    """Objects of a Span with block counts go to their part's whole column (4: every block of the
+    chunk) or the partial one (0); LOOKUP serves the whole ones as complete and checks the rest
+    block by block, as it checks objects of a plain span dict (never whole)."""
+    whole, plain = Span({0: (0, 0)}, {0: 4}), {0: (0, 0)}
+    masks = [(whole, 0b1111), (whole, 0b1111), (plain, 0b1111), (whole, 0b0111), (whole, 0b1111)]
+    objs = [pool.begin_write(b"ns", key(i), sp, 0, 4 * KIB, m, "g0") for i, (sp, m) in enumerate(masks)]
+    pool.commit(objs)
+    part = pool.index.columns[b"ns"][0, 0]
+    assert {c: sorted(col) for c, col in part.items()} == {4: [key(0), key(1), key(4)], 0: [key(2), key(3)]}
+    keys = [key(i) for i in range(5)]
+    assert pool.lookup(b"ns", keys, [FULL], 16, [0]) == (3, objs[:3])  # key 3 lacks block 3
+    # a sliding window of the last 8 tokens needs blocks 2-3 of the last chunk (key 4) only
+    assert pool.lookup(b"ns", keys, [GroupSpec(GroupKind.SLIDING, 4, 8)], 16, [0]) == (5, [objs[4]])
+    # 4-token chunks (one block a chunk): no whole column of 1 block, every object is checked
+    assert pool.lookup(b"ns", keys, [FULL], 4, [0]) == (5, objs)
+    pool.settle()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tierd.pool.index import Obj
+from tierd.pool.index import Obj, Span
 from tierd.pool.pool import EXISTS, Pool
 from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.errors import ErrorCode, ProtocolError
@@ -90,7 +90,10 @@ class Geometry:
             for o in self.objects
             for present in [tuple(p for p in o.parts if self.blocks_per_chunk[p[0]])]
         ]
-        self.spans = [o.span for o in self.objects]
+        # shared by every object of this layout; with block counts, so LOOKUP knows a whole object
+        self.spans = [
+            Span(o.span, {g: self.blocks_per_chunk[g] for g, _, _ in o.parts}) for o in self.objects
+        ]
 
     def check_staging(self, staged_at: int | None, n_chunks: int) -> None:
         """A staged layout (cuda) names where its chunks lie in staging, and they fit; others name nothing."""

@@ -18,7 +18,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from operator import attrgetter
 
 from tierd.peer import Peer
 from tierd.pool.index import Obj
@@ -26,8 +25,6 @@ from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import Namespace, PageLayout
 from tierd.tenants import DEFAULT_TENANT, Principal, scoped_namespace_id
-
-_NBYTES = attrgetter("nbytes")
 
 log = logging.getLogger("tierd")
 
@@ -372,9 +369,10 @@ class Registry:
             time.monotonic() + self.lease_ttl_s,
             tenant,
         )
-        if pinned + sum(map(_NBYTES, objs)) <= cap:
-            # within the cap even if none of them is leased yet: the pins can wait for the reply.
-            # The pool's lock applies them before anyone reads pins (an eviction, a release).
+        if pinned + len(objs) * self.pool.largest_bytes <= cap:
+            # within the cap even if none of them is leased yet and each is as large as the pool's
+            # largest (a bound that reads no object): the pins can wait for the reply. The pool's
+            # lock applies them before anyone reads pins (an eviction, a release).
             self.pool.defer_pins(partial(self._pin, lease))
         else:  # count each object once (some may be leased already), and undo past the cap
             with self.pool.lock.plain:

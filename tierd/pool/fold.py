@@ -36,25 +36,47 @@ def part_key(group: int, rank: int) -> tuple[int, int]:
     return _PART_KEYS.setdefault(key, key)
 
 
-PartsOf = Callable[[int, int, Sequence[bytes]], list]
-"""``parts_of(group, rank, keys)``: per key, its object of that (group, rank) part, or None."""
+PartsOf = Callable[[int, int, Sequence[bytes], int, int], tuple[list, "list[bool] | None"]]
+"""``parts_of(group, rank, keys, blocks, need)``: per key, its object of that (group, rank) part or
+None, and per key whether that object holds every block of ``need`` (the group's mask of a chunk
+of ``blocks`` blocks, or of the blocks a STATE group needs); None for the second when all do."""
 
 
 def entry_parts(space: dict[bytes, ChunkEntry]) -> PartsOf:
-    """Parts read from chunk entries (key -> (group, rank) -> object)."""
+    """Parts read from chunk entries (key -> (group, rank) -> object), each object checked."""
 
-    def parts_of(gi: int, r: int, keys: Sequence[bytes]) -> list:
+    def parts_of(gi: int, r: int, keys: Sequence[bytes], blocks: int, need: int):
         got = map(space.get, keys, repeat(EMPTY))
-        return list(map(dict.get, got, repeat(part_key(gi, r))))
+        parts = list(map(dict.get, got, repeat(part_key(gi, r))))
+        ok = _complete(parts, gi, need)
+        return parts, ok if False in ok else None
 
     return parts_of
 
 
-def column_parts(columns: dict[tuple[int, int], dict[bytes, object]]) -> PartsOf:
-    """Parts read from per-part columns ((group, rank) -> key -> object): one dict lookup a part."""
+def column_parts(columns: dict[tuple[int, int], dict[int, dict[bytes, object]]]) -> PartsOf:
+    """Parts read from per-part columns ((group, rank) -> column -> key -> committed object; see
+    tierd.pool.index): one dict lookup a part. An object of the whole column of ``blocks``
+    (tierd.pool.index.column_of) holds every block of the chunk, so it is not read; only objects
+    of the part's other columns (partial ones, or whole for another chunk size) are checked."""
 
-    def parts_of(gi: int, r: int, keys: Sequence[bytes]) -> list:
-        return list(map(columns.get(part_key(gi, r), EMPTY).get, keys))
+    def parts_of(gi: int, r: int, keys: Sequence[bytes], blocks: int, need: int):
+        part = columns.get(part_key(gi, r))
+        if part is None or not keys:
+            return [None] * len(keys), [False] * len(keys) if keys else None
+        whole = part.get(blocks)
+        got = list(map(whole.get, keys)) if whole is not None else [None] * len(keys)
+        others = [c for w, c in part.items() if w != blocks]
+        if None not in got:
+            return got, None
+        if not others:
+            return got, [o is not None for o in got]
+        parts = got
+        for column in others:  # a key is in at most one column of a part
+            parts = [o if o is not None else c for o, c in zip(parts, map(column.get, keys))]
+        rest = [None if w is not None else o for w, o in zip(got, parts)]  # the whole ones go unread
+        ok = [w is not None or c for w, c in zip(got, _complete(rest, gi, need))]
+        return parts, ok if False in ok else None
 
     return parts_of
 
@@ -73,11 +95,11 @@ def lookup(
     for which keys are there at all, when ``ranks`` is empty."""
     if parts_of is None:
         parts_of = entry_parts(space)
-    # full-attention parts, checked for every chunk: (group, rank, needed mask)
+    # full-attention parts, checked for every chunk: (group, rank, blocks per chunk)
     full = [
-        (gi, r, (1 << s.blocks_per_chunk(chunk_tokens)) - 1)
-        for gi, s in enumerate(specs)
-        if s.kind is GroupKind.FULL
+        (gi, r, spec.blocks_per_chunk(chunk_tokens))
+        for gi, spec in enumerate(specs)
+        if spec.kind is GroupKind.FULL
         for r in ranks
     ]
     if full:
@@ -145,14 +167,13 @@ def _full_prefix(parts_of: PartsOf, keys: Sequence[bytes], full: list) -> tuple[
         ks = keys[pos : pos + run]
         n = len(ks)
         parts = []
-        for gi, r, need in full:
-            col = parts_of(gi, r, ks[:n] if n < len(ks) else ks)
-            ok = _complete(col, gi, need)
-            if False in ok:
+        for gi, r, blocks in full:
+            col, ok = parts_of(gi, r, ks[:n] if n < len(ks) else ks, blocks, (1 << blocks) - 1)
+            if ok is not None:
                 n = ok.index(False)
             parts.append(col)
         for col, part in zip(cols, parts):
-            col += part[:n]
+            col += part if n == len(part) else part[:n]
         pos += n
         if n < len(ks):
             break
@@ -200,16 +221,16 @@ class _Fold:
         if top and keys:
             self.lo = min(len(keys), len(keys) - 1 if self.state else self.window(len(keys))[0])
             keys = keys[self.lo :]
-        self.parts = [parts_of(gi, r, keys) for r in ranks]
         need = 1 if self.state else (1 << bpc) - 1
+        read = [parts_of(gi, r, keys, bpc, need) for r in ranks]
+        self.parts = [parts for parts, _ in read]
         if not ranks:  # an entry, whatever it holds
             self.tail = [0 if k in space else bpc for k in keys]
             self.clean = not any(self.tail)
             return
         tails = []
-        for parts in self.parts:
-            ok = _complete(parts, gi, need)
-            if False not in ok:
+        for parts, ok in read:
+            if ok is None:
                 continue
             if self.cap is not None:
                 self.cap = min(self.cap, ok.index(False))

@@ -15,6 +15,30 @@ from tierd.pool.fold import ChunkEntry, part_key
 from tierd.protocol.layout import GroupSpec
 
 
+class Span(dict):
+    """An object's engine group -> (bit shift of its blocks in ``mask``, byte offset of its part),
+    one dict shared by every object of a layout, with ``blocks``: each group's blocks per chunk
+    (None: not known, as for objects restored from disk or written by a caller that did not say).
+    An object whose mask holds every block of a group's part is *whole* there: LOOKUP finds it in
+    that part's whole column and reads nothing of it (tierd.pool.fold)."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, items=(), blocks: dict[int, int] | None = None):
+        super().__init__(items)
+        self.blocks = blocks
+
+
+def column_of(span: dict, group: int, mask: int) -> int:
+    """The column of an object of ``span`` with ``mask`` in ``group``'s part: the group's blocks
+    per chunk when the object holds them all, else 0 (a partial object, or one of a plain span
+    dict, whose block counts nobody told)."""
+    blocks = span.blocks if type(span) is Span else None
+    n = blocks.get(group, 0) if blocks is not None else 0
+    full = (1 << n) - 1
+    return n if n and (mask >> span[group][0]) & full == full else 0
+
+
 class Obj:
     """One stored object: a chunk's bytes of one engine group (or all groups) on one rank."""
 
@@ -38,7 +62,7 @@ class Obj:
         self,
         ns: bytes,
         key: bytes,
-        span: dict[int, tuple[int, int]],
+        span: Span,
         rank: int,
         nbytes: int,
         mask: int,
@@ -46,8 +70,8 @@ class Obj:
     ):
         self.ns = ns
         self.key = key
-        # engine group -> (bit shift of its blocks in ``mask``, byte offset of its part). One
-        # group per object with --separate-object-groups, all of a rank's groups without.
+        # engine group -> (bit shift of its blocks in ``mask``, byte offset of its part): a Span.
+        # One group per object with --separate-object-groups, all of a rank's groups without.
         self.span = span
         self.rank = rank
         self.nbytes = nbytes
@@ -77,9 +101,11 @@ class Obj:
 class Index:
     def __init__(self):
         self.spaces: dict[bytes, dict[bytes, ChunkEntry]] = {}
-        # namespace -> (group, rank) -> key -> committed Obj: the columns LOOKUP reads, one dict
-        # lookup a part (no chunk entry, no object being written in between)
-        self.columns: dict[bytes, dict[tuple[int, int], dict[bytes, Obj]]] = {}
+        # namespace -> (group, rank) -> column -> key -> committed Obj: what LOOKUP reads, one dict
+        # lookup a part (no chunk entry, no object being written in between). The column is
+        # Span.column: the group's blocks per chunk for objects holding all of them (whole), 0 for
+        # the rest; a LOOKUP takes a whole column's objects as complete without reading them.
+        self.columns: dict[bytes, dict[tuple[int, int], dict[int, dict[bytes, Obj]]]] = {}
 
     def get(self, ns: bytes, key: bytes) -> ChunkEntry | None:
         space = self.spaces.get(ns)
@@ -107,21 +133,30 @@ class Index:
         columns = self.columns.get(obj.ns)
         if columns is None:
             columns = self.columns[obj.ns] = {}
-        for group in obj.span:
+        span = obj.span
+        for group in span:
             pk = part_key(group, obj.rank)
-            column = columns.get(pk)
+            part = columns.get(pk)
+            if part is None:
+                part = columns[pk] = {}
+            w = column_of(span, group, obj.mask)
+            column = part.get(w)
             if column is None:
-                column = columns[pk] = {}
+                column = part[w] = {}
             column[obj.key] = obj
 
     def remove(self, obj: Obj) -> None:
         if obj.ready:
-            columns = self.columns[obj.ns]
-            for group in obj.span:
-                column = columns[group, obj.rank]
+            columns, span = self.columns[obj.ns], obj.span
+            for group in span:
+                part = columns[group, obj.rank]
+                w = column_of(span, group, obj.mask)
+                column = part[w]
                 del column[obj.key]
                 if not column:
-                    del columns[group, obj.rank]
+                    del part[w]
+                    if not part:
+                        del columns[group, obj.rank]
             if not columns:
                 del self.columns[obj.ns]
         space = self.spaces[obj.ns]

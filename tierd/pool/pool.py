@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tierd.pool import evict
 from tierd.pool.evlog import EvictionLog
-from tierd.pool.index import Index, Obj
+from tierd.pool.index import Index, Obj, Span
 from tierd.pool.persist import KEEP, Persist
 from tierd.pool.segments import Pinner, SegmentSet
 from tierd.pool.slabs import SizeClass, SlabAllocator
@@ -187,11 +187,14 @@ class Pool:
         self.per_ns_bytes: Counter[bytes] = Counter()  # bytes (slots) per namespace id
         # with a quota: per (namespace, size class), its objects least recent first
         self.nslru: dict[tuple[bytes, SizeClass], OrderedDict[Obj, None]] = {}
-        self._spans: dict[tuple, dict[int, tuple[int, int]]] = {}  # one shared span dict per layout
+        self._spans: dict[tuple, Span] = {}  # one shared span per layout (its items and block counts)
         self._span_seen: dict | None = None  # the span begin_write was last given, and its shared dict
         self._span_shared: dict | None = None
         self.evictions = 0
         self.evicted_bytes = 0
+        # the bytes of the largest object ever placed: n objects hold at most n times this (a
+        # lease's bound, read without reading the objects; tierd.registry)
+        self.largest_bytes = 0
         if model is not None:
             self._restore(model)
 
@@ -200,7 +203,7 @@ class Pool:
         segs = self.segments.segments
         slabs = {k: self.slabs.restore_slab(segs[k[0]], k[1], v[0], v[1]) for k, v in model.slabs.items()}
         for (seg, off, slot), (ns, key, items, rank, nbytes, mask, label) in model.objects.items():
-            obj = Obj(ns, key, self._spans.setdefault(items, dict(items)), rank, nbytes, mask, label)
+            obj = Obj(ns, key, self._shared_span(dict(items)), rank, nbytes, mask, label)
             obj.slab, obj.slot, obj.ready, obj.pins = slabs[seg, off], slot, True, 0
             self._place(obj)
             self._touch(obj)
@@ -261,10 +264,16 @@ class Pool:
                 break
         return out
 
-    def _shared_span(self, span: dict) -> dict:
-        """The one span dict objects of this layout share (a plan passes the same one over and over)."""
+    def _shared_span(self, span: dict) -> Span:
+        """The one Span objects of this layout share (a plan passes the same one over and over); a
+        plain dict (no block counts: its objects are never whole) becomes a Span."""
         if span is not self._span_seen:
-            self._span_seen, self._span_shared = span, self._spans.setdefault(tuple(span.items()), span)
+            blocks = span.blocks if type(span) is Span else None
+            key = (tuple(span.items()), None if blocks is None else tuple(blocks.items()))
+            shared = self._spans.get(key)
+            if shared is None:
+                shared = self._spans[key] = span if type(span) is Span else Span(span)
+            self._span_seen, self._span_shared = span, shared
         return self._span_shared
 
     def _begin_write(self, ns, key, span, rank, nbytes, mask, label):
@@ -476,6 +485,8 @@ class Pool:
 
     # ---- internals (lock held) -------------------------------------------------------------
     def _place(self, obj: Obj) -> None:
+        if obj.nbytes > self.largest_bytes:
+            self.largest_bytes = obj.nbytes
         obj.slab.owners[obj.slot] = obj
         self.index.insert(obj)
         self.objects += 1

@@ -71,7 +71,13 @@ class Fetches:
             if fetch is None:
                 shape = geo.objects[part.shape]
                 obj = self.pool.begin_write(
-                    ns, part.key, shape.span, part.rank, shape.nbytes, full_mask(geo, part.shape), shape.label
+                    ns,
+                    part.key,
+                    geo.spans[part.shape],
+                    part.rank,
+                    shape.nbytes,
+                    full_mask(geo, part.shape),
+                    shape.label,
                 )
                 if obj is None or obj is EXISTS:  # no room even after eviction; or a STORE writes it now
                     self.counts["fetch_no_room" if obj is None else "fetch_raced"] += 1
