@@ -7,7 +7,6 @@ anybody else takes the pool's lock: eviction order is what it was with the touch
 
 import random
 import threading
-import time
 
 import pytest
 from test_pool import FULL, KIB, key, pool  # noqa: F401 - pool: fixture
@@ -197,29 +196,25 @@ def stored(tmp_path):
 
 
 def test_the_daemon_applies_a_lookups_touch_once_its_reply_is_sent(stored):
-    """The reply goes out, then the touch is applied by the loop once it has nothing to handle."""
+    """The reply goes out, then the touch is applied, before the next request is taken."""
     d, objs, keys, lookup, sent = stored
     lookup(2, lease=False)
     (req_id, ok, body), untouched_at_send, _ = sent[0]
     assert (req_id, ok, body["chunks"]) == (7, True, 2), sent
     assert untouched_at_send == [objs[:2]]  # the reply did not wait for the touch
-    assert d.pool._untouched == [objs[:2]] and d.pool.untouched_objects == 2
-    assert d._settle() is False  # the loop's idle step: all of it fits one slice
-    assert d.pool._untouched == [] and d.pool.untouched_objects == 0
+    assert d.pool._untouched == []  # ... and it was applied before _on_request returned
     order = [o.key for o in sorted(objs, key=lambda o: o.tick)]
     assert order == [keys[3], keys[2], keys[1], keys[0]]  # the looked-up head most recent
 
 
 def test_the_daemon_applies_a_leases_pins_once_its_reply_is_sent(stored):
-    """A LOOKUP's lease: the reply does not wait for its pins, which the loop applies once it has
-    nothing to handle; the lease's objects then outlive a CLEAR, and its RELEASE frees them."""
+    """A LOOKUP's lease: the reply does not wait for its pins, which are applied before the next
+    request is taken; the lease's objects then outlive a CLEAR, and its RELEASE frees them."""
     d, objs, keys, lookup, sent = stored
     lookup(3, lease=True)
     (req_id, ok, body), _, pins_at_send = sent[0]
     assert ok and body["chunks"] == 3 and body["lease"] > 0
     assert pins_at_send == [0, 0, 0, 0]  # the reply went first
-    assert [o.pins for o in objs] == [0, 0, 0, 0]  # ... and the loop has not been idle since
-    d._settle()
     assert [o.pins for o in objs] == [1, 1, 1, 0] and [o.leases for o in objs] == [1, 1, 1, 0]
     assert d.registry.leased_bytes[""] == sum(o.nbytes for o in objs[:3])
     assert d.pool.clear() == 1 and [o.key for o in objs if o.ready] == keys[:3]
@@ -244,98 +239,3 @@ def test_whole_objects_are_served_from_their_column_and_partial_ones_are_checked
     # 4-token chunks (one block a chunk): no whole column of 1 block, every object is checked
     assert pool.lookup(b"ns", keys, [FULL], 4, [0]) == (5, objs)
     pool.settle()
-
-
-def lru_keys(pool: Pool) -> list:
-    return [(o.key, o.tick) for lru in pool.lru.values() for o in lru]
-
-
-def test_touches_applied_a_slice_at_a_time_leave_the_lru_as_one_settle_does():
-    """Three LOOKUPs' touches applied 5 objects at a time (the daemon's idle slices) give the same
-    LRU order and ticks as applying them at once; a LOOKUP between slices does not apply them
-    (it reads neither pins nor the LRU) and queues its own behind them."""
-    pools = [Pool(ceiling=1 << 20, initial=0, align=4 * KIB, segment_bytes=1 << 20) for _ in range(2)]
-    try:
-        for p in pools:
-            p.commit([p.begin_write(b"ns", key(i), {0: (0, 0)}, 0, 4 * KIB, 0b1111, "g0") for i in range(16)])
-        sliced, whole = pools
-        prefixes = [[key(i) for i in range(12)], [key(i) for i in range(3, 9)], [key(i) for i in range(7)]]
-        for keys in prefixes[:2]:
-            for p in pools:
-                p.lookup(b"ns", keys, [FULL], 16, [0])
-        assert sliced.untouched_objects == 18
-        assert sliced.settle_some(5) is True and sliced.untouched_objects == 13
-        assert sliced.settle_some(5) is True and sliced.untouched_objects == 8
-        for p in pools:
-            p.lookup(b"ns", prefixes[2], [FULL], 16, [0])
-        assert sliced.untouched_objects == 15 and len(sliced._untouched) == 3  # not applied by it
-        steps = 0
-        while sliced.settle_some(5):
-            steps += 1
-        assert steps == 2 and sliced.untouched_objects == 0 and sliced._untouched == []
-        whole.settle()
-        assert lru_keys(sliced) == lru_keys(whole)
-        assert [k for k, _ in lru_keys(sliced)][-7:] == [key(i) for i in range(7)][::-1]
-        assert sliced.settle_some(5) is False  # nothing left: a no-op
-    finally:
-        for p in pools:
-            p.close()
-
-
-def test_the_daemon_settles_a_backlog_above_its_bound_at_once(stored, monkeypatch):
-    """Requests that never leave the loop idle still get their touches applied: each turn applies a
-    slice, and whatever stands above the backlog bound."""
-    from tierd import server
-
-    d, objs, keys, lookup, sent = stored
-    monkeypatch.setattr(server, "TOUCH_SLICE", 2)
-    monkeypatch.setattr(server, "TOUCH_BACKLOG", 5)
-    for _ in range(4):
-        lookup(4, lease=False)
-    assert d.pool.untouched_objects == 16
-    assert d._settle() is True and d.pool.untouched_objects == 5  # 16 - 5 applied at once
-    assert d._settle() is True and d.pool.untouched_objects == 3  # then a slice
-    d._settle()
-    assert d._settle() is False and d.pool.untouched_objects == 0
-
-
-def test_a_serving_daemon_applies_a_lookups_touch_while_idle(tmp_path):
-    """The daemon's own loop (run, on a thread here, with a real client over ipc): a LOOKUP's
-    touch is applied with no further request to prompt it."""
-    from tierd.config import Settings
-    from tierd.server import Daemon
-    from tierd_client import TierdClient
-    from tierd_client.layouts import block_span, group, layout, namespace
-    from tierd_client.shm import SharedBuffer
-
-    d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625))
-    loop = threading.Thread(target=d.run, daemon=True)
-    loop.start()
-    buf = SharedBuffer(8 * 4096)
-    client = TierdClient(f"ipc://{tmp_path}/t.sock", timeout_s=10, name="idle-touch")
-    try:
-        client.wait_ready(10)
-        ns = namespace("m", "idle")
-        spans = [block_span((8, 4096), (4096, 1), 1, 0, tensor=0, offset=0)]
-        client.register("r", layout(ns, 0, 16, [buf.ref()], [group("full", 16, spans)]))
-        ks = [key(i) for i in range(6)]
-        assert (
-            client.store("r", [{"key": k, "blocks": [[i]]} for i, k in enumerate(ks)])["results"]
-            == ["stored"] * 6
-        )
-        specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
-        ticks = [o.tick for o in d.pool.index.columns[next(iter(d.pool.index.columns))][0, 0][1].values()]
-        assert client.lookup(ns, ks[:3], specs, 16, lease=False)["chunks"] == 3
-        deadline = time.monotonic() + 5
-        while d.pool.untouched_objects and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert d.pool.untouched_objects == 0 and d.pool._untouched == []
-        column = d.pool.index.columns[next(iter(d.pool.index.columns))][0, 0][1]
-        assert sorted(column, key=lambda k: column[k].tick)[-3:] == ks[:3][::-1]
-        assert max(o.tick for o in column.values()) > max(ticks)
-    finally:
-        client.close()
-        d.stop()
-        loop.join(15)
-        buf.close()
-    assert not loop.is_alive()

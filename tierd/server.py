@@ -45,13 +45,6 @@ GC_FREEZE_S = 5.0
 SHUTDOWN_GRACE_S = 8.0
 RECV_BURST = 256  # requests taken per wake-up before copies are finished and housekeeping runs
 BATCH_BYTES = 8 << 20  # ... read before any is handled, at most (the batch's frames are all in memory)
-# A LOOKUP's LRU touch (and a lease's pins) wait for its reply, then for a moment with no request
-# to handle: the loop applies them this many objects at a time (~100 ns each), checking for
-# requests in between, so a request that arrives meanwhile waits one slice, not a whole LOOKUP's
-# worth. While requests keep coming, each turn of the loop still applies a slice, and whatever
-# stands above TOUCH_BACKLOG objects at once (the pending lists hold their objects alive).
-TOUCH_SLICE = 512
-TOUCH_BACKLOG = 1 << 16
 NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
 SESSIONLESS_OPS = ("HELLO",)
 
@@ -225,7 +218,7 @@ class Daemon:
             ", pinned" if self.cuda else "",
         )
         while True:
-            for sock, _ in poller.poll(0 if self.pool.untouched_objects else self._poll_ms()):
+            for sock, _ in poller.poll(self._poll_ms()):
                 if sock is self.router:
                     self._recv_burst()
                 elif self.watch is not None and sock is self.watch.monitor:
@@ -241,7 +234,6 @@ class Daemon:
             self._finish_jobs()
             if self.l2 is not None:
                 self._finish_l2()
-            self._settle()
             now = time.monotonic()
             if now >= next_house:
                 self._housekeeping(now)
@@ -372,6 +364,7 @@ class Daemon:
         except Exception as exc:  # every request gets a reply, whatever broke
             log.exception("handler for %s raised", op)
             self._error(envelope, req_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op)
+        self.pool.settle()  # what the reply did not wait for (a LOOKUP's LRU touch), before the next request
 
     def _error(self, envelope, req_id: int, code: ErrorCode, message: str, op: str) -> None:
         self.stats.error(code.name)
@@ -418,6 +411,7 @@ class Daemon:
     def _finish_l2(self) -> None:
         for call, op, result in self.l2.drain(self.tier, time.monotonic()):
             self._deliver(call, op, result)
+        self.pool.settle()  # the touches and lease pins of LOOKUPs answered now
 
     def _deliver(self, call: Call, op: str, result) -> None:
         """The reply, or the copy, of a request that waited for L2."""
@@ -433,11 +427,6 @@ class Daemon:
         else:
             self._send(call.envelope, codec.encode_reply(call.req_id, result))
             self.stats.observe(op, time.perf_counter() - call.t0)
-
-    def _settle(self) -> bool:
-        """Apply a slice of what LOOKUP replies did not wait for (pins, then LRU touches; more when
-        the backlog passes TOUCH_BACKLOG). Whether touches are still pending."""
-        return self.pool.settle_some(max(TOUCH_SLICE, self.pool.untouched_objects - TOUCH_BACKLOG))
 
     def _poll_ms(self) -> int:
         """Until the next housekeeping, or sooner when a request waiting for L2 is due."""

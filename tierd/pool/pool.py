@@ -46,19 +46,16 @@ EXISTS = Exists()
 class PoolLock:
     """The pool's lock. Whoever takes it next first applies what a LOOKUP's reply did not wait for:
     the pins of the leases it granted (Pool.defer_pins), then its LRU touches (Pool.lookup). So
-    nobody sees pins or the LRU without them; the daemon applies them itself, a slice at a time,
-    whenever it has no request to handle (Pool.settle_some). ``plain`` is the same lock applying
-    the pins only, for code that neither reads nor changes the LRU (lease grants and releases);
-    ``bare`` applies nothing, for LOOKUP's fold, which reads neither pins nor the LRU (so what
-    earlier LOOKUPs left stays pending, in order, behind it)."""
+    nobody sees pins or the LRU without them, and the daemon applies them itself right after each
+    reply (Pool.settle). ``plain`` is the same lock applying the pins only, for code that neither
+    reads nor changes the LRU (lease grants and releases)."""
 
-    __slots__ = ("_lock", "_pool", "plain", "bare")
+    __slots__ = ("_lock", "_pool", "plain")
 
     def __init__(self, pool: Pool):
         self._lock = threading.Lock()
         self._pool = pool
         self.plain = _PinsLock(self._lock, pool)
-        self.bare = self._lock
 
     def acquire(self) -> None:
         _take(self._lock, self._pool, touches=True)
@@ -162,7 +159,6 @@ class Pool:
         (slots) one namespace may hold, 0 for no quota; ``eviction_log``: the records ``evlog``
         keeps (0: it only counts)."""
         self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
-        self.untouched_objects = 0  # how many objects those name
         self._unpinned: list[Callable[[], None]] = []  # lease grants whose pins are not applied yet
         self.lock = PoolLock(self)
         self.ns_quota_bytes = ns_quota_bytes
@@ -182,7 +178,6 @@ class Pool:
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
         self._untouched = []
-        self.untouched_objects = 0
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}
         self._tick = 0
         self.objects = 0
@@ -358,43 +353,18 @@ class Pool:
         ranks: Sequence[int],
     ):
         """Longest servable boundary and the objects a retrieve there reads (tierd.pool.fold).
-        They are touched (most recent: the first), after what earlier LOOKUPs left, when the lock
-        is next taken, or by ``settle``/``settle_some``."""
-        with self.lock.bare:
+        They are touched (most recent: the first) when the lock is next taken, or at ``settle``."""
+        with self.lock:
             hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
             if objs:
                 self._untouched.append(objs)
-                self.untouched_objects += len(objs)
             return hit, objs
 
     def settle(self) -> None:
-        """Apply every pin and touch LOOKUPs left."""
+        """Apply the pins and touches LOOKUPs left (the daemon calls this once a reply is sent)."""
         if self._untouched or self._unpinned:
             with self.lock:  # taking it applies them (PoolLock.acquire)
                 pass
-
-    def settle_some(self, budget: int) -> bool:
-        """Apply the pending lease pins, then the touches of up to ``budget`` objects, in the order
-        ``settle`` applies them (a LOOKUP's list from its tail: the LRU ends up exactly as after one
-        ``settle``). Whether touches are still pending."""
-        if not (self._untouched or self._unpinned):
-            return False
-        with self.lock.plain:  # applies the pins
-            untouched, left = self._untouched, budget
-            while untouched and left > 0:
-                objs = untouched[0]
-                if len(objs) <= left:
-                    untouched.pop(0)
-                    self.untouched_objects -= len(objs)
-                    left -= len(objs)
-                    self._touch_prefix(objs)
-                else:
-                    cut = len(objs) - left
-                    untouched[0] = objs[:cut]
-                    self.untouched_objects -= left
-                    left = 0
-                    self._touch_prefix(objs[cut:])
-            return bool(untouched)
 
     def defer_pins(self, pin: Callable[[], None]) -> None:
         """``pin()`` (a lease's pins) runs when the lock is next taken, before anything else does."""
@@ -412,7 +382,6 @@ class Pool:
 
     def _apply_touches(self) -> None:
         untouched, self._untouched = self._untouched, []
-        self.untouched_objects = 0
         for objs in untouched:
             self._touch_prefix(objs)
 
