@@ -106,8 +106,8 @@ def main() -> None:
                             lat[name].append(dt)
                 stats = {}
                 for name, (_, port, _, _) in ends.items():
-                    s1, n1 = op_seconds(port, "LOOKUP")
-                    s0, n0 = before[name]
+                    s1, n1, _ = op_seconds(port, "LOOKUP")
+                    s0, n0, _ = before[name]
                     stats[name] = {**percentiles(lat[name]), "daemon": (s1 - s0) / max(1, n1 - n0) * 1e3}
                 base = stats[args.rev]["p50_ms"]
                 for name, st in stats.items():
