@@ -579,6 +579,7 @@ class Transport:
             p.callback(True, body)
         elif p.future is not None and not p.future.done():
             p.future.set_result(body)
+        _release(p)
 
     def _fail(self, p: Pending, exc: TierdError) -> None:
         self._unpublish(p)
@@ -589,6 +590,7 @@ class Transport:
                 log.exception("client callback raised")
         elif p.future is not None and not p.future.done():
             p.future.set_exception(exc)
+        _release(p)
 
     @staticmethod
     def _unpublish(p: Pending) -> None:
@@ -599,6 +601,14 @@ class Transport:
                 log.warning(
                     "tierd: withdrawing the shared-memory names of %s failed: %s", p.body.get("instance"), exc
                 )
+
+
+def _release(p: Pending) -> None:
+    """An answered request's Reply lets go of it: the two refer to each other, and a cycle is freed
+    only by Python's cyclic GC, whose collections then walk every answered request's body (a
+    LOOKUP's list of keys): ~1 ms each, every ~50 LOOKUPs of 2048 keys, on the caller's thread."""
+    if isinstance(p.future, Reply):
+        p.future.pending = None
 
 
 def _decode(frame: bytes) -> tuple[int, bool, dict] | None:
