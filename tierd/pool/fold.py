@@ -61,14 +61,16 @@ def column_parts(columns: dict[tuple[int, int], dict[int, dict[bytes, object]]])
     of the part's other columns (partial ones, or whole for another chunk size) are checked."""
 
     def parts_of(gi: int, r: int, keys: Sequence[bytes], blocks: int, need: int):
+        if not keys:
+            return [], None
         part = columns.get(part_key(gi, r))
-        if part is None or not keys:
-            return [None] * len(keys), [False] * len(keys) if keys else None
+        if part is None:
+            return [None] * len(keys), [False] * len(keys)
         whole = part.get(blocks)
         got = list(map(whole.get, keys)) if whole is not None else [None] * len(keys)
-        others = [c for w, c in part.items() if w != blocks]
         if None not in got:
             return got, None
+        others = [c for w, c in part.items() if w != blocks]
         if not others:
             return got, [o is not None for o in got]
         parts = got

@@ -103,7 +103,7 @@ class Index:
         self.spaces: dict[bytes, dict[bytes, ChunkEntry]] = {}
         # namespace -> (group, rank) -> column -> key -> committed Obj: what LOOKUP reads, one dict
         # lookup a part (no chunk entry, no object being written in between). The column is
-        # Span.column: the group's blocks per chunk for objects holding all of them (whole), 0 for
+        # column_of: the group's blocks per chunk for objects holding all of them (whole), 0 for
         # the rest; a LOOKUP takes a whole column's objects as complete without reading them.
         self.columns: dict[bytes, dict[tuple[int, int], dict[int, dict[bytes, Obj]]]] = {}
 
