@@ -18,6 +18,7 @@ Hazards handled here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import numpy as np
 
@@ -152,14 +153,12 @@ class Geometry:
             raise ValueError("a chunk names another count of groups")
         out = []
         for g, n in enumerate(self.blocks_per_chunk):
-            a = (
-                np.array([c.blocks[g] for c in chunks], dtype=np.int64)
-                if chunks
-                else np.empty((0, n), np.int64)
-            )
-            if a.shape != (len(chunks), n):
+            rows = [c.blocks[g] for c in chunks]
+            if rows and set(map(len, rows)) != {n}:
                 raise ValueError("a chunk names another count of block ids")
-            out.append(a)
+            # one flat list: numpy converts it several times faster than the nested one
+            flat = list(chain.from_iterable(rows))
+            out.append(np.array(flat, dtype=np.int64).reshape(len(chunks), n))
         return out
 
     def _name_first_bad(self, chunks: list[Chunk]) -> None:
@@ -217,40 +216,29 @@ def plan_store(
         blocks = geo.block_arrays(chunks)
     plan = CopyPlan()
     # chunks without a null id in any group (the common case) take the short path below
-    clean = np.ones(len(chunks), dtype=bool)
-    for a in blocks:
-        if a.shape[1]:
-            clean &= ~(a == geo.null).any(axis=1)
     holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
-    results, whole = plan.results, clean.tolist()
-    # one object per chunk (the default layout): a run of whole chunks is allocated in one call
-    single = geo.objects[0] if len(geo.objects) == 1 and geo.objects[0].present else None
-    n, i = len(chunks), 0
+    results, whole = plan.results, _without_nulls(blocks, geo.null, len(chunks))
+    shapes = [(span, o.nbytes, o.whole_mask, o.label) for o, span in zip(geo.objects, geo.spans) if o.present]
+    present = [o for o in geo.objects if o.present]
+    keys = [c.key for c in chunks]
+    n, i, j = len(chunks), 0, 0
     with pool.writes() as w:
         while i < n:
             if holed:
                 results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
                 i += 1
                 continue
-            if whole[i] and single is not None:
-                j = i + 1
+            if whole[i] and shapes:
+                # a run of whole chunks of new keys (a prefill's) is allocated and planned in one go
+                j = max(j, i + 1)
                 while j < n and whole[j]:
                     j += 1
-                keys = [c.key for c in chunks[i:j]]
-                got = w.begin_many(
-                    ns, keys, geo.spans[0], rank, single.nbytes, single.whole_mask, single.label
-                )
-                for k, obj in enumerate(got, i):
-                    if obj is EXISTS:
-                        results.append("exists")
-                    elif obj is None:
-                        results.append("rejected")
-                        holed = geo.has_full
-                    else:
-                        _add_whole(geo, obj, single, k, blocks, staged_at, plan)
-                        results.append("stored")
-                i += len(got)
-                continue
+                made = w.begin_fresh(ns, keys, i, j, rank, shapes)
+                if made:
+                    _add_whole(geo, made, present, i, blocks, staged_at, plan)
+                    results += ["stored"] * len(made[0])
+                    i += len(made[0])
+                    continue
             if whole[i]:
                 status = _store_whole(geo, w, chunks[i].key, i, blocks, ns, rank, staged_at, plan)
             else:
@@ -260,6 +248,18 @@ def plan_store(
             results.append(status)
             i += 1
     return plan
+
+
+def _without_nulls(blocks: list[np.ndarray], null: int, n: int) -> list[bool]:
+    """Per chunk, whether none of its ids is ``null``. A null below every block id (the default,
+    -1) is absent from a group whose smallest id is not negative: one reduction for the group."""
+    if all(null < 0 and (not a.size or int(a.min()) >= 0) for a in blocks):
+        return [True] * n
+    clean = np.ones(n, dtype=bool)
+    for a in blocks:
+        if a.shape[1]:
+            clean &= ~(a == null).any(axis=1)
+    return clean.tolist()
 
 
 def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan) -> str:
@@ -275,27 +275,25 @@ def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan) -> str:
             w.abort([o for o, _ in new])  # all groups of a chunk or none
             return "rejected"
         new.append((obj, shape))
-    for obj, shape in new:
-        _add_whole(geo, obj, shape, i, blocks, staged_at, plan)
     if new:
+        _add_whole(geo, [[obj] for obj, _ in new], [shape for _, shape in new], i, blocks, staged_at, plan)
         return "stored"
     return "exists" if any(shape.present for shape in geo.objects) else "empty"
 
 
-def _add_whole(geo, obj: Obj, shape: ObjectShape, i: int, blocks, staged_at, plan: CopyPlan) -> None:
-    """Plan the copy of a whole chunk ``i`` into its new object ``obj``: every part, every block."""
-    plan.objs.append(obj)
-    view = obj.view()
-    for g, _, off in shape.present:
-        gbytes = geo.group_bytes[g]
-        item = CopyItem(
-            blocks[g][i],
-            geo.positions[g],
-            geo.blocks_per_chunk[g],
-            view[off : off + gbytes],
-            geo.staged(staged_at, i, g),
-        )
-        plan.add(g, item, gbytes)
+def _add_whole(geo, made: list[list[Obj]], shapes: list[ObjectShape], i: int, blocks, staged_at, plan):
+    """Plan the copies of whole chunks ``i, i + 1, ...`` into their new objects: ``made[s][k]``,
+    of shape ``shapes[s]``, is chunk ``i + k``'s. Every part, every block; the objects chunk by
+    chunk (the order they are committed, so touched, in)."""
+    plan.objs += made[0] if len(made) == 1 else [obj for objs in zip(*made) for obj in objs]
+    for objs, shape in zip(made, shapes):
+        for g, _, off in shape.present:
+            gbytes, pos, bpc = geo.group_bytes[g], geo.positions[g], geo.blocks_per_chunk[g]
+            items = plan.copies.setdefault(g, [])
+            rows = blocks[g]
+            for k, obj in enumerate(objs, i):
+                items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), geo.staged(staged_at, k, g)))
+            plan.nbytes += gbytes * len(objs)
 
 
 def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan) -> str:
@@ -354,7 +352,12 @@ def plan_retrieve(
     plan = CopyPlan()
     reads: dict[Obj, None] = {}
     null = geo.null
-    whole = [(~(a == null).any(axis=1)).tolist() if a.shape[1] else [False] * len(a) for a in blocks]
+    clean = _without_nulls(blocks, null, len(chunks))
+    whole = [clean if a.shape[1] else [False] * len(a) for a in blocks]
+    if False in clean:
+        whole = [(~(a == null).any(axis=1)).tolist() if a.shape[1] else [False] * len(a) for a in blocks]
+    keys = [c.key for c in chunks]
+    found = [pool.find_ready_many(ns, keys, g, rank) for g in range(len(blocks))]
     for i, c in enumerate(chunks):
         ok = True
         for g, ids in enumerate(c.blocks):
@@ -364,7 +367,7 @@ def plan_retrieve(
                 ids_arr, pos = split_nulls(ids, null, geo.positions[g])
                 if not len(ids_arr):
                     continue
-            obj = pool.find_ready(ns, c.key, g, rank)
+            obj = found[g][i]
             have = 0 if obj is None else obj.mask >> obj.span[g][0]
             full = geo.full_masks[g]
             if have & full != full:
@@ -379,11 +382,8 @@ def plan_retrieve(
             _, off = obj.span[g]
             gbytes, bpc = geo.group_bytes[g], geo.blocks_per_chunk[g]
             reads[obj] = None
-            plan.add(
-                g,
-                CopyItem(ids_arr, pos, bpc, obj.view()[off : off + gbytes], geo.staged(staged_at, i, g)),
-                gbytes * len(ids_arr) // bpc,
-            )
+            item = CopyItem(ids_arr, pos, bpc, obj.part(off, gbytes), geo.staged(staged_at, i, g))
+            plan.add(g, item, gbytes * len(ids_arr) // bpc)
         plan.results.append(ok)
     plan.objs = list(reads)
     return plan

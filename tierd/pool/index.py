@@ -67,6 +67,8 @@ class Obj:
         nbytes: int,
         mask: int,
         label: str,
+        slab=None,
+        slot: int = -1,
     ):
         self.ns = ns
         self.key = key
@@ -77,8 +79,8 @@ class Obj:
         self.nbytes = nbytes
         self.mask = mask  # bit (shift + i) set: block i of that group's part holds data
         self.label = label  # "g<index>/<kind>" (or "all"), for per-group counts
-        self.slab = None
-        self.slot = -1
+        self.slab = slab  # its slot: set by the pool once allocated
+        self.slot = slot
         self.ready = False  # committed: every byte written
         self.pins = 1  # in flight while being written; leases and reads add pins
         self.leases = 0  # of the pins, how many are leases (tierd.registry counts leased bytes by it)
@@ -94,8 +96,13 @@ class Obj:
         return self.slab.segment.addr + self.slab.slot_offset(self.slot)
 
     def view(self):
-        off = self.offset
-        return self.slab.segment.view[off : off + self.nbytes]
+        return self.part(0, self.nbytes)
+
+    def part(self, off: int, nbytes: int):
+        """The ``nbytes`` of the object's bytes from ``off`` on (one group's part of it)."""
+        slab = self.slab
+        at = slab.offset + self.slot * slab.cls.slot_bytes + off
+        return slab.segment.view[at : at + nbytes]
 
 
 class Index:
@@ -127,6 +134,23 @@ class Index:
             entry[part_key(group, obj.rank)] = obj
         if obj.ready:
             self.committed(obj)
+
+    def insert_fresh(self, ns: bytes, rank: int, made: Sequence[Sequence[Obj]]) -> None:
+        """``insert`` for objects being written (not ready) of keys ``ns`` does not hold yet: per
+        shape a list of objects of ``rank``, one per key, the same keys in the same order."""
+        space = self.spaces.get(ns)
+        if space is None:
+            space = self.spaces[ns] = {}
+        if len(made) == 1 and len(made[0]) and len(made[0][0].span) == 1:  # one part per key
+            pk = part_key(next(iter(made[0][0].span)), rank)
+            for obj in made[0]:
+                space[obj.key] = {pk: obj}
+            return
+        for objs in zip(*made):
+            entry = space[objs[0].key] = {}
+            for obj in objs:
+                for group in obj.span:
+                    entry[part_key(group, rank)] = obj
 
     def committed(self, obj: Obj) -> None:
         """An inserted object became ready: LOOKUP sees it from now on."""

@@ -126,12 +126,12 @@ class Writes:
         """Pool.begin_write, the lock held."""
         return self._pool._begin_write(ns, key, span, rank, nbytes, mask, label)
 
-    def begin_many(
-        self, ns: bytes, keys: Sequence[bytes], span: dict, rank: int, nbytes: int, mask: int, label: str
-    ) -> list:
-        """``begin`` for each of ``keys`` in order, one object shape for all; the list ends at the
-        first None (no room): the keys after it were not tried."""
-        return self._pool._begin_writes(ns, keys, span, rank, nbytes, mask, label)
+    def begin_fresh(self, ns: bytes, keys: Sequence[bytes], start: int, end: int, rank: int, shapes) -> list:
+        """The objects of ``keys[start:end]``'s leading run of keys the index does not hold, one
+        per shape ``(span, nbytes, mask, label)`` a key: a list per shape, as ``begin`` would have
+        made them key by key and shape by shape, but only as far as the open slabs have room (no
+        eviction, no namespace quota); [] when not even the first key qualifies."""
+        return self._pool._begin_fresh(ns, keys, start, end, rank, shapes)
 
     def abort(self, objs: Iterable[Obj]) -> None:
         """Pool.abort, the lock held."""
@@ -234,35 +234,44 @@ class Pool:
             finally:
                 self._flush()  # drops, slabs, segments: on file before the slot is handed out
 
-    def _begin_writes(self, ns, keys, span, rank, nbytes, mask, label) -> list:
-        """``_begin_write`` for each key, up to the first None. A key the index does not hold, in a
-        pool without namespace quotas (a prefill's new chunks), skips its per-key checks: one size
-        class and one shared span for all, a slot straight from the class when it has one."""
+    def _begin_fresh(self, ns, keys, start: int, end: int, rank: int, shapes) -> list[list[Obj]]:
         if self.ns_quota_bytes:
-            out = []
-            for key in keys:
-                out.append(self._begin_write(ns, key, span, rank, nbytes, mask, label))
-                if out[-1] is None:
-                    break
-            return out
-        cls = self.slabs.size_class(nbytes)
-        span = self._shared_span(span)
-        spaces, out = self.index.spaces, []
-        for key in keys:
-            space = spaces.get(ns)  # (eviction may drop a namespace's last object, and its dict)
-            if space is not None and key in space:
-                obj = self._begin_write(ns, key, span, rank, nbytes, mask, label)
-            else:
-                got = cls.take() or self._alloc(cls, ns)
-                obj = None
-                if got is not None:
-                    obj = Obj(ns, key, span, rank, nbytes, mask, label)
-                    obj.slab, obj.slot = got
-                    self._place(obj)
-            out.append(obj)
-            if obj is None:
-                break
-        return out
+            return []  # a namespace's bytes are checked object by object (_alloc)
+        classes = [self.slabs.size_class(nbytes) for _, nbytes, _, _ in shapes]
+        share = {cls: classes.count(cls) for cls in classes}  # shapes of one class take its slots in turn
+        m = end - start
+        for cls, c in share.items():
+            m = min(m, cls.room(m * c) // c)
+        space = self.index.spaces.get(ns)
+        seen: set[bytes] = set()
+        k, end = start, start + m  # (what the slabs have room for bounds the scan)
+        while k < end and keys[k] not in seen and (space is None or keys[k] not in space):
+            seen.add(keys[k])  # a key twice: the second finds the first (the per-key path)
+            k += 1
+        m = k - start
+        if not m:
+            return []
+        taken = {cls: cls.take_many(m * c) for cls, c in share.items()}
+        made, turn = [], dict.fromkeys(share, 0)
+        for (span, nbytes, mask, label), cls in zip(shapes, classes):
+            span, c, s = self._shared_span(span), share[cls], turn[cls]
+            turn[cls] += 1
+            objs = []
+            for key, (slab, slot) in zip(keys[start : start + m], taken[cls][s::c]):
+                obj = Obj(ns, key, span, rank, nbytes, mask, label, slab, slot)
+                slab.owners[slot] = obj
+                objs.append(obj)
+            made.append(objs)
+            slot_bytes = m * cls.slot_bytes
+            if nbytes > self.largest_bytes:
+                self.largest_bytes = nbytes
+            self.objects += m
+            self.used_bytes += slot_bytes
+            self.per_group[label] += m
+            self.per_ns[ns] += m
+            self.per_ns_bytes[ns] += slot_bytes
+        self.index.insert_fresh(ns, rank, made)
+        return made
 
     def _shared_span(self, span: dict) -> Span:
         """The one Span objects of this layout share (a plan passes the same one over and over); a
@@ -396,9 +405,20 @@ class Pool:
             self._touch_prefix(objs)
 
     def find_ready(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
+        return self.find_ready_many(ns, [key], group, rank)[0]
+
+    def find_ready_many(self, ns: bytes, keys: Sequence[bytes], group: int, rank: int) -> list[Obj | None]:
+        """``find_ready`` for each of ``keys``, under one hold of the lock."""
         with self.lock:
-            obj = self.index.find(ns, key, group, rank)
-            return obj if obj is not None and obj.ready else None
+            space = self.index.spaces.get(ns)
+            if space is None:
+                return [None] * len(keys)
+            part = (group, rank)
+            out = []
+            for entry in map(space.get, keys):
+                obj = None if entry is None else entry.get(part)
+                out.append(obj if obj is not None and obj.ready else None)
+            return out
 
     def entry(self, ns: bytes, key: bytes) -> dict | None:
         """A copy of the chunk entry of ``key``: (group, rank) -> Obj, objects being written included."""

@@ -110,6 +110,40 @@ class SizeClass:
             self.open_slabs.pop()
         return None
 
+    def room(self, n: int) -> int:
+        """How many slots (up to ``n``) the open slabs have: what ``take_many(n)`` gives."""
+        have = 0
+        for slab in reversed(self.open_slabs):
+            have += len(slab.free) + slab.nslots - slab.fresh
+            if have >= n:
+                return n
+        return have
+
+    def take_many(self, n: int) -> list[tuple[Slab, int]]:
+        """Up to ``n`` slots from the open slabs, the ones ``take`` would give one by one, in its
+        order (fewer when the open slabs run out: the caller allocates the rest)."""
+        out: list[tuple[Slab, int]] = []
+        open_slabs = self.open_slabs
+        while open_slabs and len(out) < n:
+            slab = open_slabs[-1]
+            want = n - len(out)
+            free = slab.free
+            got = free[: -want - 1 : -1]  # what ``pop`` gives, in its order: the top of the stack first
+            if got:
+                del free[-len(got) :]
+            fresh = min(want - len(got), slab.nslots - slab.fresh)
+            if fresh > 0:
+                got.extend(range(slab.fresh, slab.fresh + fresh))
+                slab.fresh += fresh
+            if got:
+                if not slab.used:
+                    self.empty.pop(slab, None)
+                slab.used += len(got)
+                out.extend(zip([slab] * len(got), got))
+            if not slab.has_room:
+                open_slabs.pop()
+        return out
+
     def give(self, slab: Slab, slot: int) -> None:
         if not slab.has_room:
             self.open_slabs.append(slab)
