@@ -123,7 +123,11 @@ def test_daemon_killed_during_pass2_completes_every_request_identically(world, t
     (tmp_path / "killed.go").write_text("1")
     t0 = time.monotonic()
     result = finish(proc, out, log)
-    assert result["outputs"] == world["baseline"]["outputs"]
-    assert result["cached"][0] >= 4 * CHUNK  # the first request came from the tier
     assert time.monotonic() - t0 < 120
+    assert result["cached"][0] >= 4 * CHUNK  # the first request came from the tier
+    # The reference is an engine without the connector run in the same batches: one prompt a batch
+    # computes other token ids than all four in one batch on some CPUs (seen on an AVX2-only host:
+    # prompt 1 differs from its 8th token on, with no tier at all).
+    split = engine(tmp_path, "split-baseline", batches)
+    assert result["outputs"] == split["outputs"]
     d.start()  # leave a live daemon behind for the module's teardown
