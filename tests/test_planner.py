@@ -317,3 +317,19 @@ def test_without_a_full_group_chunks_after_a_rejected_one_are_still_tried():
         assert two.objects == 2
     finally:
         two.close()
+
+
+def test_a_null_block_id_of_zero_is_a_null_not_a_block(pool):
+    """``--null-block-id 0`` (vLLM's own null block is id 0): ids equal to it are nulls in STORE and
+    RETRIEVE, even though 0 is also a valid id of the layout and no id is negative."""
+    g = Geometry(layout(FULL), True, 0)
+    chunks = [chunk(0, [4, 5, 6, 7]), chunk(1, [0, 9, 10, 0]), chunk(2, [0, 0, 0, 0])]
+    plan = plan_store(g, chunks, pool, NS, 0)
+    assert plan.results == ["stored", "stored", "empty"]
+    assert [o.mask for o in plan.objs] == [0b1111, 0b0110]
+    assert items(plan, 0) == [([4, 5, 6, 7], [0, 1, 2, 3]), ([9, 10], [1, 2])]
+    pool.commit(plan.objs)
+    got = plan_retrieve(g, [chunk(0, [0, 12, 13, 14]), chunk(1, [20, 21, 22, 0])], pool, NS, 0)
+    assert got.results == [True, False]
+    assert items(got, 0) == [([12, 13, 14], [1, 2, 3]), ([21, 22], [1, 2])]
+    assert got.failed == [(0, 20)]  # chunk 1's block 0 was a null when stored

@@ -352,10 +352,8 @@ def plan_retrieve(
     plan = CopyPlan()
     reads: dict[Obj, None] = {}
     null = geo.null
-    clean = _without_nulls(blocks, null, len(chunks))
+    clean = _without_nulls(blocks, null, len(chunks))  # (a chunk with a null anywhere: split per group)
     whole = [clean if a.shape[1] else [False] * len(a) for a in blocks]
-    if False in clean:
-        whole = [(~(a == null).any(axis=1)).tolist() if a.shape[1] else [False] * len(a) for a in blocks]
     keys = [c.key for c in chunks]
     found = [pool.find_ready_many(ns, keys, g, rank) for g in range(len(blocks))]
     for i, c in enumerate(chunks):
