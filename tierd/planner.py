@@ -95,6 +95,11 @@ class Geometry:
         self.spans = [
             Span(o.span, {g: self.blocks_per_chunk[g] for g, _, _ in o.parts}) for o in self.objects
         ]
+        # the objects a whole chunk writes, and how Writes.begin_fresh makes them
+        self.present_objects = [o for o in self.objects if o.present]
+        self.fresh_shapes = [
+            (span, o.nbytes, o.whole_mask, o.label) for o, span in zip(self.objects, self.spans) if o.present
+        ]
 
     def check_staging(self, staged_at: int | None, n_chunks: int) -> None:
         """A staged layout (cuda) names where its chunks lie in staging, and they fit; others name nothing."""
@@ -218,8 +223,7 @@ def plan_store(
     # chunks without a null id in any group (the common case) take the short path below
     holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
     results, whole = plan.results, _without_nulls(blocks, geo.null, len(chunks))
-    shapes = [(span, o.nbytes, o.whole_mask, o.label) for o, span in zip(geo.objects, geo.spans) if o.present]
-    present = [o for o in geo.objects if o.present]
+    shapes, present = geo.fresh_shapes, geo.present_objects
     keys = [c.key for c in chunks]
     n, i, j = len(chunks), 0, 0
     with pool.writes() as w:

@@ -100,9 +100,8 @@ class Obj:
 
     def part(self, off: int, nbytes: int):
         """The ``nbytes`` of the object's bytes from ``off`` on (one group's part of it)."""
-        slab = self.slab
-        at = slab.offset + self.slot * slab.cls.slot_bytes + off
-        return slab.segment.view[at : at + nbytes]
+        at = self.slab.slot_offset(self.slot) + off
+        return self.slab.segment.view[at : at + nbytes]
 
 
 class Index:
@@ -141,16 +140,9 @@ class Index:
         space = self.spaces.get(ns)
         if space is None:
             space = self.spaces[ns] = {}
-        if len(made) == 1 and len(made[0]) and len(made[0][0].span) == 1:  # one part per key
-            pk = part_key(next(iter(made[0][0].span)), rank)
-            for obj in made[0]:
-                space[obj.key] = {pk: obj}
-            return
+        parts = [[part_key(group, rank) for group in objs[0].span] for objs in made if objs]
         for objs in zip(*made):
-            entry = space[objs[0].key] = {}
-            for obj in objs:
-                for group in obj.span:
-                    entry[part_key(group, rank)] = obj
+            space[objs[0].key] = {pk: obj for obj, pks in zip(objs, parts) for pk in pks}
 
     def committed(self, obj: Obj) -> None:
         """An inserted object became ready: LOOKUP sees it from now on."""

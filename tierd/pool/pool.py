@@ -262,14 +262,7 @@ class Pool:
                 slab.owners[slot] = obj
                 objs.append(obj)
             made.append(objs)
-            slot_bytes = m * cls.slot_bytes
-            if nbytes > self.largest_bytes:
-                self.largest_bytes = nbytes
-            self.objects += m
-            self.used_bytes += slot_bytes
-            self.per_group[label] += m
-            self.per_ns[ns] += m
-            self.per_ns_bytes[ns] += slot_bytes
+            self._count(ns, label, nbytes, cls.slot_bytes, m)
         self.index.insert_fresh(ns, rank, made)
         return made
 
@@ -505,15 +498,19 @@ class Pool:
 
     # ---- internals (lock held) -------------------------------------------------------------
     def _place(self, obj: Obj) -> None:
-        if obj.nbytes > self.largest_bytes:
-            self.largest_bytes = obj.nbytes
         obj.slab.owners[obj.slot] = obj
         self.index.insert(obj)
-        self.objects += 1
-        self.used_bytes += obj.slab.cls.slot_bytes
-        self.per_group[obj.label] += 1
-        self.per_ns[obj.ns] += 1
-        self.per_ns_bytes[obj.ns] += obj.slab.cls.slot_bytes
+        self._count(obj.ns, obj.label, obj.nbytes, obj.slab.cls.slot_bytes, 1)
+
+    def _count(self, ns: bytes, label: str, nbytes: int, slot_bytes: int, n: int) -> None:
+        """``n`` objects of ``nbytes`` in slots of ``slot_bytes`` were placed."""
+        if nbytes > self.largest_bytes:
+            self.largest_bytes = nbytes
+        self.objects += n
+        self.used_bytes += n * slot_bytes
+        self.per_group[label] += n
+        self.per_ns[ns] += n
+        self.per_ns_bytes[ns] += n * slot_bytes
 
     def _flush(self) -> None:
         if self.persist is not None:
