@@ -10,9 +10,12 @@ Metadata overhead is the daemon's RSS growth minus the pool memory backed meanwh
 process plays the engine's scheduler: once the daemon is filled its heap is frozen (``gc.freeze``)
 as vLLM's EngineCore freezes its startup heap (``--no-freeze-gc``: not).
 
-Every round trip is measured twice, alternately request by request: on the lookup channel
-(docs/protocol.md section 2.1; a default TierdClient) and on ZeroMQ alone
-(``TierdClient(lookup_channel=False)``, the ``zmq`` figures). Baselines of the same run, to read
+Every round trip is measured three ways, alternately request by request: on the lookup channel
+(docs/protocol.md section 2.1; a default TierdClient), on ZeroMQ alone
+(``TierdClient(lookup_channel=False)``, the ``zmq`` figures) and on the channel by a caller that
+sleeps in poll() at once (``TierdClient(spin_s=0)``, the ``no_spin`` figures; the default reads its
+reply spinning for up to tierd_client.transport.SPIN_S first). ``--busy-poll-us`` is passed to the
+daemon (its main loop polls without sleeping that long after each request). Baselines of the same run, to read
 the latencies against: ``floor_echo_*``, a bare pyzmq ROUTER that polls and echoes each frame
 (another process, the same ipc transport, a frame of the LOOKUP's size; what any Python daemon's
 round trip costs before it does anything), ``floor_channel_echo_*``, the same over a Unix
@@ -185,28 +188,36 @@ SPECS = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
 
 
 def _engine(endpoint: str, ns: dict, keys: list, chunk_tokens: int, repeats: int, go, out) -> None:
-    """One of ``--engines`` processes: its own client, leased LOOKUPs (as the connector's) back to
-    back once ``go`` is set, each lease released; its round trips go to ``out``."""
+    """One of ``--engines`` processes: leased LOOKUPs (as the connector's) back to back once ``go``
+    is set, each lease released, alternately on a default client and on one that sleeps at once
+    (``spin_s=0``); both clients' round trips go to ``out``."""
     gc.freeze()
-    client = TierdClient(endpoint, timeout_s=120, name="lookup-bench-engine")
+    clients = [
+        TierdClient(endpoint, timeout_s=120, name="lookup-bench-engine"),
+        TierdClient(endpoint, timeout_s=120, name="lookup-bench-engine-asleep", spin_s=0),
+    ]
     try:
-        client.wait_ready(30)
-        client.lookup(ns, keys, SPECS, chunk_tokens, lease=False)
+        for client in clients:
+            client.wait_ready(30)
+            client.lookup(ns, keys, SPECS, chunk_tokens, lease=False)
         go.wait()
-        lat = []
+        lat: list[list[float]] = [[], []]
         for _ in range(repeats):
-            t = time.perf_counter()
-            r = client.lookup(ns, keys, SPECS, chunk_tokens, lease=True)
-            lat.append(time.perf_counter() - t)
-            client.release(r["lease"])
+            for client, times in zip(clients, lat):
+                t = time.perf_counter()
+                r = client.lookup(ns, keys, SPECS, chunk_tokens, lease=True)
+                times.append(time.perf_counter() - t)
+                client.release(r["lease"])
         out.put(lat)
     finally:
-        client.close()
+        for client in clients:
+            client.close()
 
 
 def engines(endpoint: str, ns: dict, keys: list, chunk_tokens: int, n: int, repeats: int) -> dict:
     """``n`` engine processes looking up the same prompt at once (``_engine``): the LOOKUP round
-    trip while the daemon serves the others' requests too."""
+    trip while the daemon serves the others' requests too (``no_spin``: of the clients that sleep
+    at once, alternated with the default ones in each process)."""
     mp = multiprocessing.get_context("spawn")
     go, out = mp.Event(), mp.Queue()
     args = (endpoint, ns, keys, chunk_tokens, repeats, go, out)
@@ -216,11 +227,17 @@ def engines(endpoint: str, ns: dict, keys: list, chunk_tokens: int, n: int, repe
     time.sleep(1.0)
     t0 = time.perf_counter()
     go.set()
-    lat = [x for _ in procs for x in out.get(timeout=600)]
+    got = [out.get(timeout=600) for _ in procs]
     wall = time.perf_counter() - t0
     for p in procs:
         p.join(30)
-    return {**percentiles(lat), "lookups_per_s": round(len(lat) / wall)}
+    spun = [x for lat in got for x in lat[0]]
+    slept = percentiles([x for lat in got for x in lat[1]])
+    return {
+        **percentiles(spun),
+        "lookups_per_s": round(2 * len(spun) / wall),
+        "no_spin": {k: slept[k] for k in ("p50_ms", "p99_ms")},
+    }
 
 
 def _span():
@@ -275,17 +292,28 @@ def main() -> None:
         "is frozen once the daemon is filled, as vLLM's EngineCore freezes its own at start "
         "(a full collection of this process's ~29k objects takes ~7 ms)",
     )
+    ap.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=None,
+        help="the daemon's --busy-poll-us (default: its own default)",
+    )
     args = ap.parse_args()
 
     pool = args.objects * BLOCK_BYTES * 2 + (64 << 20)
     results: dict = {"objects": args.objects, "prompt_tokens": args.prompt_tokens}
     port = free_port()
     extra = ("--l1-align-bytes", "64", "--l1-segment-mb", "256", "--http-port", str(port))
+    if args.busy_poll_us is not None:
+        extra += ("--busy-poll-us", str(args.busy_poll_us))
+    results["daemon_busy_poll_us"] = args.busy_poll_us
     with private_daemon(pool, extra) as endpoint:
         client = TierdClient(endpoint, timeout_s=120, name="lookup-bench")
         client.wait_ready(30)
         plain = TierdClient(endpoint, timeout_s=120, name="lookup-bench-zmq", lookup_channel=False)
         plain.wait_ready(30)
+        asleep = TierdClient(endpoint, timeout_s=120, name="lookup-bench-asleep", spin_s=0)
+        asleep.wait_ready(30)
         pid = client.server["pid"]
         buf = SharedBuffer(NBLOCKS * BLOCK_BYTES)
         try:
@@ -316,16 +344,20 @@ def main() -> None:
             def alternate(call, after=None) -> dict:
                 """``call(c)`` on the channel's client and on the plain one in turn, timed; then
                 ``after(c, result)``, not timed."""
-                lat: dict = {client: [], plain: []}
+                lat: dict = {client: [], plain: [], asleep: []}
                 for _ in range(args.repeats):
-                    for c in (client, plain):
+                    for c in (client, plain, asleep):
                         t = time.perf_counter()
                         r = call(c)
                         lat[c].append(time.perf_counter() - t)
                         if after is not None:
                             after(c, r)
-                zmq_only = percentiles(lat[plain])
-                return {**percentiles(lat[client]), "zmq": {k: zmq_only[k] for k in ("p50_ms", "p99_ms")}}
+                zmq_only, slept = percentiles(lat[plain]), percentiles(lat[asleep])
+                return {
+                    **percentiles(lat[client]),
+                    "zmq": {k: zmq_only[k] for k in ("p50_ms", "p99_ms")},
+                    "no_spin": {k: slept[k] for k in ("p50_ms", "p99_ms")},
+                }
 
             def measure(keys, chunk_tokens, lease, space=ns):
                 got = []
@@ -384,6 +416,7 @@ def main() -> None:
                 results[f"floor_echo_{name}_keys"] = {**echo_floor(size, args.repeats), "frame_bytes": size}
                 results[f"floor_channel_echo_{name}_keys"] = channel_echo_floor(size, args.repeats)
         finally:
+            asleep.close()
             plain.close()
             client.close()
             buf.close()

@@ -36,7 +36,7 @@ from tierd.config import default_socket
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode
 from tierd_client.errors import DaemonUnavailable, TierdError
-from tierd_client.transport import Pending, Reply, Transport
+from tierd_client.transport import SPIN_S, Pending, Reply, Transport
 
 log = logging.getLogger("tierd_client")
 
@@ -62,10 +62,15 @@ class Session(Transport):
         connect_timeout_s: float = 5.0,
         token: str | None = None,
         lookup_channel: bool = True,
+        spin_s: float = SPIN_S,
     ):
         """``lookup_channel``: send LOOKUP and PING on the daemon's lookup channel when it has one
-        (docs/protocol.md section 2.1); False: everything on the ZeroMQ socket."""
-        super().__init__(url or default_socket(), timeout_s, name, lookup_channel)
+        (docs/protocol.md section 2.1); False: everything on the ZeroMQ socket. ``spin_s``: how
+        long a caller reads the channel for its reply before it sleeps in poll() (SPIN_S; 0: sleep
+        at once)."""
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
+        super().__init__(url or default_socket(), timeout_s, name, lookup_channel, spin_s)
         # tcp://: the tenant token the daemon's --tcp-token-file lists (default $TIERD_TOKEN)
         self._token = os.environ.get("TIERD_TOKEN", "") if token is None else token
         self._heartbeat = heartbeat_interval_s

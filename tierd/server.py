@@ -217,8 +217,11 @@ class Daemon:
             self.pool.backed_bytes / 2**30,
             ", pinned" if self.cuda else "",
         )
+        spin = self.settings.busy_poll_us / 1e6  # (--busy-poll-us: from the last socket event on)
+        active = 0.0
         while True:
-            for sock, _ in poller.poll(self._poll_ms()):
+            events = poller.poll(0 if spin and time.perf_counter() - active < spin else self._poll_ms())
+            for sock, _ in events:
                 if sock is self.router:
                     self._recv_burst()
                 elif self.watch is not None and sock is self.watch.monitor:
@@ -234,6 +237,8 @@ class Daemon:
             self._finish_jobs()
             if self.l2 is not None:
                 self._finish_l2()
+            if spin and events:
+                active = time.perf_counter()
             now = time.monotonic()
             if now >= next_house:
                 self._housekeeping(now)
