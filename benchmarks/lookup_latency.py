@@ -15,8 +15,8 @@ Every round trip is measured three ways, alternately request by request: on the 
 (``TierdClient(lookup_channel=False)``, the ``zmq`` figures) and on the channel by a caller that
 sleeps in poll() at once (``TierdClient(spin_s=0)``, the ``no_spin`` figures; the default reads its
 reply spinning for up to tierd_client.transport.SPIN_S first). ``--busy-poll-us`` is passed to the
-daemon (its main loop polls without sleeping that long after each request). Baselines of the same run, to read
-the latencies against: ``floor_echo_*``, a bare pyzmq ROUTER that polls and echoes each frame
+daemon (its main loop polls without sleeping that long after each request). Baselines of the same
+run, to read the latencies against: ``floor_echo_*``, a bare pyzmq ROUTER that polls and echoes each frame
 (another process, the same ipc transport, a frame of the LOOKUP's size; what any Python daemon's
 round trip costs before it does anything), ``floor_channel_echo_*``, the same over a Unix
 seqpacket socket, and ``ping``, TierdClient.ping() to this daemon. ``daemon_mean_ms`` next to
@@ -233,11 +233,12 @@ def engines(endpoint: str, ns: dict, keys: list, chunk_tokens: int, n: int, repe
         p.join(30)
     spun = [x for lat in got for x in lat[0]]
     slept = percentiles([x for lat in got for x in lat[1]])
-    return {
-        **percentiles(spun),
-        "lookups_per_s": round(2 * len(spun) / wall),
-        "no_spin": {k: slept[k] for k in ("p50_ms", "p99_ms")},
-    }
+    return {**percentiles(spun), "lookups_per_s": round(2 * len(spun) / wall), "no_spin": tails(slept)}
+
+
+def tails(figures: dict) -> dict:
+    """The p50 and p99 of ``percentiles``' figures: a baseline printed next to the main ones."""
+    return {k: figures[k] for k in ("p50_ms", "p99_ms")}
 
 
 def _span():
@@ -342,8 +343,8 @@ def main() -> None:
             results["client_gc_frozen"] = args.freeze_gc
 
             def alternate(call, after=None) -> dict:
-                """``call(c)`` on the channel's client and on the plain one in turn, timed; then
-                ``after(c, result)``, not timed."""
+                """``call(c)`` on the channel's client, the plain one and the sleeping one in turn,
+                timed; then ``after(c, result)``, not timed."""
                 lat: dict = {client: [], plain: [], asleep: []}
                 for _ in range(args.repeats):
                     for c in (client, plain, asleep):
@@ -352,11 +353,10 @@ def main() -> None:
                         lat[c].append(time.perf_counter() - t)
                         if after is not None:
                             after(c, r)
-                zmq_only, slept = percentiles(lat[plain]), percentiles(lat[asleep])
                 return {
                     **percentiles(lat[client]),
-                    "zmq": {k: zmq_only[k] for k in ("p50_ms", "p99_ms")},
-                    "no_spin": {k: slept[k] for k in ("p50_ms", "p99_ms")},
+                    "zmq": tails(percentiles(lat[plain])),
+                    "no_spin": tails(percentiles(lat[asleep])),
                 }
 
             def measure(keys, chunk_tokens, lease, space=ns):

@@ -5,6 +5,9 @@ daemon's main loop polling without sleeping for a while after each request."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -54,10 +57,10 @@ def test_a_caller_with_spin_s_zero_sleeps_in_poll_for_its_channel_reply(daemon, 
 
 
 def test_a_negative_spin_is_refused_before_anything_starts():
-    threads = {t.name for t in __import__("threading").enumerate()}
+    threads = {t.name for t in threading.enumerate()}
     with pytest.raises(ValueError, match="spin_s must be >= 0"):
         TierdClient("ipc:///nonexistent/tierd.sock", spin_s=-0.001, name="negative-spin")
-    assert not {t.name for t in __import__("threading").enumerate()} - threads
+    assert not {t.name for t in threading.enumerate()} - threads
 
 
 def cpu_seconds(pid: int) -> float:
@@ -90,9 +93,6 @@ def test_busy_poll_keeps_the_daemon_polling_after_each_request_and_sleeping_with
 
 @pytest.mark.parametrize("value", ["-1", "10001"])
 def test_busy_poll_out_of_range_is_refused_at_start(value, tmp_path):
-    import subprocess
-    import sys
-
     run = subprocess.run(
         [sys.executable, "-m", "tierd", "serve", "--busy-poll-us", value, "--socket", f"ipc://{tmp_path}/s"],
         capture_output=True,
