@@ -1,3 +1,42 @@
-"""tierd: a node-local KV-cache tier for LLM serving."""
+"""tierd: a node-local KV-cache tier for LLM serving.
+
+Reading the code, in the order a request meets it (each module says what it owns and its hazards;
+tests/test_docs_paths.py fails when this map misses a module or names one that is gone):
+
+Edge: bytes in, typed requests out.
+    tierd/server.py       the daemon's main loop: receive, decode, dispatch, submit copies, reply
+    tierd/protocol/       frames (codec), typed requests with every limit (messages), page
+                          layouts (layout), key hashing (keys), error codes (errors)
+    tierd/channel.py      the lookup channel: LOOKUP and PING without ZeroMQ
+    tierd/endpoint.py     one daemon per socket path
+    tierd/fdinbox.py      engine memory handed over as file descriptors
+    tierd/peer.py         who sent a message, as the kernel says
+    tierd/disconnects.py  which connections ended
+State and decisions.
+    tierd/registry.py     sessions, registered ranks, namespaces, leases: one owner
+    tierd/tenants.py      who a session acts as, and what it may touch
+    tierd/handlers.py     one handler per op: (tier, call, request) -> reply | Job
+Planning: pure functions of (request, geometry, pool).
+    tierd/planner.py      STORE and RETRIEVE: per-chunk results, objects, copy items, failures
+    tierd/pool/           host memory: segments, slabs, the index and LOOKUP's fold, eviction,
+                          the pool folder a warm restart reads
+Copies.
+    tierd/transfer/       lanes of copy threads; CPU and CUDA copies between engine and pool
+Operators.
+    tierd/status.py       /status, built on the main loop for the HTTP thread
+    tierd/http/           /status, /metrics, /healthz
+    tierd/stats.py        counters and histograms
+    tierd/config.py       every setting, its flag and its help
+    tierd/cli.py          tierd serve | status | bench
+    tierd/report.py       the tables tierd status and tierd bench print
+    tierd/warm.py         warm restart: what must be unchanged, what is reported
+    tierd/bench/          tierd bench
+Second tier.
+    tierd/tier2/          the daemon's side of L2: spill, fetch, lookups over L1 and L2
+    tierd/l2/             Mooncake Store, in a process of its own
+
+The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
+the vLLM connector (client/vllm_connector/).
+"""
 
 __version__ = "0.1.0"

@@ -1,0 +1,111 @@
+"""What the docs point a reader at exists: every source path they name, every module of tierd/ in
+the package map (tierd/__init__.py's docstring), and every constant the limits table of
+docs/protocol.md cites, with the value the table gives. Static reads; no daemon.
+
+Stale pointers were found in review: protocol.md named tierd/ops.py, tierd/sessions.py and
+``fields.MAX_NAME_LEN`` long after the modules were gone."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+import tierd
+from tierd.protocol.errors import ErrorCode
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PATH = re.compile(r"`((?:tierd|client|benchmarks|scripts|tests|deploy|native|docs)/[\w./-]*)`")
+
+
+def named_paths(text: str) -> set[str]:
+    return {m.rstrip("/") for m in PATH.findall(text)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_docs_name_only_files_that_exist(doc):
+    missing = sorted(p for p in named_paths(doc.read_text()) if not (ROOT / p).exists())
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+def map_entries() -> set[str]:
+    return set(re.findall(r"^\s+(tierd/[\w/.]+)", tierd.__doc__, re.M))
+
+
+def test_the_package_map_names_every_module_of_tierd_and_only_those():
+    entries = map_entries()
+    here = {
+        f"tierd/{p.name}/" if p.is_dir() else f"tierd/{p.name}"
+        for p in (ROOT / "tierd").iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"))
+    }
+    assert entries - here == set(), "the map names modules that are gone"
+    assert here - entries == set(), "the map misses modules (add each where a request meets it)"
+
+
+def limits_rows(doc: str) -> list[tuple[str, str]]:
+    """(value cell, source cell) of each row of protocol.md's section 19."""
+    section = doc.split("## 19. Limits", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("limit", "---"):
+            rows.append((cells[1], cells[2]))
+    return rows
+
+
+# not where limits live (L2's imports need the mooncake extra); __main__ would run the CLI
+SKIP = ("tierd.l2.", "tierd.tier2.", "tierd.bench.")
+
+
+def resolve(name: str):
+    """The value of a constant named ``module.NAME`` (a module of tierd by its last components) or
+    ``NAME`` (defined by exactly one module of tierd)."""
+    *mod, attr = name.split(".")
+    found = []
+    for info in pkgutil.walk_packages(tierd.__path__, "tierd."):
+        if info.name.startswith(SKIP) or info.name.endswith("__main__"):
+            continue
+        if mod and info.name.split(".")[-len(mod) :] != mod:
+            continue
+        module = importlib.import_module(info.name)
+        if attr in vars(module):
+            found.append(vars(module)[attr])
+    assert found, f"no module of tierd defines {name}"
+    assert len(set(map(repr, found))) == 1, f"{name} is ambiguous: {found}"
+    return found[0]
+
+
+UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "s": 1}
+
+
+def documented(value: str) -> float | None:
+    """The number a value cell starts with, in the constant's own unit (bytes for KiB/MiB)."""
+    m = re.match(r"^(2\^(\d+)|\d+(?:\.\d+)?)\s*(KiB|MiB|s|characters|bytes)?\b", value)
+    if m is None:
+        return None
+    number = 2 ** int(m.group(2)) if m.group(2) else float(m.group(1))
+    return number * UNITS.get(m.group(3) or "", 1)
+
+
+def test_the_limits_table_cites_constants_that_exist_with_the_value_it_gives():
+    rows = limits_rows((ROOT / "docs" / "protocol.md").read_text())
+    assert len(rows) > 10
+    checked = 0
+    for value, source in rows:
+        names = [
+            n
+            for n in re.findall(r"`((?:[a-z_]+\.)*[A-Z][A-Z0-9_]+)`", source)
+            if n not in ErrorCode.__members__  # "`TOO_LARGE` beyond": the error, not a constant
+        ]
+        values = [resolve(n) for n in names]
+        number = documented(value)
+        if len(names) == 1 and number is not None:
+            assert values[0] == number, f"section 19 says {value!r} for {names[0]}, the code {values[0]}"
+            checked += 1
+    assert checked >= 8, checked
