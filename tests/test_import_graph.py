@@ -1,6 +1,7 @@
 """No import circles in tierd/ or client/ (issue 8): the graph of every import statement, at module
 level or inside a function (a lazy import that only hides a circle is still one), between the
-project's own modules, has no cycle. Static: read with ast, nothing imported."""
+project's own modules, has no cycle; and no module reads another's private attributes (``x._name``
+where the module defines no ``_name`` itself). Static: read with ast, nothing imported."""
 
 from __future__ import annotations
 
@@ -88,3 +89,44 @@ def test_the_project_has_no_import_circles():
 def test_the_check_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# Private attributes of other libraries the project relies on, each for a reason:
+FOREIGN_PRIVATE = {
+    "_exit",  # os._exit: a forked helper ends without running the parent's atexit handlers
+    # torch's storage sharing (what torch.multiprocessing's reductions call); torch has no public
+    # way to hand a tensor's memory to another process as a descriptor or a CUDA IPC handle
+    "_share_cuda_",
+    "_new_shared_cuda",
+    "_get_shared_fd",
+}
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``x._name`` in ``path`` where ``x`` is not self/cls and the module defines no ``_name``
+    itself (as a def, a class, an attribute it assigns, a slot or a class-level name)."""
+    tree = ast.parse(path.read_text())
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            own.add(node.value)  # __slots__ entries, setattr/getattr names
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.endswith("__"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if node.attr not in own and node.attr not in FOREIGN_PRIVATE:
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    found = [hit for path in modules().values() for hit in private_reaches(path)]
+    assert not found, "use (or add) a public name instead:\n" + "\n".join(found)

@@ -123,7 +123,7 @@ def test_a_touch_that_fails_leaves_the_pool_lock_free(pool, monkeypatch):
     def broken(objs):
         raise RuntimeError("touch broke")
 
-    monkeypatch.setattr(pool, "_touch_prefix", broken)
+    monkeypatch.setattr(pool, "touch_objects", broken)
     with pytest.raises(RuntimeError, match="touch broke"):
         with pool.lock:
             pass

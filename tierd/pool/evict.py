@@ -115,7 +115,7 @@ def _first_unpinned(pool, cls: SizeClass, only: bytes | None) -> Obj | None:
         if len(passed) >= PASS:  # a class pinned through: bounded, and the next search starts past these
             break
     if passed:
-        pool._touch_prefix(passed)
+        pool.touch_objects(passed)
     return found
 
 

@@ -106,12 +106,12 @@ class Persist:
             ceiling, 0, self.segment_bytes, self.align, pinner, self.folder, restore
         )
         try:
-            pool._build(segments(model.segments if model else ()), model)
+            pool.build(segments(model.segments if model else ()), model)
         except (OSError, ValueError) as exc:
             if model is None:
                 raise
             self.cold(f"the recovered files could not be mapped: {exc}")
-            pool._build(segments(()), None)
+            pool.build(segments(()), None)
         self.start(pool)
         self.report["seconds"] = time.perf_counter() - t0
         pool.segments.watch = pool.slabs.watch = self

@@ -168,12 +168,13 @@ class Pool:
         segment_bytes = min(segment_bytes, ceiling)
         self.persist = None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta)
         if self.persist is None:
-            self._build(SegmentSet(ceiling, initial, segment_bytes, align, pinner), None)
+            self.build(SegmentSet(ceiling, initial, segment_bytes, align, pinner), None)
         else:
             self.persist.open(self, ceiling, initial, pinner)
         self.warm_restart: dict | None = None if self.persist is None else self.persist.report
 
-    def _build(self, segments: SegmentSet, model) -> None:
+    def build(self, segments: SegmentSet, model) -> None:
+        """Start over on ``segments``: empty, or with a recovered ``model``'s objects (tierd.pool.persist)."""
         self.segments = segments
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
@@ -385,7 +386,7 @@ class Pool:
     def _apply_touches(self) -> None:
         untouched, self._untouched = self._untouched, []
         for objs in untouched:
-            self._touch_prefix(objs)
+            self.touch_objects(objs)
 
     def touch(self, ns: bytes, keys: Sequence[bytes]) -> None:
         """Mark a prefix's chunks used, tail first, so the head is the most recent."""
@@ -395,7 +396,7 @@ class Pool:
                 entry = self.index.get(ns, key)
                 if entry is not None:
                     objs.extend(o for o in entry.values() if o.ready)
-            self._touch_prefix(objs)
+            self.touch_objects(objs)
 
     def find_ready(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
         return self.find_ready_many(ns, [key], group, rank)[0]
@@ -435,7 +436,7 @@ class Pool:
         """(address, bytes, file descriptor) of every backed segment, oldest first. Segments are
         only added, never moved or shrunk, until ``close``."""
         with self.lock:
-            return [(seg.addr, seg.nbytes, seg._fd) for seg in self.segments.segments]
+            return [(seg.addr, seg.nbytes, seg.fd) for seg in self.segments.segments]
 
     def pin(self, objs: Iterable[Obj]) -> None:
         with self.lock:
@@ -527,8 +528,8 @@ class Pool:
             lru[obj] = None
             lru.move_to_end(obj)
 
-    def _touch_prefix(self, objs: Sequence[Obj]) -> None:
-        """Touch ready objects tail first: the first one ends up most recent."""
+    def touch_objects(self, objs: Sequence[Obj]) -> None:
+        """Touch ready objects tail first: the first one ends up most recent. The lock held."""
         tick, lrus = self._tick, self.lru
         cls = move = None
         for obj in reversed(objs):

@@ -86,6 +86,11 @@ class Segment:
             off += 1 << k
 
     @property
+    def fd(self) -> int:
+        """The descriptor of the segment's memory, open until ``close`` (L2 registers it: tierd.tier2)."""
+        return self._fd
+
+    @property
     def top_order(self) -> int:
         """The order of the largest block this segment can ever hand out."""
         return self.nbytes.bit_length() - 1

@@ -110,11 +110,6 @@ class TransferEngine:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
 
-    @property
-    def threads(self) -> int:
-        """Threads the lanes run on now (bounded by --workers, twice: copies and waits)."""
-        return len(self._copy_pool._threads) + len(self._wait_pool._threads)
-
     def _held(self, n: int) -> None:
         with self._lock:
             self._queued += n
