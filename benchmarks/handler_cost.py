@@ -5,20 +5,33 @@ objects, build the copy items). In-process, no socket, no copy; p50/p90 over man
     python benchmarks/handler_cost.py [--chunks 16] [--groups 1|2] [--repeats 2000]
     python benchmarks/handler_cost.py --lookup-keys 32768 [--window 1073741824] [--held 200]
 
+    python benchmarks/handler_cost.py --index-objects 1000000 [--prompt-keys 2048]
+
 ``--lookup-keys``: instead, one LOOKUP of that many keys (the largest the bound allows: 32768 for
 one group and one rank) against a sliding-window group of ``--window`` tokens with the first
 ``--held`` chunks stored, with a lease (issue 10's attack, at the bound).
+
+``--index-objects``: instead, where a full-attention LOOKUP's daemon time goes once the index
+holds that many one-block objects: a hit of the first ``--prompt-keys`` keys, without a lease,
+split into decode, handler (checks and the fold), reply encode and the LRU touch the daemon
+applies after the reply (``Pool.settle``); next to same-run floors that are not tierd code:
+msgspec decoding the bare key list, a plain dict of as many random keys probed for the prompt's
+(``list(map(dict.get))``) and an OrderedDict of as many moving the prompt's to its end.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
 import tempfile
 import time
 import uuid
+from collections import OrderedDict, deque
+
+import msgspec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -41,7 +54,13 @@ def main() -> None:
     ap.add_argument("--lookup-keys", type=int, default=0)
     ap.add_argument("--window", type=int, default=1 << 30)
     ap.add_argument("--held", type=int, default=200)
+    ap.add_argument("--index-objects", type=int, default=0)
+    ap.add_argument("--prompt-keys", type=int, default=2048)
     args = ap.parse_args()
+    if args.index_objects:
+        if not 0 < args.prompt_keys <= min(args.index_objects, messages.MAX_CHUNKS):
+            ap.error(f"--prompt-keys must be 1..min(--index-objects, {messages.MAX_CHUNKS})")
+        return lookup_split(args)
     if args.lookup_keys:
         if not 0 < args.held <= args.lookup_keys:
             ap.error(f"--held must be 1..--lookup-keys ({args.lookup_keys}): it stores the first keys")
@@ -144,6 +163,94 @@ def lookup_cost(args) -> None:
             f"LOOKUP of {args.lookup_keys} keys, sliding window {args.window}, {args.held} held: decode + "
             f"handler + encode p50 {statistics.median(t) * 1e3:.2f} ms, max {t[-1] * 1e3:.2f} ms, hit {hit}"
         )
+    finally:
+        d.close()
+        buf.close()
+
+
+def _tails(samples: list[float]) -> str:
+    t = sorted(samples)
+    return f"p50 {statistics.median(t) * 1e6:7.1f} us, p99 {t[int(len(t) * 0.99)] * 1e6:7.1f} us"
+
+
+def lookup_split(args) -> None:
+    folder = tempfile.mkdtemp(prefix="tierd-hc-")
+    d = Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
+    nb, bb = 4096, 64  # one 64-byte block an object: the index, not the bytes, is measured
+    buf = SharedBuffer(nb * bb)
+    try:
+        ns = namespace("bench", uuid.uuid4().hex)
+        spans = [block_span((nb, bb), (bb, 1), 1, 0, tensor=0, offset=0)]
+        lay = layout(ns, 0, BLOCK_TOKENS, [buf.ref()], [group("full", BLOCK_TOKENS, spans)])
+        ident = b"h" * 16
+        handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
+        call = Call(ident, d.registry.session(ident), [ident], 0, 0.0)
+        handlers.register(d.tier, call, messages.convert({"instance": "i", "layout": lay}, messages.Register))
+        keys = [uuid.uuid4().bytes for _ in range(args.index_objects)]
+        step = messages.MAX_REQUEST_PARTS
+        for i in range(0, len(keys), step):
+            chunks = [{"key": k, "blocks": [[(i + j) % nb]]} for j, k in enumerate(keys[i : i + step])]
+            job = handlers.store(
+                d.tier, call, messages.convert({"instance": "i", "chunks": chunks}, messages.Store)
+            )
+            d.pool.commit(job.plan.objs)
+            if i % (64 * step) == 0:
+                print(f"\rindexed {i + len(chunks):,}/{len(keys):,}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+        gc.collect()
+        gc.freeze()  # as the daemon does every GC_FREEZE_S
+        prompt = keys[: args.prompt_keys]
+        specs = [{"kind": "full", "block_tokens": BLOCK_TOKENS, "window_tokens": 0}]
+        body = {
+            "namespace": ns,
+            "keys": prompt,
+            "groups": specs,
+            "chunk_tokens": BLOCK_TOKENS,
+            "lease": False,
+        }
+        frame = codec.encode_request("LOOKUP", 1, body)
+        parts: dict[str, list[float]] = {"decode": [], "handler": [], "encode": [], "touch": []}
+        # the floors: the same amount of work done by msgspec and by plain dicts, no tierd code
+        bare = msgspec.msgpack.encode(prompt)
+        probe = dict.fromkeys(uuid.uuid4().bytes for _ in range(len(keys) - len(prompt)))
+        probe.update(dict.fromkeys(prompt))
+        lru = OrderedDict.fromkeys(probe)
+        floors: dict[str, list[float]] = {"decode the keys": [], "probe a dict": [], "OrderedDict touch": []}
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            op, rid, msg = codec.decode_request(frame, 1 << 26)
+            t1 = time.perf_counter()
+            reply = handlers.lookup(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
+            t2 = time.perf_counter()
+            codec.encode_reply(rid, reply)
+            t3 = time.perf_counter()
+            d.pool.settle()
+            t4 = time.perf_counter()
+            assert reply.chunks == len(prompt), reply.chunks
+            for name, a, b in (
+                ("decode", t0, t1),
+                ("handler", t1, t2),
+                ("encode", t2, t3),
+                ("touch", t3, t4),
+            ):
+                parts[name].append(b - a)
+            t0 = time.perf_counter()
+            got = msgspec.msgpack.decode(bare, type=list[bytes])
+            t1 = time.perf_counter()
+            list(map(probe.get, got))
+            t2 = time.perf_counter()
+            deque(map(lru.move_to_end, reversed(got)), 0)
+            t3 = time.perf_counter()
+            for name, a, b in zip(floors, (t0, t1, t2), (t1, t2, t3)):
+                floors[name].append(b - a)
+        print(f"LOOKUP hit of {len(prompt)} keys, {len(keys):,} objects indexed, {args.repeats} times:")
+        for name, t in parts.items():
+            print(f"  {name:18s} {_tails(t)}")
+        total = [sum(x) for x in zip(*parts.values())]
+        print(f"  {'all':18s} {_tails(total)}")
+        print("same-run floors (no tierd code, the same keys and index size):")
+        for name, t in floors.items():
+            print(f"  {name:18s} {_tails(t)}")
     finally:
         d.close()
         buf.close()
