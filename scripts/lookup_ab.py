@@ -2,12 +2,14 @@
 revision (its ``tierd`` package, exported with ``git archive``), both filled with the same index,
 then looked up alternately request by request, so both see the same machine at the same moment.
 
-    python scripts/lookup_ab.py --rev HEAD [--objects 1000000] [--repeats 1000]
+    python scripts/lookup_ab.py --rev HEAD [--objects 1000000] [--repeats 1000] [--burst 1]
 
 The index and the prompts are benchmarks/lookup_latency.py's: ``--objects`` one-block objects, a
 32k-token prompt as 2048 keys (16-token chunks) and as 128 keys (256-token chunks). Per case and
 variant: client-side round trip p50/p99 (ms) and the daemon's own mean (its ``tierd_op_seconds``
-over /metrics); the last column is this tree's p50 over the older one's.
+over /metrics); the last column is this tree's p50 over the older one's. ``--burst N``: each
+daemon gets N requests back to back before the other's turn (an engine's lookups arriving
+together, or several engines'), so what a daemon does after a reply meets its next request.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def main() -> None:
     ap.add_argument("--objects", type=int, default=1_000_000)
     ap.add_argument("--prompt-tokens", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=1000)
+    ap.add_argument("--burst", type=int, default=1, help="requests to one daemon before the other's turn")
     args = ap.parse_args()
+    if args.burst < 1:
+        ap.error("--burst must be at least 1")
     folder = tempfile.mkdtemp(prefix="tierd-lookup-ab-")
     pool = args.objects * BLOCK_BYTES * 2 + (64 << 20)
     keys = [uuid.uuid4().bytes for _ in range(args.prompt_tokens // 16)]
@@ -97,13 +102,14 @@ def main() -> None:
                 for i in range(args.repeats + 50):
                     for name in order if i % 2 else reversed(order):
                         client, _, ns, ns2 = ends[name]
-                        t = time.perf_counter()
-                        r = call(client, ns, ns2)
-                        dt = time.perf_counter() - t
-                        if r.get("lease"):
-                            client.release(r["lease"])
-                        if i >= 50:
-                            lat[name].append(dt)
+                        for _ in range(args.burst):
+                            t = time.perf_counter()
+                            r = call(client, ns, ns2)
+                            dt = time.perf_counter() - t
+                            if r.get("lease"):
+                                client.release(r["lease"])
+                            if i >= 50:
+                                lat[name].append(dt)
                 stats = {}
                 for name, (_, port, _, _) in ends.items():
                     s1, n1, _ = op_seconds(port, "LOOKUP")
