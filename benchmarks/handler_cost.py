@@ -14,7 +14,7 @@ one group and one rank) against a sliding-window group of ``--window`` tokens wi
 ``--index-objects``: instead, where a full-attention LOOKUP's daemon time goes once the index
 holds that many one-block objects: a hit of the first ``--prompt-keys`` keys, without a lease,
 split into decode, handler (checks and the fold), reply encode and the LRU touch the daemon
-applies after the reply (``Pool.settle``); next to same-run floors that are not tierd code:
+applies after the reply (``Pool.settle``); next to same-run references that are not tierd code:
 msgspec decoding the bare key list, a plain dict of as many random keys probed for the prompt's
 (``list(map(dict.get))``) and an OrderedDict of as many moving the prompt's to its end.
 """
@@ -210,12 +210,12 @@ def lookup_split(args) -> None:
         }
         frame = codec.encode_request("LOOKUP", 1, body)
         parts: dict[str, list[float]] = {"decode": [], "handler": [], "encode": [], "touch": []}
-        # the floors: the same amount of work done by msgspec and by plain dicts, no tierd code
+        # the references: the same work done by msgspec and by plain dicts, no tierd code
         bare = msgspec.msgpack.encode(prompt)
         probe = dict.fromkeys(uuid.uuid4().bytes for _ in range(len(keys) - len(prompt)))
         probe.update(dict.fromkeys(prompt))
         lru = OrderedDict.fromkeys(probe)
-        floors: dict[str, list[float]] = {"decode the keys": [], "probe a dict": [], "OrderedDict touch": []}
+        refs: dict[str, list[float]] = {"decode the keys": [], "probe a dict": [], "OrderedDict touch": []}
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
@@ -241,15 +241,15 @@ def lookup_split(args) -> None:
             t2 = time.perf_counter()
             deque(map(lru.move_to_end, reversed(got)), 0)
             t3 = time.perf_counter()
-            for name, a, b in zip(floors, (t0, t1, t2), (t1, t2, t3)):
-                floors[name].append(b - a)
+            for name, a, b in zip(refs, (t0, t1, t2), (t1, t2, t3)):
+                refs[name].append(b - a)
         print(f"LOOKUP hit of {len(prompt)} keys, {len(keys):,} objects indexed, {args.repeats} times:")
         for name, t in parts.items():
             print(f"  {name:18s} {_tails(t)}")
         total = [sum(x) for x in zip(*parts.values())]
         print(f"  {'all':18s} {_tails(total)}")
-        print("same-run floors (no tierd code, the same keys and index size):")
-        for name, t in floors.items():
+        print("same-run references (no tierd code; the same keys, as many of them indexed):")
+        for name, t in refs.items():
             print(f"  {name:18s} {_tails(t)}")
     finally:
         d.close()
