@@ -44,6 +44,21 @@ from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E
 from tierd_client.shm import SharedBuffer  # noqa: E402
 
 LAYERS, BLOCK_BYTES, BLOCK_TOKENS, CHUNK = 32, 8192, 16, 256
+IDENT = b"h" * 16  # the one client's identity
+
+
+def _daemon() -> Daemon:
+    """An in-process daemon (no loop runs: the handlers are called directly)."""
+    folder = tempfile.mkdtemp(prefix="tierd-hc-")
+    return Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
+
+
+def _register(d: Daemon, lay: dict) -> Call:
+    """HELLO, then REGISTER ``lay`` as instance "i"; the session's Call."""
+    handlers.hello(d.tier, Call(IDENT, None, [IDENT], 0, 0.0), messages.Hello(1))
+    call = Call(IDENT, d.registry.session(IDENT), [IDENT], 0, 0.0)
+    handlers.register(d.tier, call, messages.convert({"instance": "i", "layout": lay}, messages.Register))
+    return call
 
 
 def main() -> None:
@@ -66,8 +81,7 @@ def main() -> None:
             ap.error(f"--held must be 1..--lookup-keys ({args.lookup_keys}): it stores the first keys")
         return lookup_cost(args)
     nb = 2 * args.chunks * CHUNK // BLOCK_TOKENS
-    folder = tempfile.mkdtemp(prefix="tierd-hc-")
-    d = Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
+    d = _daemon()
     bufs = [SharedBuffer(LAYERS * nb * BLOCK_BYTES) for _ in range(args.groups)]
     try:
         gs = []
@@ -82,10 +96,7 @@ def main() -> None:
                 )
             )
         lay = layout(namespace("bench", uuid.uuid4().hex), 0, CHUNK, [b.ref() for b in bufs], gs)
-        ident = b"h" * 16
-        handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
-        call = Call(ident, d.registry.session(ident), [ident], 0, 0.0)
-        handlers.register(d.tier, call, messages.convert({"instance": "i", "layout": lay}, messages.Register))
+        _register(d, lay)
         bpc = CHUNK // BLOCK_TOKENS
         store_t, retrieve_t = [], []
         for rep in range(args.repeats):
@@ -98,7 +109,7 @@ def main() -> None:
             )
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
-            job = handlers.store(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
+            job = handlers.store(d.tier, Call(IDENT, d.registry.session(IDENT), [IDENT], rid, t0), msg)
             store_t.append(time.perf_counter() - t0)
             d.pool.commit(job.plan.objs)
             frame = codec.encode_request(
@@ -106,7 +117,7 @@ def main() -> None:
             )
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
-            job = handlers.retrieve(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
+            job = handlers.retrieve(d.tier, Call(IDENT, d.registry.session(IDENT), [IDENT], rid, t0), msg)
             retrieve_t.append(time.perf_counter() - t0)
             d.pool.unpin(job.plan.objs)
             d.pool.clear()
@@ -123,8 +134,7 @@ def main() -> None:
 
 
 def lookup_cost(args) -> None:
-    folder = tempfile.mkdtemp(prefix="tierd-hc-")
-    d = Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
+    d = _daemon()
     nb = 2 * CHUNK // BLOCK_TOKENS
     buf = SharedBuffer(nb * BLOCK_BYTES)
     try:
@@ -133,10 +143,7 @@ def lookup_cost(args) -> None:
         lay = layout(
             ns, 0, CHUNK, [buf.ref()], [group("sliding", BLOCK_TOKENS, spans, window_tokens=args.window)]
         )
-        ident = b"h" * 16
-        handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
-        call = Call(ident, d.registry.session(ident), [ident], 0, 0.0)
-        handlers.register(d.tier, call, messages.convert({"instance": "i", "layout": lay}, messages.Register))
+        call = _register(d, lay)
         keys = [uuid.uuid4().bytes for _ in range(args.lookup_keys)]
         blocks = [list(range(CHUNK // BLOCK_TOKENS))]
         for i in range(0, args.held, 64):
@@ -153,7 +160,7 @@ def lookup_cost(args) -> None:
         for _ in range(max(5, args.repeats // 50)):
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
-            reply = handlers.lookup(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
+            reply = handlers.lookup(d.tier, Call(IDENT, d.registry.session(IDENT), [IDENT], rid, t0), msg)
             codec.encode_reply(rid, reply)
             times.append(time.perf_counter() - t0)
             hit = reply.chunks
@@ -174,18 +181,14 @@ def _tails(samples: list[float]) -> str:
 
 
 def lookup_split(args) -> None:
-    folder = tempfile.mkdtemp(prefix="tierd-hc-")
-    d = Daemon(Settings(socket=f"ipc://{folder}/h.sock", l1_size_gb=4, http_port=-1))
+    d = _daemon()
     nb, bb = 4096, 64  # one 64-byte block an object: the index, not the bytes, is measured
     buf = SharedBuffer(nb * bb)
     try:
         ns = namespace("bench", uuid.uuid4().hex)
         spans = [block_span((nb, bb), (bb, 1), 1, 0, tensor=0, offset=0)]
         lay = layout(ns, 0, BLOCK_TOKENS, [buf.ref()], [group("full", BLOCK_TOKENS, spans)])
-        ident = b"h" * 16
-        handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
-        call = Call(ident, d.registry.session(ident), [ident], 0, 0.0)
-        handlers.register(d.tier, call, messages.convert({"instance": "i", "layout": lay}, messages.Register))
+        call = _register(d, lay)
         keys = [uuid.uuid4().bytes for _ in range(args.index_objects)]
         step = messages.MAX_REQUEST_PARTS
         for i in range(0, len(keys), step):
@@ -220,19 +223,14 @@ def lookup_split(args) -> None:
             t0 = time.perf_counter()
             op, rid, msg = codec.decode_request(frame, 1 << 26)
             t1 = time.perf_counter()
-            reply = handlers.lookup(d.tier, Call(ident, d.registry.session(ident), [ident], rid, t0), msg)
+            reply = handlers.lookup(d.tier, Call(IDENT, d.registry.session(IDENT), [IDENT], rid, t0), msg)
             t2 = time.perf_counter()
             codec.encode_reply(rid, reply)
             t3 = time.perf_counter()
             d.pool.settle()
             t4 = time.perf_counter()
             assert reply.chunks == len(prompt), reply.chunks
-            for name, a, b in (
-                ("decode", t0, t1),
-                ("handler", t1, t2),
-                ("encode", t2, t3),
-                ("touch", t3, t4),
-            ):
+            for name, a, b in zip(parts, (t0, t1, t2, t3), (t1, t2, t3, t4)):
                 parts[name].append(b - a)
             t0 = time.perf_counter()
             got = msgspec.msgpack.decode(bare, type=list[bytes])
