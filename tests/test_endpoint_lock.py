@@ -1,7 +1,8 @@
 """One daemon per endpoint, decided by the flock on ``<socket>.lock`` (tierd.endpoint), not by a
 probe: a second daemon on a busy socket refuses naming the lock and its holder's pid, a SIGKILLed
-daemon's lock is free at once, the lock file outlives a clean stop, and only a socket is ever
-unlinked at the socket's path."""
+daemon's lock is free at once, a clean stop (and a start that fails after taking the lock) leaves
+no file behind, a daemon racing that removal never holds a lock on a removed file, and only a
+socket is ever unlinked at the socket's path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import fcntl
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,20 +104,73 @@ def test_sigkilled_daemon_restarts_at_once(tmp_path):
         d.kill()
 
 
-def test_lock_file_stays_after_a_clean_stop(tmp_path):
-    """Removing the lock at exit would race a daemon that just opened it: it stays, unlocked."""
+def test_a_clean_stop_leaves_no_file_in_the_socket_folder(tmp_path):
+    """Regression: ``<socket>.lock`` stayed after every SIGTERM stop."""
     d = DaemonProcess(tmp_path)
     try:
+        assert (tmp_path / "tierd.sock.lock").read_text().strip() == str(d.proc.pid)
         assert d.stop() == 0
-        assert not d.socket_file.exists(), "a clean stop removes the socket"
-        lock = tmp_path / "tierd.sock.lock"
-        assert lock.is_file() and oct(lock.stat().st_mode & 0o777) == "0o600"
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free
-        d.start()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["daemon.log"]
+        d.start()  # and the next daemon starts as before
         assert d.status()["pid"] == d.proc.pid
     finally:
         d.kill()
+
+
+def test_a_start_refused_on_a_busy_http_port_leaves_no_file(tmp_path):
+    """Regression: a daemon that took the socket's lock, then failed to listen on its HTTP port,
+    left the lock file behind."""
+    folder = tmp_path / "s"
+    folder.mkdir(mode=0o700)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        res = second_serve(f"ipc://{folder}/tierd.sock", "--http-port", str(busy.getsockname()[1]))
+    assert res.returncode == 2 and "--http-port" in res.stderr, res.stderr
+    assert list(folder.iterdir()) == []
+
+
+def test_tierd_bench_leaves_no_folder_behind(tmp_path):
+    """Regression: every ``tierd bench`` left /tmp/tierd-bench-*/tierd.sock.lock (and so its folder)."""
+    res = subprocess.run(
+        [sys.executable, "-m", "tierd", "bench", "--json", "--chunks", "2", "--rounds", "1", "--layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_daemon_racing_the_lock_files_removal_takes_the_new_file(tmp_path, monkeypatch):
+    """The lock file goes at a clean stop. A daemon that opened it just before, and flocks it just
+    after, holds a lock on a removed file: it must see that and start over on the path, else a
+    third daemon would take the path's new file and two would serve."""
+    from tierd import endpoint
+
+    sock = str(tmp_path / "tierd.sock")
+    lock = sock + endpoint.LOCK_SUFFIX
+    first = endpoint.Endpoint("ipc://" + sock, sock, endpoint.take_lock(lock, "u"), None)
+    flock, raced = fcntl.flock, []
+
+    def flock_after_the_first_stops(fd, op):
+        if not raced:  # the second daemon opened the old file; the first stops before it flocks
+            raced.append(os.fstat(fd).st_ino)
+            first.close()
+        return flock(fd, op)
+
+    monkeypatch.setattr(endpoint.fcntl, "flock", flock_after_the_first_stops)
+    second = endpoint.take_lock(lock, "u")
+    monkeypatch.setattr(endpoint.fcntl, "flock", flock)
+    try:
+        assert raced, "the race was not run"
+        assert os.fstat(second).st_ino == os.stat(lock).st_ino  # it holds the file the path names
+        with pytest.raises(EndpointError, match=f"pid {os.getpid()}"):
+            endpoint.take_lock(lock, "u")  # so a third daemon is refused
+    finally:
+        os.close(second)
 
 
 def test_any_holder_of_the_lock_keeps_a_daemon_out(tmp_path):

@@ -6,8 +6,10 @@ serves a path is decided by an exclusive flock on ``<socket>.lock``, taken befor
 unlinked and held for the daemon's life. The kernel drops a flock when its process dies, however
 it dies, so a daemon restarted after SIGKILL finds the lock free at once; a socket file left
 behind is unlinked only by the holder. The lock file holds the holder's pid (for the refusal
-message) and is never removed: a daemon that removed it at exit could race one that had just
-opened it, and the two would then each hold "the" lock on a different file.
+message). At a clean stop the holder removes it while still holding it, then lets go: a daemon
+that opened the old file just before, and flocks it just after, finds that the path no longer
+names the file it locked and starts over on the path (``take_lock``), so two daemons never
+each hold "the" lock on a different file. After SIGKILL the unlocked file stays, harmless.
 
 Whoever can write the socket's folder can rename the live socket away and bind their own in its
 place, and every engine that connects afterwards talks to them. So the folder must be a real
@@ -52,14 +54,21 @@ class Endpoint:
         self._sock_id = sock_id
 
     def close(self) -> None:
-        """Unlink our socket file (not one that replaced it), then let the lock go: in that order,
-        so a daemon that takes the lock next never has its fresh socket unlinked by us."""
+        """Unlink our socket file (not one that replaced it), then our lock file, then let the lock
+        go: in that order, so a daemon that takes the lock next never has its fresh socket or
+        lock file unlinked by us (module doc)."""
         if self._lock_fd is None:
             return
         try:
             st = os.lstat(self.path)
             if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._sock_id:
                 os.unlink(self.path)
+        except OSError:
+            pass
+        try:
+            st, held = os.lstat(self.lock_path), os.fstat(self._lock_fd)
+            if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                os.unlink(self.lock_path)
         except OSError:
             pass
         os.close(self._lock_fd)
@@ -89,7 +98,7 @@ def bind(router: zmq.Socket, url: str, socket_mode: str) -> Endpoint:
         os.chmod(path, mode)
         st = os.lstat(path)
     except BaseException:
-        os.close(fd)
+        Endpoint(url, path, fd, None).close()  # our lock file goes (no socket of ours to unlink)
         raise
     return Endpoint(url, path, fd, (st.st_dev, st.st_ino))
 
