@@ -5,6 +5,7 @@ units and defaults, ``tierd status`` prints a table (or the raw object with --js
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -112,6 +113,42 @@ def test_status_without_a_daemon_fails_clearly(tmp_path):
     res = tierd("status", "--url", f"http://127.0.0.1:{free_port()}")
     assert res.returncode == 1
     assert "no tierd answers" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_status_with_no_socket_file_fails_within_the_start_grace_saying_how_to_start_one(tmp_path):
+    """Regression: with no daemon (not even a socket file) ``tierd status`` waited its full 5 s
+    STATUS deadline, then said only 'DEADLINE'."""
+    from click.testing import CliRunner
+
+    from tierd.cli import STARTING_S, main
+
+    sock = f"ipc://{tmp_path}/tierd.sock"
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, ["status", "--socket", sock])
+    waited = time.monotonic() - t0
+    assert res.exit_code == 1, res.output
+    assert f"{tmp_path}/tierd.sock does not exist" in res.output
+    assert f"`tierd serve --socket {sock}`" in res.output
+    assert STARTING_S <= waited < STARTING_S + 1.5  # the grace for a daemon started just before, no more
+
+
+def test_status_finds_a_daemon_started_in_the_same_breath(tmp_path):
+    """README step 2: ``tierd serve &`` then ``tierd status`` at once (the socket file is not there yet)."""
+    sock = f"ipc://{tmp_path}/tierd.sock"
+    cmd = ["serve", "--socket", sock, "--http-port", "-1", "--l1-size-gb", "0.01"]
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "tierd", *cmd],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    try:
+        res = tierd("status", "--socket", sock, "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["pid"] == serve.pid
+    finally:
+        serve.terminate()
+        serve.wait(15)
 
 
 def test_bench_json():

@@ -70,6 +70,17 @@ def test_second_daemon_refuses_while_the_first_is_busy(daemon, client_factory):
     assert client_factory(daemon).status()["pid"] == daemon.proc.pid, "the first daemon still serves"
 
 
+def test_the_refusal_ends_with_its_advice_not_with_the_busy_socket(daemon):
+    """Regression: the refusal ended with ``[--socket <the busy socket>]``, which read as advice to
+    pass the very socket that is busy."""
+    res = second_serve(daemon.endpoint)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: another tierd") and last.endswith(
+        "Stop it first, or give this daemon another --socket"
+    ), last
+
+
 def test_a_refused_second_daemon_never_backs_a_pool(daemon, tmp_path):
     """The endpoint is taken before the pool: a second daemon on a served socket exits without
     creating (or pinning) any pool memory; the control, the same command on a free socket, does."""

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import MISSING, fields
 
 import click
@@ -14,6 +15,9 @@ from tierd import __version__
 from tierd.config import Settings, default_socket
 
 SOCKET_HELP = "ZeroMQ endpoint of the daemon (its --socket)."
+STATUS_TIMEOUT_S = 5.0  # `tierd status`: how long a daemon whose socket exists has to answer
+STARTING_S = 2.0  # ...and how long a missing socket file may take to appear (a daemon started in
+# the same breath, as in the README, binds within about a second)
 
 
 def _settings_options(fn):
@@ -67,11 +71,8 @@ def serve(**kwargs):
 
     try:
         daemon = Daemon(settings)
-    except PoolDirError as exc:
-        index = f" --pool-index-dir {settings.pool_index_dir}" if settings.pool_index_dir else ""
-        raise click.UsageError(f"{exc} [--pool-dir {settings.pool_dir}{index}]") from None
-    except EndpointError as exc:
-        raise click.UsageError(f"{exc} [--socket {settings.socket}]") from None
+    except (PoolDirError, EndpointError) as exc:  # each names its folder or socket, and what to do
+        raise click.UsageError(str(exc)) from None
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot start: {exc}") from None
     daemon.install_signals()
@@ -151,13 +152,34 @@ def _status_http(url: str) -> dict:
 def _status_socket(socket: str) -> dict:
     from tierd_client import TierdClient, TierdError
 
-    client = TierdClient(socket, timeout_s=5, name="tierd-status")
+    serve = "`tierd serve`" if socket == default_socket() else f"`tierd serve --socket {socket}`"
+    file = socket.startswith("ipc://") and not socket.startswith("ipc://@")  # not an abstract name
+    path = socket[len("ipc://") :] if file else None
+    if path is not None and not _appears(path, STARTING_S):
+        raise click.ClickException(
+            f"no tierd at {socket}: {path} does not exist. Start one with {serve}, or give "
+            "--socket the socket of the one that runs"
+        )
+    client = TierdClient(socket, timeout_s=STATUS_TIMEOUT_S, name="tierd-status")
     try:
         return client.status()
     except TierdError as exc:
-        raise click.ClickException(f"no tierd answers at {socket}: {exc}") from None
+        raise click.ClickException(
+            f"no tierd answers at {socket}: {exc} (a daemon that died leaves its socket file; start one "
+            f"with {serve})"
+        ) from None
     finally:
         client.close()
+
+
+def _appears(path: str, wait_s: float) -> bool:
+    """Whether ``path`` exists, or comes to within ``wait_s`` (a daemon started just before)."""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @main.command()
@@ -211,6 +233,21 @@ def _status_socket(socket: str) -> dict:
     type=click.IntRange(min=0),
     help="CUDA --interference: queue the timed engine steps this many at a time (0: all at once). A full "
     "launch queue holds the GIL inside a launch and can starve the copies' threads in the bench process.",
+)
+@click.option(
+    "--kv-layout",
+    default="LBNHC",
+    show_default=True,
+    help="CUDA: physical order of the KV buffer (vLLM 0.33's KVCacheLayout): LBNHC layer-outermost, "
+    "BLNHC block-outermost (a block's layers one span), LBHNC, BLHNC, ...",
+)
+@click.option(
+    "--path",
+    type=click.Choice(["staged", "direct"]),
+    default="staged",
+    show_default=True,
+    help="CUDA: gather/scatter in this process through a staging buffer (staged), or the daemon's "
+    "pitched copies straight between the KV blocks and its pool, no SM work (direct).",
 )
 @click.option(
     "--ranks",

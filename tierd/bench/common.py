@@ -1,5 +1,6 @@
 """What the CPU and CUDA benches share: a private daemon, a memcpy baseline, a fast data pattern
-and progress reporting (phases from the start, then a bar whose ETA counts bytes moved)."""
+and progress reporting (each phase with the time the one before took, then a bar whose ETA counts
+bytes moved)."""
 
 from __future__ import annotations
 
@@ -81,29 +82,49 @@ def fill_pattern(a: np.ndarray, seed: int = 0x9E3779B1) -> None:
 
 
 class Progress:
-    """Phases on stderr as they start, then a bar over bytes moved (so its ETA is honest)."""
+    """Phases on stderr as they start, each with the time the one before took; then a bar over
+    bytes moved (so its ETA is honest), and the time it took. ``clock`` and ``out``: for tests."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, clock=time.monotonic, out=None):
         self.enabled = enabled
-        self.t0 = time.monotonic()
+        self.clock = clock
+        self.out = out
+        self._open: tuple[str, float] | None = None  # the phase running, and when it started
 
     def phase(self, what: str) -> None:
-        if self.enabled:
-            print(f"bench: {what} ({time.monotonic() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+        before = self._close()
+        self._say(f"{what}{f' ({before})' if before else ''}")
+        self._open = (what, self.clock())
 
     def bar(self, total: int, label: str):
         """``step(n)`` advances by ``n`` units; ``step(None)`` ends the bar."""
+        self.phase(label)
         if not self.enabled:
-            return lambda n: None
+            return lambda n: self._say(self._close()) if n is None else None
         import click
 
-        bar = click.progressbar(length=total, label=f"bench: {label}", file=sys.stderr, show_eta=True)
+        bar = click.progressbar(length=total, label=f"bench: {label}", file=self._file(), show_eta=True)
         bar.__enter__()
 
         def step(n):
             if n is None:
                 bar.__exit__(None, None, None)
+                self._say(self._close())
             else:
                 bar.update(n)
 
         return step
+
+    def _close(self) -> str:
+        """'<the phase running> took N s', ending it ('' when none runs)."""
+        if self._open is None:
+            return ""
+        (what, t0), self._open = self._open, None
+        return f"{what} took {self.clock() - t0:.1f} s"
+
+    def _say(self, line: str) -> None:
+        if self.enabled and line:
+            print(f"bench: {line}", file=self._file(), flush=True)
+
+    def _file(self):
+        return self.out if self.out is not None else sys.stderr
