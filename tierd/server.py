@@ -443,6 +443,8 @@ class Daemon:
         return math.ceil(wait * 1000)
 
     def _housekeeping(self, now: float) -> None:
+        if self.http is not None:
+            self.http.check()  # its accepting thread, started again should it have ended
         if now >= self._next_freeze:
             gc.freeze()
             self._next_freeze = now + GC_FREEZE_S

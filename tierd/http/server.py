@@ -6,10 +6,20 @@ bound and hold them for ever. Here one thread accepts connections and reads thei
 selector: a connection costs a file descriptor, not a thread, until its request line and headers
 have arrived, and it has ``timeout_s`` for all of them (one deadline, not one per read); it is
 closed when that passes. A complete request goes to a pool of ``WORKERS`` threads, whose writes of
-the reply each block at most ``timeout_s``. At most ``max_connections`` are open at once: when
-full, the oldest one still sending its request is closed to make room (a prompt client such as a
+the reply each block at most ``timeout_s``; /healthz, whose reply never waits, is answered by the
+accepting thread itself, so a queue of /status asks (each waits for the main loop) cannot delay it
+and its answer proves that thread alive. At most ``max_connections`` are open at once: when full,
+the oldest one still sending its request is closed to make room (a prompt client such as a
 scraper or ``curl`` is not starved by idle ones), and when every open one is being answered the
 new one gets a 503 from the accepting thread. One request per connection (HTTP/1.0).
+
+Second hazard: all of this hangs on one thread, so one exception there would leave the endpoints
+dark for the rest of the daemon's life (a connection closed to make room while its read event was
+still due in the same round once did exactly that). Each round reads before it accepts, skips a
+connection closed meanwhile, and accepts at most half the cap, so a connection is read at least
+once before a burst can push it out; an exception while serving one connection closes that
+connection; any other drops the unfinished requests and the loop starts afresh; and ``check()``
+lets the daemon's housekeeping start the thread again should it end all the same.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ log = logging.getLogger("tierd.http")
 WORKERS = 4  # threads answering complete requests (/status waits for the main loop, up to 5 s)
 MAX_HEAD = 64 << 10  # request line and headers, bytes
 TICK_S = 0.1  # how often deadlines are checked
+BACKLOG = 1024  # connections the kernel holds for accept (past it, a client's SYN waits a second)
 BUSY = (
     b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 26\r\n"
     b"Connection: close\r\n\r\ntoo many HTTP connections\n"
@@ -38,51 +49,98 @@ BUSY = (
 TOO_LARGE = b"HTTP/1.0 431 Request Header Fields Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
-class _Pending:
-    __slots__ = ("sock", "address", "deadline", "head")
+def _plain(status: str, body: bytes) -> bytes:
+    head = f"HTTP/1.0 {status}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + b"Connection: close\r\n\r\n" + body
 
-    def __init__(self, sock: socket.socket, address, deadline: float):
+
+HEALTHY, STOPPING = _plain("200 OK", b"ok\n"), _plain("503 Service Unavailable", b"stopping\n")
+
+
+class _Pending:
+    __slots__ = ("sock", "address", "deadline", "head", "round")
+
+    def __init__(self, sock: socket.socket, address, deadline: float, round_: int):
         self.sock, self.address, self.deadline, self.head = sock, address, deadline, bytearray()
+        self.round = round_  # of the accepting loop, when it was accepted
 
 
 class BoundedHTTPServer:
-    """An HTTP server whose threads (1 + WORKERS) and open connections are bounded."""
+    """An HTTP server whose threads (1 + WORKERS) and open connections are bounded. ``healthy()``
+    (no waiting) decides /healthz, answered on the accepting thread; ``handler`` the rest."""
 
-    def __init__(self, host: str, port: int, handler, timeout_s: float, max_connections: int):
+    def __init__(self, host: str, port: int, handler, timeout_s: float, max_connections: int, healthy=None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=128)
+        self.socket = socket.create_server((host, port), family=family, backlog=BACKLOG)
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
         self.handler, self.timeout_s, self.max_connections = handler, timeout_s, max_connections
+        self.healthy = healthy
+        self.accepts = max(1, max_connections // 2)  # per round
+        self.round = 0  # rounds of the accepting loop
         self.pending: dict[socket.socket, _Pending] = {}  # insertion order = age
         self.active = 0  # handed to the workers, not yet answered
         self.refused = self.timed_out = self.evicted = 0
+        self.failures = self.restarts = 0  # exceptions survived; accepting threads started again
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="tierd-http-worker")
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self.socket, selectors.EVENT_READ)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._sel = self._selector()
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = threading.Event()
-        self._warned = 0.0
+        self._warned = self._said = 0.0
+
+    def start(self) -> None:
+        """Serve from a new accepting thread (``tierd-http``)."""
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self.serve_forever, name="tierd-http", daemon=True)
+        self._thread.start()
+
+    def check(self) -> bool:
+        """For the daemon's housekeeping: whether the accepting thread is alive. One that ended
+        (while not stopping) is started again, with a fresh selector, and logged."""
+        if self._stopping or self._thread is None or self._thread.is_alive():
+            return True
+        self.restarts += 1
+        log.error("HTTP: the accepting thread had ended; started again (%d restarts)", self.restarts)
+        self._reset()
+        self.start()
+        return False
 
     # ---- the accepting thread ---------------------------------------------------------------
     def serve_forever(self) -> None:
+        """No exception ends it (module docstring)."""
         try:
             while not self._stopping:
-                for key, _ in self._sel.select(TICK_S):
-                    if key.fileobj is self.socket:
-                        self._accept()
-                    elif key.fileobj is not self._wake_r:
-                        self._read(key.fileobj)
-                self._expire(time.monotonic())
+                try:
+                    self._serve()
+                except Exception:  # noqa: BLE001 - the operator's endpoints must not go dark
+                    self.failures += 1
+                    log.exception("HTTP: the accepting loop failed; its unfinished requests are dropped")
+                    self._reset()
+                    time.sleep(TICK_S)  # a failure that repeats does not spin
         finally:
             self._stopped.set()
 
+    def _serve(self) -> None:
+        while not self._stopping:
+            self.round += 1
+            accept = False
+            for key, _ in self._sel.select(TICK_S):
+                if key.fileobj is self.socket:
+                    accept = True
+                elif key.fileobj is not self._wake_r:
+                    self._read(key.fileobj)
+            if accept:
+                self._accept()
+            self._expire(time.monotonic())
+            while len(self.pending) + self.active > self.max_connections and self._evict(self.round):
+                pass  # back to the cap: newcomers beyond it have had their round
+
     def _accept(self) -> None:
-        for _ in range(64):
+        for _ in range(self.accepts):
             try:
                 sock, address = self.socket.accept()
             except (BlockingIOError, InterruptedError):
@@ -94,55 +152,140 @@ class BoundedHTTPServer:
                     log.warning("HTTP accept failed: %s", exc)
                 time.sleep(0.5)  # no busy loop; only HTTP waits
                 return
-            with self._lock:
-                full = len(self.pending) + self.active >= self.max_connections
-            if full and self.pending:
-                self.evicted += 1
-                self._close(next(iter(self.pending)))  # the oldest still sending its request
-            elif full:
-                self.refused += 1
-                _answer_and_close(sock, BUSY)
-                continue
-            sock.setblocking(False)
-            self.pending[sock] = _Pending(sock, address, time.monotonic() + self.timeout_s)
-            self._sel.register(sock, selectors.EVENT_READ)
+            p = _Pending(sock, address, time.monotonic() + self.timeout_s, self.round)
+            try:
+                self._admit(p)
+            except Exception:  # noqa: BLE001 - this connection goes, serving goes on
+                self._failed(p)
+
+    def _admit(self, p: _Pending) -> None:
+        """A new connection, read at once: a prompt client's request is there already, and one that
+        needs no worker (/healthz) is answered even when every place is taken."""
+        p.sock.setblocking(False)
+        got = self._take(p)
+        if got is not False:
+            self._finish(p, got)
+        elif self._full() and not self._evict(self.round) and self._over() >= self.accepts:
+            self.refused += 1
+            _answer_and_close(p.sock, BUSY)
+        else:  # over the cap at most until the next round has read it (then it, or an older one, goes)
+            self.pending[p.sock] = p
+            self._sel.register(p.sock, selectors.EVENT_READ)
+
+    def _full(self) -> bool:
+        with self._lock:
+            return len(self.pending) + self.active >= self.max_connections
+
+    def _over(self) -> int:
+        with self._lock:
+            return len(self.pending) + self.active - self.max_connections
+
+    def _evict(self, before: int | None) -> bool:
+        """The oldest connection still sending its request goes (if it came before round ``before``)."""
+        oldest = next(iter(self.pending.values()), None)
+        if oldest is None or (before is not None and oldest.round >= before):
+            return False
+        self.evicted += 1
+        self._drop(oldest.sock)
+        return True
 
     def _read(self, sock: socket.socket) -> None:
-        p = self.pending[sock]
-        try:
-            data = sock.recv(MAX_HEAD)
-        except (BlockingIOError, InterruptedError):
+        p = self.pending.get(sock)
+        if p is None:  # closed since the selector reported it
             return
+        try:
+            got = self._take(p)
+            if got is not False:
+                self._forget(sock)
+                self._finish(p, got)
+        except Exception:  # noqa: BLE001 - this connection goes, serving goes on
+            self._failed(p)
+
+    def _take(self, p: _Pending) -> bool | bytes:
+        """Reads what has arrived. False: more is due; True: a complete request for the workers;
+        bytes: the reply to send before closing (b"": none, the client ended its side or reset)."""
+        try:
+            data = p.sock.recv(MAX_HEAD)
+        except (BlockingIOError, InterruptedError):
+            return False
         except OSError:
             data = b""
         if not data:
-            self._close(sock)
-            return
+            return b""
+        seen = max(0, len(p.head) - 3)  # the end of the head may straddle two reads
         p.head += data
-        if b"\r\n\r\n" not in p.head and b"\n\n" not in p.head:
-            if len(p.head) > MAX_HEAD:
-                self._sel.unregister(sock)
-                del self.pending[sock]
-                _answer_and_close(sock, TOO_LARGE)
+        if p.head.find(b"\r\n\r\n", seen) < 0 and p.head.find(b"\n\n", seen) < 0:
+            return TOO_LARGE if len(p.head) > MAX_HEAD else False
+        if self.healthy is not None and _path(p.head) == b"/healthz":
+            return HEALTHY if self.healthy() else STOPPING
+        return True
+
+    def _finish(self, p: _Pending, got: bool | bytes) -> None:
+        """A connection no longer pending: to the workers (True), or answered and closed. A request
+        for the workers takes the place of an unfinished one, or is answered 503 when every open
+        connection is being answered."""
+        if got is not True:
+            if got:
+                _answer_and_close(p.sock, got)
+            else:
+                p.sock.close()
             return
-        self._sel.unregister(sock)
-        del self.pending[sock]
+        while self._full():  # (more than one unfinished one goes when newcomers are over the cap)
+            if not self._evict(None):
+                self.refused += 1
+                _answer_and_close(p.sock, BUSY)
+                return
         with self._lock:
             self.active += 1
         try:
             self._pool.submit(self._answer, p)
         except RuntimeError:  # the pool is shut down: we are stopping
-            self._done(sock)
+            self._done(p.sock)
+
+    def _failed(self, p: _Pending) -> None:
+        self.failures += 1
+        now = time.monotonic()
+        if now - self._said >= 60:
+            self._said = now
+            log.exception("HTTP: serving %s failed; that connection is closed", p.address)
+        if p.sock in self.pending:
+            self._forget(p.sock)
+        p.sock.close()
 
     def _expire(self, now: float) -> None:
         for sock in [s for s, p in self.pending.items() if p.deadline <= now]:
             self.timed_out += 1
-            self._close(sock)
+            self._drop(sock)
 
-    def _close(self, sock: socket.socket) -> None:
-        self._sel.unregister(sock)
+    def _forget(self, sock: socket.socket) -> None:
+        """No longer pending: being answered, or about to be closed."""
         del self.pending[sock]
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):  # a failure came between registering and here
+            pass
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._forget(sock)
         sock.close()
+
+    def _reset(self) -> None:
+        """After a failure of the loop itself: every unfinished request goes, and a fresh selector
+        watches the listener, so no state the failure left half-changed outlives it."""
+        for sock in self.pending:
+            sock.close()
+        self.pending.clear()
+        try:
+            self._sel.close()
+        except Exception:  # noqa: BLE001 - replaced below either way
+            pass
+        self._sel = self._selector()
+
+    def _selector(self) -> selectors.BaseSelector:
+        sel = selectors.DefaultSelector()
+        sel.register(self.socket, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        return sel
 
     # ---- the workers ----------------------------------------------------------------------------
     def _answer(self, p: _Pending) -> None:
@@ -177,15 +320,22 @@ class BoundedHTTPServer:
     def server_close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for sock in list(self.pending):
-            self._close(sock)
+            self._drop(sock)
         self._sel.close()
         for s in (self.socket, self._wake_r, self._wake_w):
             s.close()
 
 
+def _path(head: bytearray) -> bytes | None:
+    """The path of a GET request line (without its query), else None."""
+    line = bytes(head[: head.find(b"\n")]).split()
+    return line[1].split(b"?", 1)[0] if len(line) >= 2 and line[0] == b"GET" else None
+
+
 def _answer_and_close(sock: socket.socket, reply: bytes) -> None:
-    """From the accepting thread: never blocks. What already arrived is read first, since closing a
-    socket with unread data resets the connection and the reply could be lost."""
+    """From the accepting thread: never blocks (a reply this short fits a fresh socket's buffer).
+    What already arrived is read first, since closing a socket with unread data resets the
+    connection and the reply could be lost."""
     try:
         sock.setblocking(False)
         try:
@@ -219,12 +369,7 @@ def start_http_server(
                     self._send(200, "application/json", json.dumps(board.ask(), indent=1).encode())
                 elif path == "/metrics":
                     self._send(200, CONTENT_TYPE_LATEST, generate_latest(metrics))
-                elif path == "/healthz":
-                    if board.stopping:
-                        self._send(503, "text/plain", b"stopping\n")
-                    else:
-                        self._send(200, "text/plain", b"ok\n")
-                else:
+                else:  # (/healthz is answered by the accepting thread)
                     self._send(404, "text/plain", b"not found: try /status, /metrics or /healthz\n")
             except Exception as exc:  # noqa: BLE001 - answer, never hang the operator
                 log.exception("HTTP %s failed", path)
@@ -240,8 +385,10 @@ def start_http_server(
         def log_message(self, fmt, *args):
             log.debug("http: " + fmt, *args)
 
-    server = BoundedHTTPServer(host, port, Handler, timeout_s, max_connections)
-    threading.Thread(target=server.serve_forever, name="tierd-http", daemon=True).start()
+    server = BoundedHTTPServer(
+        host, port, Handler, timeout_s, max_connections, healthy=lambda: not board.stopping
+    )
+    server.start()
     log.info(
         "HTTP on http://%s:%d (/status /metrics /healthz; at most %d connections, %.3g s each to send "
         "its request)",
