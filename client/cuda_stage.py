@@ -23,7 +23,9 @@ Ordering, all on the GPU (no host wait on the engine's forward thread):
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from tierd_client.cuda_ipc import StoreFence, share_cuda_tensors
 
 GRID_PER_SM = 8  # CTAs per multiprocessor for the gather/scatter kernels
 MAX_PEER_EVENTS = 64  # daemon events opened (one per daemon lane; a restarted daemon brings new ones)
+DESC_RING_WORDS = 1 << 17  # int64 descriptor words per stream's upload ring (1 MiB pinned, 1 MiB device)
 
 
 class GroupCopy:
@@ -82,8 +85,12 @@ class Stager:
             self.groups = [GroupCopy(torch, g, flats, self.device) for g in layout.groups]
             # gathers (STOREs) and scatters (RETRIEVEs) on their own streams: a scatter waits on the GPU for
             # the daemon's DMA, and a store's gather must not queue behind that wait
-            self.stream = torch.cuda.Stream(self.device)  # gathers
-            self.scatter_stream = torch.cuda.Stream(self.device)
+            # the lowest priority the device has: where the engine's own streams ask for more, its
+            # kernels' blocks are scheduled before a gather's or a scatter's
+            low = _lowest_priority(torch)
+            self.stream = torch.cuda.Stream(self.device, priority=low)  # gathers
+            self.scatter_stream = torch.cuda.Stream(self.device, priority=low)
+            self.rings = {False: _DescRing(torch, self.device), True: _DescRing(torch, self.device)}
             self.buf = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
             self.fence = StoreFence(self.device)
             self.scatter_fence = StoreFence(self.device)
@@ -92,6 +99,8 @@ class Stager:
         self.sm = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.grid = ctas if ctas > 0 else self.sm * GRID_PER_SM
         self.lock = threading.Lock()  # the stream is fed from the engine's thread and the client's I/O thread
+        # a dict (the bench's breakdown): per "gather"/"scatter" call, the seconds of its stages
+        self.timings: dict[str, list[dict]] | None = None
         self._peers: dict[bytes, object] = {}
 
     @property
@@ -105,11 +114,15 @@ class Stager:
         """Blocks of ``chunks`` (per chunk, per group, ids; ``null`` = none) into staging from ``at``,
         after the event ``after``; returns the IPC event handle the daemon's DMA waits for (with
         ``fence``; None without: the caller orders the DMA on the host)."""
+        t = _Stages(self.timings, "gather")
         with self.lock, self.torch.cuda.device(self.device):
+            t("lock")
             if after is not None:
                 self.stream.wait_event(after)
-            self._copy(chunks, at, null, scatter=False, skip=None)
-            return self.fence.mark(self.stream) if fence else None
+            self._copy(chunks, at, null, scatter=False, skip=None, t=t)
+            handle = self.fence.mark(self.stream) if fence else None
+            t("fence")
+            return handle
 
     def scatter(
         self,
@@ -125,14 +138,18 @@ class Stager:
         the engine's event ``ready`` (recorded where the blocks may be overwritten: after the
         forward that last read them, after vLLM zeroed them); returns a CUDA event done when the
         blocks may be read."""
+        t = _Stages(self.timings, "scatter")
         with self.lock, self.torch.cuda.device(self.device):
+            t("lock")
             if ready is not None:
                 self.scatter_stream.wait_event(ready)
             if after:
                 self.scatter_stream.wait_event(self._peer_event(after))
-            self._copy(chunks, at, null, scatter=True, skip=skip)
+            t("waits")
+            self._copy(chunks, at, null, scatter=True, skip=skip, t=t)
             done = self.torch.cuda.Event()
             done.record(self.scatter_stream)
+            t("event")
             return done
 
     def _peer_event(self, handle: bytes):
@@ -163,7 +180,7 @@ class Stager:
         with self.lock:
             stream.wait_stream(self.stream)
 
-    def _copy(self, chunks, at, null, scatter: bool, skip) -> None:
+    def _copy(self, chunks, at, null, scatter: bool, skip, t=None) -> None:
         torch = self.torch
         mod = None if self.impl == "torch" else native.get()
         if mod is None and self.impl == "kernel":
@@ -176,8 +193,13 @@ class Stager:
             if not len(ids):
                 continue
             bpc, bb = self.blocks_per_chunk[g], gc.block_bytes
+            ring = self.rings[scatter]
+            if t is not None:
+                t("plan")
             if mod is not None and gc.kernel_ok:
-                desc = _upload(torch, np.stack([ids, offs]), stream, self.device)
+                desc = ring.upload(np.stack([ids, offs]), stream)
+                if t is not None:
+                    t("upload")
                 fn = mod.scatter if scatter else mod.gather
                 fn(
                     gc.table.data_ptr(),
@@ -194,8 +216,10 @@ class Stager:
                     self.grid,
                     stream.cuda_stream,
                 )
+                if t is not None:
+                    t("launch")
                 continue
-            dev = _upload(torch, np.stack([ids, item, pos]), stream, self.device)
+            dev = ring.upload(np.stack([ids, item, pos]), stream)
             fn = cuda_gather.torch_scatter if scatter else cuda_gather.torch_gather
             with torch.cuda.stream(stream):
                 fn(
@@ -231,6 +255,74 @@ class Stager:
             np.asarray(item, dtype=np.int64),
             np.asarray(pos, dtype=np.int64),
         )
+
+
+class _Stages:
+    """Stamps of one gather or scatter call into ``timings[op]`` (None: nothing is kept)."""
+
+    __slots__ = ("row", "last")
+
+    def __init__(self, timings: dict | None, op: str):
+        self.row = None
+        if timings is not None:
+            self.row = {}
+            timings.setdefault(op, []).append(self.row)
+            self.last = time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        if self.row is not None:
+            now = time.perf_counter()
+            self.row[stage] = self.row.get(stage, 0.0) + now - self.last
+            self.last = now
+
+
+def _lowest_priority(torch) -> int:
+    """The device's lowest stream priority (CUDA and HIP: the largest number, 0 on current GPUs)."""
+    try:
+        low, _high = torch.cuda.Stream.priority_range()
+        return int(low)
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+class _DescRing:
+    """Block descriptors to the device on one stream without allocating: a pinned host ring and a
+    device ring of the same size. A region of the host ring is written again only once the upload
+    that last read it is complete (its event); the device region is safe by stream order (every
+    reader of it ran earlier on the same stream). torch's pin_memory() per call cost 0.3 ms."""
+
+    def __init__(self, torch, device, words: int = DESC_RING_WORDS):
+        self.torch = torch
+        self.host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(words, dtype=torch.int64, device=device)
+        self.words = words
+        self.head = 0
+        self.held: collections.deque = collections.deque()  # (begin, end, event), oldest first
+
+    def upload(self, desc: np.ndarray, stream):
+        torch = self.torch
+        n = desc.size
+        if n > self.words:
+            return _upload(torch, desc, stream, self.dev.device)
+        at = self.head if self.head + n <= self.words else 0
+        while self.held and self.held[0][2].query():
+            self.held.popleft()
+        while any(_overlaps(h, at, at + n) for h in self.held):  # oldest first, until none overlaps
+            self.held.popleft()[2].synchronize()  # a whole ring's uploads ago: done long since
+        self.head = at + n
+        np.copyto(self.host_np[at : at + n], desc.reshape(-1))
+        dev = self.dev[at : at + n]
+        with torch.cuda.stream(stream):
+            dev.copy_(self.host[at : at + n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        self.held.append((at, at + n, ev))
+        return dev.view(desc.shape)
+
+
+def _overlaps(held, begin: int, end: int) -> bool:
+    return begin < held[1] and held[0] < end
 
 
 def _upload(torch, desc: np.ndarray, stream, device):

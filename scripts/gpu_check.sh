@@ -2,9 +2,14 @@
 # On a CUDA machine (the `device` tool's H200): install the carried wheels, build the engine-side
 # native kernels, run the gpu-marked tests, and benchmark through a real daemon (this shell's
 # python is the engine). Logs and JSON go to $OUT (default ./gpu-out); steps are time-boxed.
-#   TESTS   gpu test files ("none" skips them)     BENCHES  layouts: llama 8k 16k mla (see below)
-#   INTERFERENCE=1  also run the interference bench  BENCH_ARGS  extra `tierd bench` arguments
+#   TESTS   gpu test files ("none" skips them)     BENCHES  layouts: llama 8k 16k mla (see below), each
+#           optionally NAME:KV_LAYOUT[:PATH], e.g. 8k:BLNHC:direct (--kv-layout, --path of `tierd bench`)
+#   INTERFERENCE=1  also run the interference bench (INTERFERENCE_RUNS: its variants, e.g.
+#           "staged staged:16 BLNHC:direct BLNHC:direct:16": KV_LAYOUT/PATH and --step-burst)
+#   BENCH_ARGS  extra `tierd bench` arguments
 #   RANKS  rank-process benches: "2" (2 ranks), "2mla" (2 replicated MLA ranks)
+# Every bench's figures are summed up at the end: ratios to the same run's raw copies, one-chunk and
+# 16-chunk latencies against their goals, and where a one-chunk request's time goes.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -31,7 +36,7 @@ native.load(); print(native.state(), f'{time.time() - t:.1f} s')" 2>&1 | tail -3
 if [ "${TESTS:-}" != none ]; then
   echo "== tests"
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pt -o addopts="" \
-    ${TESTS:-tests/test_gpu_kernels.py tests/test_gpu_daemon.py} > "$OUT/gpu_tests.log" 2>&1
+    ${TESTS:-tests/test_gpu_kernels.py tests/test_gpu_daemon.py tests/test_gpu_direct.py} > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_tests.log"
   grep -E "passed|failed|error|Error|assert" "$OUT/gpu_tests.log" | tail -25
   for f in $(ls -t /tmp/pt/*/*/daemon.log 2>/dev/null | head -20); do echo "== $f"; tail -30 "$f"; done > "$OUT/daemons.log" 2>&1
@@ -46,19 +51,61 @@ bench() {  # name, args...
   python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
     "$OUT/bench_$name.json" >> "$OUT/bench.log" 2>&1
 }
-for kind in ${BENCHES:-llama 8k 16k mla}; do
+variant() {  # LAYOUT[:PATH[:BURST]] -> bench arguments
+  local IFS=:; set -- $1
+  [ -n "${1:-}" ] && [ "$1" != staged ] && [ "$1" != direct ] && echo -n " --kv-layout $1" && shift
+  [ -n "${1:-}" ] && echo -n " --path $1"
+  [ -n "${2:-}" ] && echo -n " --step-burst $2"
+}
+for spec in ${BENCHES:-llama 8k 16k mla}; do
+  kind=${spec%%:*}; rest=${spec#"$kind"}; rest=${rest#:}; tag=$(echo "$spec" | tr ':' '_')
   case $kind in
-    llama) bench llama ;;                                        # 32 layers x 64 KiB (8 KV heads, 128, bf16)
-    8k) bench 8k --layers 80 --kv-heads 1 ;;                     # 70B-class at TP8: 80 layers x 8 KiB
-    16k) bench 16k --layers 48 --kv-heads 2 ;;                   # 48 layers x 16 KiB
-    mla) bench mla --mla --layers 61 ;;                          # 61 layers x 18 KiB
+    llama) bench "$tag" $(variant "$rest") ;;                                   # 32 layers x 64 KiB (8 KV heads, 128, bf16)
+    8k) bench "$tag" --layers 80 --kv-heads 1 $(variant "$rest") ;;            # 70B-class at TP8: 80 layers x 8 KiB
+    16k) bench "$tag" --layers 48 --kv-heads 2 $(variant "$rest") ;;           # 48 layers x 16 KiB
+    mla) bench "$tag" --mla --layers 61 $(variant "$rest") ;;                  # 61 layers x 18 KiB
   esac
 done
-if [ "${INTERFERENCE:-0}" = 1 ]; then bench interference --interference; fi
+if [ "${INTERFERENCE:-0}" = 1 ]; then
+  for v in ${INTERFERENCE_RUNS:-staged}; do bench "interference_$(echo "$v" | tr ':' '_')" --interference $(variant "$v"); done
+fi
 for r in ${RANKS:-}; do                                          # e.g. RANKS="2 2mla": N rank processes at once
   case $r in
     *mla) bench "ranks${r}" --ranks "${r%mla}" --mla --layers 61 ;;
     *) bench "ranks$r" --ranks "$r" ;;
   esac
 done
-cat "$OUT/bench.log" | grep -v "^==" | tail -n 80
+grep -v "^==" "$OUT/bench.log" | grep -v "^exit 0" | grep -i -E "error|exit|Traceback" | tail -n 20
+python3 - "$OUT"/bench_*.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        r = json.load(open(path))
+    except (OSError, ValueError) as exc:
+        print(f"{path}: no figures ({exc})")
+        continue
+    name = path.rsplit("/", 1)[-1][6:-5]
+    if r.get("bench") == "ranks":
+        print(f"{name}: ranks {r['ranks']}: to raw {r['ratio_to_raw']}, to one rank {r['ratio_to_one_rank']}, verified {r['verified']}")
+        continue
+    head = f"{name}: {r['block_bytes'] >> 10} KiB x {r['layers']} layers, {r.get('kv_layout', '')[:5]} {r.get('path', 'staged')}"
+    if r.get("interference"):
+        for step, row in r["interference"].items():
+            print(f"{head} burst {r.get('interference_step_burst', 0)}: {step} alone {row['alone_ms']} ms, tierd "
+                  f"{row['tierd_slowdown']}x at {row['tierd_copy_gbps']} GB/s, raw DMA {row['raw_dma_slowdown']}x at "
+                  f"{row['raw_dma_copy_gbps']} GB/s")
+        continue
+    print(f"{head}: store {r['store_ratio']} retrieve {r['retrieve_ratio']} both {r['both_ratio']} of raw "
+          f"(raw D2H {r['baseline_d2h_gbps']} H2D {r['baseline_h2d_gbps']} both {r['baseline_both_gbps']} GB/s) verified {r['verified']}")
+    for n in ("1_chunks", "16_chunks"):
+        lat = (r.get("latency_ms") or {}).get(n)
+        if lat:
+            ok = lambda a, b: "ok" if lat[a] <= lat[b] else "over"  # noqa: E731
+            print(f"   {n}: store {lat['store']} ms (raw {lat['raw_d2h']}, goal {lat['store_goal']}: {ok('store', 'store_goal')}), "
+                  f"retrieve {lat['retrieve']} ms (raw {lat['raw_h2d']}, goal {lat['retrieve_goal']}: {ok('retrieve', 'retrieve_goal')})")
+    lat = (r.get("latency_ms") or {}).get("1_chunks") or {}
+    for op, row in (lat.get("breakdown") or {}).items():
+        print(f"   1 chunk {op}: " + "; ".join(f"{k} {v}" for k, v in row.items()))
+    if r.get("wire_floor_ms"):
+        print(f"   round trips that copy nothing: {r['wire_floor_ms']}")
+PY

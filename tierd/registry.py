@@ -253,7 +253,9 @@ class Registry:
         if inst.ns not in self._noted:  # journaled before any of its objects can be committed
             self.pool.note_extra(self.persisted())
         session.instances.add(inst_id)
-        self.lanes.attach(inst_id, duplex=getattr(memory, "duplex", False))
+        self.lanes.attach(
+            inst_id, duplex=getattr(memory, "duplex", False), inline=getattr(memory, "inline", False)
+        )
         log.info(
             "registered %s: model=%s rank=%d/%d groups=%d device=%s",
             inst_id,

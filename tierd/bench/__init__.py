@@ -33,6 +33,8 @@ def run_bench(
     ctas: int = 0,
     gpu_order: str = "host",
     step_burst: int = 0,
+    kv_layout: str = "LBNHC",
+    path: str = "staged",
 ) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
@@ -84,6 +86,8 @@ def run_bench(
             ctas=ctas,
             gpu_order=gpu_order,
             step_burst=step_burst,
+            kv_layout=kv_layout,
+            path=path,
         )
     if interference:
         raise BenchError("--interference measures GPU steps: it needs --device cuda")

@@ -114,6 +114,8 @@ def run_cuda_bench(
     ctas: int = 0,
     gpu_order: str = "host",
     step_burst: int = 0,
+    kv_layout: str = "LBNHC",
+    path: str = "staged",
 ) -> dict:
     import torch
 
@@ -123,8 +125,10 @@ def run_cuda_bench(
     from tierd_client.cuda_ipc import share_cuda_tensors
     from tierd_client.cuda_stage import Stager
     from tierd_client.layouts import block_span, group, group_specs, layout, namespace
-    from tierd_client.staged_rank import StagedRank
+    from tierd_client.staged_rank import DirectRank, StagedRank, direct_layout
 
+    if sorted(kv_layout) != sorted("LBNHC") or kv_layout[-1] != "C":
+        raise BenchError(f"--kv-layout {kv_layout}: a physical order of L, B, N, H ending in C (e.g. BLNHC)")
     dev = torch.device("cuda", torch.cuda.current_device())
     progress.phase("building the native kernels (cached after the first time)")
     t_build = time.monotonic()
@@ -144,20 +148,14 @@ def run_cuda_bench(
         f"laying out {layers * num_blocks * block_bytes / 2**30:.1f} GiB of KV on "
         f"{torch.cuda.get_device_name(dev)}"
     )
-    # one buffer for all layers, LBNHC: per layer [B][N][H][row]; logical per-layer view [B, H, N, row]
+    # one buffer for all layers in the physical order ``kv_layout`` (vLLM 0.33's KVCacheLayout: LBNHC by
+    # default, BLNHC block-outermost); each layer's logical view is [B, H, N, row]
     buf = torch.empty(layers * num_blocks * block_bytes, dtype=torch.uint8, device=dev)
-    kv = buf.view(layers, num_blocks, block_bytes)
-    kv.random_(0, 256, generator=torch.Generator(device=dev).manual_seed(0))
-    views = buf.view(layers, num_blocks, block_tokens, heads, row).permute(0, 1, 3, 2, 4)
+    buf.random_(0, 256, generator=torch.Generator(device=dev).manual_seed(0))
+    dims = {"L": layers, "B": num_blocks, "N": block_tokens, "H": heads, "C": row}
+    kv = buf.view([dims[ch] for ch in kv_layout]).permute([kv_layout.index(ch) for ch in "LBHNC"])
     spans = [
-        block_span(
-            tuple(views[l].shape),
-            tuple(views[l].stride()),
-            1,
-            0,
-            tensor=0,
-            offset=l * num_blocks * block_bytes,
-        )
+        block_span(tuple(kv[l].shape), tuple(kv[l].stride()), 1, 0, tensor=0, offset=kv[l].storage_offset())
         for l in range(layers)
     ]
     refs, _ = share_cuda_tensors([buf])
@@ -170,10 +168,15 @@ def run_cuda_bench(
         [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")],
         device="cuda",
     )
-    stager = Stager(
-        PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl, ctas
-    )
-    lay["staging"] = stager.ref
+    stager = None
+    if path == "direct":
+        if not direct_layout(PageLayout.from_wire(lay), [buf]):
+            raise BenchError(f"--path direct: {kv_layout} keeps a layer's block in more than one run")
+    else:
+        stager = Stager(
+            PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl, ctas
+        )
+        lay["staging"] = stager.ref
     specs = group_specs(lay)
     pool_bytes = (
         int(pool_gb * 2**30)
@@ -183,14 +186,22 @@ def run_cuda_bench(
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}")
     progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
     ctx = private_daemon(pool_bytes, extra) if socket is None else contextlib.nullcontext(socket)
-    reg = lambda r: list(range(r * region, (r + 1) * region))  # noqa: E731
-    src, dst, src2 = reg(0), reg(1), reg(2)
+
+    # each region's block ids in a fixed random order, as an engine's free list hands them out after
+    # a while (a copy of neighbouring blocks may merge; the kernels do not care)
+    def shuffled(r: int) -> list[int]:
+        return (torch.randperm(region, generator=torch.Generator().manual_seed(r)) + r * region).tolist()
+
+    src, dst, src2 = shuffled(0), shuffled(1), shuffled(2)
 
     def ids(blocks: list[int], c: int) -> list[int]:
         return blocks[c * bpc : (c + 1) * bpc]
 
     def same(a: list[int], b: list[int]) -> bool:
-        return bool(torch.equal(kv[:, a[0] : a[-1] + 1], kv[:, b[0] : b[-1] + 1]))
+        return bool(torch.equal(kv[:, a], kv[:, b]))
+
+    def zero(blocks: list[int]) -> None:
+        kv[:, min(blocks) : max(blocks) + 1].zero_()
 
     out: dict = {}
     with (
@@ -203,14 +214,17 @@ def run_cuda_bench(
         t_reg = time.monotonic()
         client.register("bench-0", lay, timeout=300)
         register_s = time.monotonic() - t_reg
-        rank = StagedRank(
-            client,
-            "bench-0",
-            stager,
-            request_bytes=batch * object_bytes,
-            timeout_s=300,
-            host_order=gpu_order == "host",
-        )
+        if stager is None:
+            rank = DirectRank(client, "bench-0", dev, timeout_s=300)
+        else:
+            rank = StagedRank(
+                client,
+                "bench-0",
+                stager,
+                request_bytes=batch * object_bytes,
+                timeout_s=300,
+                host_order=gpu_order == "host",
+            )
         after = torch.cuda.Event()
 
         def store(keys, blocks):
@@ -239,7 +253,7 @@ def run_cuda_bench(
             client.call("CLEAR", {"namespace": ns})
             keys_a = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
             keys_c = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
-            kv[:, dst[0] : dst[-1] + 1].zero_()
+            zero(dst)
             torch.cuda.synchronize(dev)
             t = time.perf_counter()
             settle(store(keys_a, src), bar)
@@ -248,7 +262,7 @@ def run_cuda_bench(
             settle(retrieve(keys_a, dst), bar)
             times["retrieve"].append(time.perf_counter() - t)
             verified &= same(src, dst)
-            kv[:, dst[0] : dst[-1] + 1].zero_()
+            zero(dst)
             torch.cuda.synchronize(dev)
             t = time.perf_counter()
             fs, fr = store(keys_c, src2), retrieve(keys_a, dst)
@@ -267,7 +281,8 @@ def run_cuda_bench(
                 raise BenchError(f"LOOKUP of {len(lk)} stored chunks hit {hit}")
             n += 1
         lookups_seq = n / (time.perf_counter() - t)
-        latency = _latencies(torch, rank, kv, list(range(3 * region, 3 * region + bpc)), bpc, dev)
+        probe = (torch.randperm(bpc, generator=torch.Generator().manual_seed(3)) + 3 * region).tolist()
+        latency = _latencies(torch, rank, object_bytes, probe, bpc, dev, client)
         if interference:
             progress.phase("interference: compute and HBM steps alone, with tierd copying, with raw DMA")
             client.call("CLEAR", {"namespace": ns})
@@ -298,8 +313,11 @@ def run_cuda_bench(
             "device": "cuda",
             "gpu": torch.cuda.get_device_name(dev),
             "layout": "mla" if mla else "mha",
-            "kv_layout": "LBNHC, one buffer, per-layer [B, H, N, C] views (vLLM 0.33)",
-            "path": "gather/scatter in this (the engine's) process, daemon DMA through the staging buffer",
+            "kv_layout": f"{kv_layout}: one buffer, per-layer [B, H, N, C] views (vLLM 0.33), shuffled ids",
+            "path": path,
+            "path_is": "gather/scatter in this (the engine's) process, daemon DMA through the staging buffer"
+            if stager is not None
+            else "the daemon's pitched copies straight between the KV blocks and its pool, no SM work",
             "layers": layers,
             "block_bytes": block_bytes,
             "object_bytes": object_bytes,
@@ -318,11 +336,12 @@ def run_cuda_bench(
             "both_ratio": round(both_g / base["baseline_both_gbps"], 3),
             "per_block_ratio": round(base["per_block_gbps"] / base["baseline_d2h_gbps"], 3),
             "chunk_tokens": chunk_tokens,
-            "latency_ms": latency,
+            "latency_ms": {k: v for k, v in latency.items() if k.endswith("_chunks")},
+            "wire_floor_ms": latency.get("wire_floor_ms"),
             "lookup_keys": len(lk),
             "lookups_per_s": round(lookups_seq, 1),
             "impl": "kernel" if native.get() is not None and impl != "torch" else "torch",
-            "ctas": stager.grid,
+            "ctas": stager.grid if stager is not None else 0,
             "gpu_order": gpu_order,
             "native": native.state(),
             "register_s": round(register_s, 3),
@@ -336,18 +355,24 @@ def run_cuda_bench(
     return out
 
 
-def _latencies(torch, rank, kv, probe: list[int], bpc: int, dev) -> dict:
+def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, client=None) -> dict:
     """Store and restore 1, 4 and 16 chunks, from the call to the moment the engine may read the
-    blocks, next to the raw pinned copy time of the same bytes (median of 9 after 2 warm-ups)."""
+    blocks, next to the raw pinned copy time of the same bytes (median of 9 after 2 warm-ups), and
+    where a request's time goes (``breakdown``: the medians of its stages, module doc)."""
     import numpy as np
 
     out = {}
-    nbytes_chunk = kv.shape[0] * bpc * kv.shape[2]
+    med = lambda xs: round(float(np.median(xs)) * 1e3, 3) if len(xs) else None  # noqa: E731
     for n in (1, 4, 16):
         blocks = (probe * n)[: n * bpc]  # the probe chunk's blocks, repeated: n chunks of bytes
         host = torch.empty(n * nbytes_chunk, dtype=torch.uint8, pin_memory=True)
         devbuf = torch.empty(n * nbytes_chunk, dtype=torch.uint8, device=dev)
-        st, rt, raw_d2h, raw_h2d = [], [], [], []
+        st, rt, raw_d2h, raw_h2d, wait = [], [], [], [], []
+        lanes0 = _lanes(client)
+        rank.trace = []
+        stager = getattr(rank, "stager", None)
+        if stager is not None:
+            stager.timings = {}
         for i in range(11):
             keys = [uuid.uuid4().bytes[:16] for _ in range(n)]
             chunks = [{"key": k, "blocks": [blocks[c * bpc : (c + 1) * bpc]]} for c, k in enumerate(keys)]
@@ -356,6 +381,7 @@ def _latencies(torch, rank, kv, probe: list[int], bpc: int, dev) -> dict:
             res = rank.store(chunks).result()
             t1 = time.perf_counter()
             got = rank.retrieve(chunks).result()
+            t1b = time.perf_counter()
             got["done"].synchronize()
             t2 = time.perf_counter()
             if res["results"] != ["stored"] * n or not all(got["ok"]):
@@ -372,15 +398,125 @@ def _latencies(torch, rank, kv, probe: list[int], bpc: int, dev) -> dict:
                 rt.append(t2 - t1)
                 raw_d2h.append(t4 - t3)
                 raw_h2d.append(t5 - t4)
-        med = lambda xs: round(float(np.median(xs)) * 1e3, 3)  # noqa: E731
-        out[f"{n}_chunks"] = {
+                wait.append((t1, t1b, t2))
+        trace, rank.trace = rank.trace, None
+        timings = stager.timings if stager is not None else None
+        if stager is not None:
+            stager.timings = None
+        lanes1 = _lanes(client)
+        row = {
             "store": med(st),
             "raw_d2h": med(raw_d2h),
             "retrieve": med(rt),
             "raw_h2d": med(raw_h2d),
-            "store_goal": round(1.2 * med(raw_d2h) + 0.3, 3),
-            "retrieve_goal": round(1.2 * med(raw_h2d) + 0.3, 3),
+            "store_goal": round((1.2 if n == 1 else 1.1) * med(raw_d2h) + 0.3, 3),
+            "retrieve_goal": round((1.2 if n == 1 else 1.1) * med(raw_h2d) + 0.3, 3),
         }
+        direct = getattr(rank, "stager", None) is None
+        row["breakdown"] = _breakdown(trace, wait, lanes0, lanes1, med, direct)
+        for op, calls in (timings or {}).items():  # inside the engine's gather and scatter calls
+            calls = calls[2:]
+            stages = {k for c in calls for k in c}
+            row["breakdown"][f"engine {op} call"] = {
+                k: med([c.get(k, 0.0) for c in calls]) for k in sorted(stages)
+            }
+        out[f"{n}_chunks"] = row
+    if client is not None:
+        out["wire_floor_ms"] = _wire_floor(client, rank, bpc, med)
+    return out
+
+
+# a request's stages as StagedRank's trace stamps them, in order: (name, from stamp, to stamp)
+STORE_STAGES = (
+    ("handoff to the submitter thread", "call", "start"),
+    ("staging room, gather launch (Python)", "start", "launched"),
+    ("gather on the GPU, helper thread wakes", "launched", "gathered"),
+    ("STORE encoded and sent", "gathered", "sent"),
+    ("daemon and wire, DMA included", "sent", "answered"),
+)
+DIRECT_STAGES = (  # DirectRank: no gather, no scatter, no room
+    ("ordering (the caller's own thread when its event is done), encoded and sent", "call", "sent"),
+    ("daemon and wire, copies included (a RETRIEVE's answered once queued)", "sent", "answered"),
+)
+RETRIEVE_STAGES = (
+    ("handoff to the submitter thread", "call", "start"),
+    ("staging room, RETRIEVE sent", "start", "sent"),
+    ("daemon and wire (DMA queued, answered at once)", "sent", "answered"),
+    ("scatter launch (Python)", "answered", "scattered"),
+)
+
+
+def _breakdown(trace: list[dict], waits: list[tuple], lanes0: dict, lanes1: dict, med, direct=False) -> dict:
+    """Medians (ms) of each stage of a job's first request over the timed iterations (the first
+    two are warm-ups), the caller's wait after the last stamp, and the daemon's lane times per
+    call (``host``: issuing the DMAs; ``sync``: waiting for them)."""
+    firsts = {"STORE": [], "RETRIEVE": []}
+    for rec in trace:
+        if "call" in rec and rec.get("first", True):
+            firsts[rec["op"]].append(rec)
+    out: dict = {}
+    stages_of = {"STORE": STORE_STAGES, "RETRIEVE": RETRIEVE_STAGES}
+    if direct:
+        stages_of = dict.fromkeys(stages_of, DIRECT_STAGES)
+    for op, stages in stages_of.items():
+        recs = firsts[op][2:]
+        row = {}
+        for name, a, b in stages:
+            xs = [r[b] - r[a] for r in recs if a in r and b in r]
+            if xs:
+                row[name] = med(xs)
+        out[op.lower()] = row
+    # the caller's side: a STORE's answer to the caller's result(), a RETRIEVE's scatter to result(),
+    # and its wait for the DMA and the scatter on the GPU
+    st = [r for r in firsts["STORE"][2:] if "answered" in r]
+    last = "answered" if direct else "scattered"
+    rt = [r for r in firsts["RETRIEVE"][2:] if last in r]
+    if len(st) == len(waits):
+        out["store"]["answer to the caller"] = med([w[0] - r["answered"] for r, w in zip(st, waits)])
+    if len(rt) == len(waits):
+        out["retrieve"]["answer to the caller"] = med([w[1] - r[last] for r, w in zip(rt, waits)])
+        out["retrieve"]["copies (and scatter) finish on the GPU"] = med([w[2] - w[1] for w in waits])
+    for name, lane in (("store", "store"), ("retrieve", "retrieve")):
+        a, b = lanes0.get(lane) or {}, lanes1.get(lane) or {}
+        calls = b.get("calls", 0) - a.get("calls", 0)
+        if calls:
+            for k in ("host_s", "sync_s"):
+                out[name][f"daemon lane {k[:-2]} per call"] = round((b[k] - a[k]) / calls * 1e3, 3)
+    return out
+
+
+def _lanes(client) -> dict:
+    if client is None:
+        return {}
+    return (client.status().get("cuda_detail") or {}).get("lanes") or {}
+
+
+def _wire_floor(client, rank, bpc: int, med) -> dict:
+    """Round trips that copy nothing, the same way a STORE's answer travels (through the client's
+    I/O thread to a waiting caller): a STORE of chunks already stored and a RETRIEVE of a key
+    never stored, each one chunk."""
+    import threading
+
+    key = uuid.uuid4().bytes[:16]
+    chunk = {"key": key, "blocks": [list(range(bpc))]}
+    rank.store([chunk]).result()
+    missing = {**chunk, "key": uuid.uuid4().bytes[:16]}
+    at = {"staged_at": 0} if getattr(rank, "stager", None) is not None else {}
+    out = {}
+    for name, op, body in (
+        ("store_exists", "STORE", {"instance": rank.instance, "chunks": [chunk], **at}),
+        ("retrieve_missing", "RETRIEVE", {"instance": rank.instance, "chunks": [missing], **at}),
+    ):
+        xs = []
+        for i in range(23):
+            ev = threading.Event()
+            t = time.perf_counter()
+            fut = client.call_async(op, body)
+            fut.add_done_callback(lambda _f, ev=ev: ev.set())
+            ev.wait(10)
+            if i >= 3:
+                xs.append(time.perf_counter() - t)
+        out[name] = med(xs)
     return out
 
 

@@ -17,6 +17,16 @@ load): the daemon's copy stream waits for it on the GPU before the DMA. The repl
 the DMA is complete (a waiter thread per lane waits on an event, transfer/engine.py), so a
 STORE's staging bytes may be reused, and a RETRIEVE's scattered, as soon as its reply arrives.
 
+Direct ranks. A cuda layout without a staging buffer is copied straight between the engine's
+KV blocks (its tensors opened over CUDA IPC) and the pool, with no SM work in either process:
+each block of every layer of a group is one pitched (2D) copy of ``layers`` rows
+(tierd.transfer.items.Pitched: every layer keeps a block in one run, the layers a constant pitch
+apart, as vLLM 0.33's layer-outermost LBNHC/LBHNC and block-outermost BLNHC/BLHNC KV are). The
+engine sends a STORE once the forward's writes are done and a RETRIEVE once the blocks may be
+overwritten (both checked on its host); the daemon answers a RETRIEVE as soon as its copies are
+queued, with the event the engine waits for before it reads the blocks. Block ids are checked
+against the layout like any rank's, so a rank reaches only its own registered tensors.
+
 Contexts. The daemon creates a CUDA context only on a GPU some engine registered: ``detect()``
 counts devices (no context), and the pool's pinner defers ``cudaHostRegister`` until the first
 rank registers. cudaHostRegister needs a current context; it runs on the first registered GPU
@@ -39,7 +49,7 @@ from collections import OrderedDict
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import CudaIpcHandle, PageLayout, TensorRef
 from tierd.transfer.engine import DeviceWork
-from tierd.transfer.items import CopyItem
+from tierd.transfer.items import MAX_PITCH, CopyItem, pitched, pitched_copies
 
 log = logging.getLogger("tierd.cuda")
 
@@ -197,8 +207,11 @@ class CudaSupport:
         self.devices_open.add(index)
         log.info("CUDA device %d opened (%s)", index, self.torch.cuda.get_device_name(index))
 
-    def rank_memory(self, layout: PageLayout) -> StagedRankMemory:
-        memory = StagedRankMemory(layout, self)
+    def rank_memory(self, layout: PageLayout) -> StagedRankMemory | DirectRankMemory:
+        """Through the engine's staging buffer when the layout names one, else straight between
+        its KV tensors and the pool (module doc)."""
+        direct = layout.staging is None
+        memory = DirectRankMemory(layout, self) if direct else StagedRankMemory(layout, self)
         self.memories.add(memory)
         return memory
 
@@ -309,12 +322,37 @@ class DmaLane:
                     host = torch.from_numpy(_host_bytes(h, n))
                     dev = staging[d - base : d - base + n]
                     (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
-        done = torch.cuda.Event()
+        return self._queued(sum(sizes), len(runs), t0)
+
+    def copy_pitched(
+        self, ops: list[tuple[int, int, int]], rows: int, dev_pitch: int, host_pitch: int, tensor
+    ) -> DeviceWork:
+        """Pitched copies ``(device address, host address, row bytes)`` of ``rows`` rows each,
+        device rows ``dev_pitch`` apart, host rows ``host_pitch`` (tierd.transfer.items.Pitched);
+        every device address lies in ``tensor`` (flat uint8)."""
+        t0 = time.perf_counter()
+        stream = self.stream.cuda_stream
+        if _DRIVER.ok:
+            _DRIVER.current(self.device)
+            for d, h, w in ops:
+                _DRIVER.copy2d(h, host_pitch, d, dev_pitch, w, rows, self.d2h, stream)
+        else:  # torch's own path (ROCm, no libcuda): strided views, the same bytes
+            torch = self.torch
+            with torch.cuda.stream(self.stream):
+                for d, h, w in ops:
+                    host = torch.from_numpy(_host_bytes(h, (rows - 1) * host_pitch + w))
+                    host = host.as_strided((rows, w), (host_pitch, 1))
+                    dev = tensor.as_strided((rows, w), (dev_pitch, 1), d - tensor.data_ptr())
+                    (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
+        return self._queued(sum(w for _, _, w in ops) * rows, len(ops), t0)
+
+    def _queued(self, nbytes: int, dmas: int, t0: float) -> DeviceWork:
+        done = self.torch.cuda.Event()
         done.record(self.stream)
         st = self.stats
         st["calls"] += 1
-        st["bytes"] += sum(sizes)
-        st["dmas"] += len(runs)
+        st["bytes"] += nbytes
+        st["dmas"] += dmas
         st["host_s"] += time.perf_counter() - t0
 
         def wait() -> None:
@@ -329,6 +367,32 @@ class DmaLane:
         self._events.clear()
 
 
+_MEM_HOST, _MEM_DEVICE = 1, 2  # CUmemorytype
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The driver's CUDA_MEMCPY2D."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
 class _Driver:
     """cuMemcpyAsync through the driver API (libcuda is there wherever a GPU is): a few
     microseconds per DMA from Python, where torch's copy_ costs tens. Unified addressing: one call
@@ -341,6 +405,9 @@ class _Driver:
             self.fn = self.lib.cuMemcpyAsync
             self.fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
             self.fn.restype = ctypes.c_int
+            self.fn2d = self.lib.cuMemcpy2DAsync_v2
+            self.fn2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+            self.fn2d.restype = ctypes.c_int
             self.ok = True
         except (OSError, AttributeError):
             pass
@@ -363,6 +430,21 @@ class _Driver:
         err = self.fn(host, dev, nbytes, stream) if d2h else self.fn(dev, host, nbytes, stream)
         if err:
             raise RuntimeError(f"cuMemcpyAsync failed: CUDA driver error {err}")
+
+    def copy2d(
+        self, host: int, host_pitch: int, dev: int, dev_pitch: int, width: int, rows: int, d2h: bool, stream
+    ) -> None:
+        m = _Memcpy2D()
+        m.WidthInBytes, m.Height = width, rows
+        if d2h:
+            m.srcMemoryType, m.srcDevice, m.srcPitch = _MEM_DEVICE, dev, dev_pitch
+            m.dstMemoryType, m.dstHost, m.dstPitch = _MEM_HOST, host, host_pitch
+        else:
+            m.srcMemoryType, m.srcHost, m.srcPitch = _MEM_HOST, host, host_pitch
+            m.dstMemoryType, m.dstDevice, m.dstPitch = _MEM_DEVICE, dev, dev_pitch
+        err = self.fn2d(ctypes.byref(m), stream)
+        if err:
+            raise RuntimeError(f"cuMemcpy2DAsync failed: CUDA driver error {err}")
 
 
 _DRIVER = _Driver()
@@ -396,6 +478,7 @@ class StagedRankMemory:
     The daemon never maps the rank's KV tensors themselves: only the engine touches its blocks."""
 
     duplex = True  # stores and retrieves run on separate transfer threads
+    inline = True  # its copies only queue DMAs: run on the main loop when idle (transfer/engine.py)
 
     def __init__(self, layout: PageLayout, support: CudaSupport):
         if layout.staging is None:
@@ -442,3 +525,75 @@ class StagedRankMemory:
             self.h2d.close()
         self.staging = None
         self.storage = None  # drops the IPC mapping (torch closes it with the last reference)
+
+
+class DirectRankMemory:
+    """One registered rank's GPU without staging: its KV tensors opened over IPC, and a copy lane
+    each way that moves blocks straight between them and the pool as pitched copies (module doc).
+    Only copy-engine work, so its lanes run on the main loop when idle (tierd.transfer.engine)."""
+
+    duplex = True  # stores and retrieves run on separate transfer threads
+    inline = True  # its copies only queue DMAs
+
+    def __init__(self, layout: PageLayout, support: CudaSupport):
+        torch = support.torch
+        self.torch, self.layout = torch, layout
+        opened = [open_ipc(ref, f"layout.tensors[{i}]", support) for i, ref in enumerate(layout.tensors)]
+        devices = {device for _, device in opened}
+        if len(devices) != 1:
+            raise _invalid(f"a rank's tensors lie on one GPU, these on {len(devices)}")
+        self.device = devices.pop()
+        self.storages = [storage for storage, _ in opened]
+        with torch.cuda.device(self.device):
+            self.flats = [
+                torch.empty(0, dtype=torch.uint8, device=self.device).set_(st, 0, (ref.nbytes,), (1,))
+                for st, ref in zip(self.storages, layout.tensors)
+            ]
+            self.d2h = DmaLane(torch, self.device, support.host, d2h=True)
+            self.h2d = DmaLane(torch, self.device, support.host, d2h=False)
+        self.groups = []
+        for gi, group in enumerate(layout.groups):
+            tensors = {s.tensor for s in group.layers}
+            flat = self.flats[group.layers[0].tensor]
+            p = pitched(group, [flat.data_ptr() + s.offset for s in group.layers])
+            if len(tensors) != 1 or p is None:
+                raise _invalid(
+                    f"layout.groups[{gi}]: without a staging buffer every layer of a group must keep a "
+                    "block in one run, the layers in one tensor a constant pitch apart (at most "
+                    f"{MAX_PITCH} bytes); register a staging buffer for this layout instead"
+                )
+            self.groups.append((p, flat))
+
+    def wait_event(self, handle: bytes, store: bool = True) -> None:
+        with self.torch.cuda.device(self.device):
+            (self.d2h if store else self.h2d).wait(handle)
+
+    def _copy(self, lane: DmaLane, group: int, items: list[CopyItem]) -> DeviceWork | None:
+        if not items:
+            return None
+        p, flat = self.groups[group]
+        ops = []
+        for it in items:
+            ops += pitched_copies(p, it.view.ctypes.data, it.ids, it.pos, it.bpc)
+        with self.torch.cuda.device(self.device):
+            return lane.copy_pitched(ops, p.layers, p.pitch, items[0].bpc * p.block_bytes, flat)
+
+    def store(self, group: int, items: list[CopyItem]) -> DeviceWork | None:
+        """Queue the copies engine blocks -> pool; the DeviceWork finishes when the bytes are in the pool."""
+        return self._copy(self.d2h, group, items)
+
+    def retrieve(self, group: int, items: list[CopyItem]) -> DeviceWork | None:
+        """Queue the copies pool -> engine blocks; the DeviceWork finishes when the blocks are written."""
+        return self._copy(self.h2d, group, items)
+
+    def signal(self) -> bytes:
+        """The event the engine waits for (on the GPU or its host) before it reads restored blocks."""
+        with self.torch.cuda.device(self.device):
+            return self.h2d.signal()
+
+    def close(self) -> None:
+        with self.torch.cuda.device(self.device):
+            self.d2h.close()
+            self.h2d.close()
+        self.flats = []
+        self.storages = []  # drops the IPC mappings

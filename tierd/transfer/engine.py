@@ -6,7 +6,14 @@ then queues itself behind the others). A *duplex* rank (the CUDA path) gets a se
 its retrieves, so a store and a retrieve of one rank use both directions of the link at once.
 Device work a copy leaves queued (DeviceWork) is waited for on the lane's waiter, a lane of a
 second bounded pool. A finished job is queued back to the main loop, which commits metadata and
-replies, and woken through a pipe."""
+replies, and woken through a pipe.
+
+An *inline* lane (a rank whose copies only queue device work, the CUDA path: a few driver calls,
+no blocking copy) runs a job on the thread that submits it, the main loop, whenever the lane is
+idle, and queues it only behind a job of its own still running: each thread hand-off costs a
+wake-up (0.1-0.2 ms on a virtualised host), and a queued job waited for two of them (to a copy
+thread and back to the main loop) before its reply or its wait could start. A job the lane
+answers early (QUEUED) is then answered in the same turn of the main loop that received it."""
 
 from __future__ import annotations
 
@@ -23,6 +30,9 @@ log = logging.getLogger("tierd")
 
 
 READ_LANE = "\x00read"  # suffix of a duplex rank's retrieve lane
+# an inline lane's job larger than this goes to a copy thread all the same: queueing its copies
+# (one per block on a direct rank, a few microseconds each) would hold the main loop too long
+INLINE_MAX_BYTES = 64 << 20
 
 
 class DeviceWork:
@@ -59,25 +69,31 @@ def auto_workers() -> int:
 
 
 class Lane:
-    """Runs what is submitted to it one at a time, in order, on a shared executor."""
+    """Runs what is submitted to it one at a time, in order, on a shared executor (``inline``: on
+    the submitting thread when the lane is idle, module doc)."""
 
-    __slots__ = ("_q", "_busy", "_lock", "_pool", "_engine")
+    __slots__ = ("_q", "_busy", "_lock", "_pool", "_engine", "inline")
 
-    def __init__(self, pool: ThreadPoolExecutor, engine: TransferEngine):
+    def __init__(self, pool: ThreadPoolExecutor, engine: TransferEngine, inline: bool = False):
         self._q: collections.deque = collections.deque()
         self._busy = False
         self._lock = threading.Lock()
         self._pool = pool
         self._engine = engine
+        self.inline = inline
 
-    def submit(self, fn: Callable, *args) -> None:
+    def submit(self, fn: Callable, *args, small: bool = True) -> None:
+        """``small``: an inline lane may run it here (a large job goes to a copy thread)."""
         self._engine._held(+1)
         with self._lock:
             self._q.append((fn, args))
             if self._busy:
                 return
             self._busy = True
-        self._pool.submit(self._step)
+        if self.inline and small:
+            self._step()
+        else:
+            self._pool.submit(self._step)
 
     def _step(self) -> None:
         with self._lock:
@@ -116,11 +132,13 @@ class TransferEngine:
             if not self._queued:
                 self._idle.notify_all()
 
-    def attach(self, lane: str, duplex: bool = False) -> None:
+    def attach(self, lane: str, duplex: bool = False, inline: bool = False) -> None:
+        """``duplex``: a second lane for the rank's retrieves; ``inline``: its jobs only queue device
+        work and run on the submitting thread when the lane is idle (module doc)."""
         if duplex:
-            self.attach(lane + READ_LANE)
+            self.attach(lane + READ_LANE, inline=inline)
         if lane not in self._lanes:
-            self._lanes[lane] = Lane(self._copy_pool, self)
+            self._lanes[lane] = Lane(self._copy_pool, self, inline)
 
     def detach(self, lane: str, last: Callable[[], None] | None = None) -> None:
         """Forget a lane (and its read lane); ``last`` runs after every job already queued on both
@@ -160,7 +178,7 @@ class TransferEngine:
         with self._lock:
             self._inflight += 1
         x = self._lanes[lane]
-        x.submit(self._run, fn, job, x)
+        x.submit(self._run, fn, job, x, small=getattr(job, "nbytes", 0) <= INLINE_MAX_BYTES)
 
     def _run(self, fn: Callable[[], Any], job: Any, lane: Lane | None = None) -> None:
         try:

@@ -1,0 +1,307 @@
+"""The direct CUDA path's planning and the transfer engine's inline lanes, as pure logic on the
+CPU: which layouts are pitched, the exact copies a chunk becomes, and where a job runs."""
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from tierd.protocol.layout import GroupLayout
+from tierd.transfer.engine import INLINE_MAX_BYTES, DeviceWork, TransferEngine
+from tierd.transfer.items import Pitched, pitched, pitched_copies
+from tierd_client.layouts import block_span, group
+from tierd_client.staged_rank import DirectRank, StagedRank
+
+BB = 1024  # bytes per block per layer
+
+
+def spans(kind: str, layers: int = 3, blocks: int = 10, heads: int = 2):
+    """Byte spans of a vLLM 0.33 [B, H, N, C] view per layer, physical order ``kind`` (N*C = 512)."""
+    dims = {"L": layers, "B": blocks, "H": heads, "N": 4, "C": 128}
+    strides, acc = {}, 1
+    for ch in reversed(kind):
+        strides[ch] = acc
+        acc *= dims[ch]
+    shape = tuple(dims[ch] for ch in "BHNC")
+    st = tuple(strides[ch] for ch in "BHNC")
+    return [block_span(shape, st, 1, 0, tensor=0, offset=i * strides["L"]) for i in range(layers)]
+
+
+def geometry(kind: str, base: int = 1 << 20) -> Pitched | None:
+    g = GroupLayout.from_wire(group("full", 4, spans(kind)))
+    return pitched(g, [base + s.offset for s in g.layers])
+
+
+def test_layer_and_block_outermost_orders_are_pitched():
+    assert geometry("LBNHC") == Pitched(1 << 20, 10 * BB, BB, BB, 3)
+    assert geometry("LBHNC") == Pitched(1 << 20, 10 * BB, BB, BB, 3)
+    assert geometry("BLNHC") == Pitched(1 << 20, BB, 3 * BB, BB, 3)
+    assert geometry("BLHNC") == Pitched(1 << 20, BB, 3 * BB, BB, 3)
+
+
+def test_orders_with_a_block_in_several_runs_are_not():
+    assert geometry("LHBNC") is None  # one run per head
+    assert geometry("BHLNC") is None
+
+
+def test_a_pitch_past_the_copy_engines_limit_is_not():
+    g = GroupLayout.from_wire(group("full", 4, spans("LBNHC")))
+    assert pitched(g, [s.offset for s in g.layers], max_pitch=10 * BB - 1) is None
+    assert pitched(g, [s.offset for s in g.layers], max_pitch=10 * BB) is not None
+
+
+def test_unevenly_spaced_layers_are_not():
+    g = GroupLayout.from_wire(group("full", 4, spans("LBNHC")))
+    assert pitched(g, [0, 10 * BB, 30 * BB]) is None
+
+
+def test_block_outermost_copies_are_one_per_block_at_exact_addresses():
+    p = geometry("BLNHC", base=0)
+    ops = pitched_copies(p, 5000, np.array([7, 2, 3]), np.array([0, 1, 2]), bpc=4)
+    # engine block b at b*3*BB, its layers BB apart (the copy's rows); host position k at k*BB,
+    # rows 4*BB apart: no two blocks are adjacent on the engine side row by row
+    assert ops == [(7 * 3 * BB, 5000, BB), (2 * 3 * BB, 5000 + BB, BB), (3 * 3 * BB, 5000 + 2 * BB, BB)]
+
+
+def test_layer_outermost_runs_of_ids_merge_into_one_wider_copy():
+    p = geometry("LBNHC", base=0)
+    ops = pitched_copies(p, 0, np.array([4, 5, 6, 9]), np.array([0, 1, 2, 3]), bpc=4)
+    assert ops == [(4 * BB, 0, 3 * BB), (9 * BB, 3 * BB, BB)]
+    # consecutive ids at positions that are not consecutive (a null between) do not merge
+    assert pitched_copies(p, 0, np.array([4, 5]), np.array([0, 2]), bpc=4) == [
+        (4 * BB, 0, BB),
+        (5 * BB, 2 * BB, BB),
+    ]
+
+
+class FakeJob:
+    def __init__(self, nbytes=1):
+        self.nbytes = nbytes
+
+
+def run_one(engine, lane, nbytes=1):
+    where = []
+    engine.submit(lane, lambda: where.append(threading.current_thread()), FakeJob(nbytes))
+    assert engine.wait_idle(5)
+    engine.drain()
+    return where[0]
+
+
+def test_an_idle_inline_lane_runs_a_small_job_on_the_submitting_thread():
+    engine = TransferEngine(2)
+    try:
+        engine.attach("cuda-rank", duplex=True, inline=True)
+        engine.attach("cpu-rank")
+        me = threading.current_thread()
+        assert run_one(engine, "cuda-rank") is me
+        assert run_one(engine, "cuda-rank\x00read") is me  # its retrieve lane too
+        assert run_one(engine, "cpu-rank") is not me
+        assert run_one(engine, "cuda-rank", INLINE_MAX_BYTES + 1) is not me  # too large: a copy thread
+    finally:
+        engine.close()
+
+
+def test_an_inline_lanes_device_work_is_still_waited_for_off_the_main_loop():
+    engine = TransferEngine(2)
+    try:
+        engine.attach("cuda-rank", inline=True)
+        waited = []
+        engine.submit(
+            "cuda-rank",
+            lambda: DeviceWork([lambda: waited.append(threading.current_thread())]),
+            FakeJob(),
+        )
+        assert engine.wait_idle(5)
+        [(job, result, exc)] = engine.drain()
+        assert result is None and exc is None
+        assert waited and waited[0] is not threading.current_thread()
+    finally:
+        engine.close()
+
+
+def test_a_job_for_a_busy_inline_lane_waits_its_turn_on_a_copy_thread():
+    engine = TransferEngine(2)
+    try:
+        engine.attach("cuda-rank", inline=True)
+        order, release = [], threading.Event()
+
+        def first():
+            order.append("first")
+            release.wait(5)
+
+        t = threading.Thread(target=engine.submit, args=("cuda-rank", first, FakeJob()))
+        t.start()
+        while not order:
+            pass
+        engine.submit("cuda-rank", lambda: order.append(threading.current_thread()), FakeJob())
+        assert order == ["first"]  # queued behind the running job, not run here
+        release.set()
+        t.join(5)
+        assert engine.wait_idle(5)
+        assert order[1] is not threading.current_thread()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_jobs_of_one_lane_finish_in_order(inline):
+    engine = TransferEngine(4)
+    try:
+        engine.attach("r", inline=inline)
+        for i in range(50):
+            engine.submit("r", lambda i=i: i, FakeJob())
+        assert engine.wait_idle(5)
+        assert [r for _, r, _ in engine.drain()] == list(range(50))
+    finally:
+        engine.close()
+
+
+# ---- where the engine side sends from (StagedRank, DirectRank) with stand-ins for the GPU --------------
+class Event:
+    def __init__(self, done=True):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        while not self.done:
+            threading.Event().wait(0.001)
+
+
+class Stager:
+    """Stands in for cuda_stage.Stager: gathers complete at once unless ``slow``."""
+
+    def __init__(self, chunk_bytes=100, nbytes=2000, slow=False):
+        self.chunk_bytes, self.nbytes, self.groups, self.slow = chunk_bytes, nbytes, [None], slow
+        self.gathered: list[Event] = []
+
+    def gather(self, chunks, at, after=None, null=-1, fence=True):
+        return None
+
+    def recorded(self, scatter=False):
+        self.gathered.append(Event(done=not self.slow))
+        return self.gathered[-1]
+
+    def scatter(self, chunks, at, null=-1, skip=None, after=None, ready=None):
+        return Event()
+
+
+class Client:
+    """Records (op, body, thread) per call; answers when told."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.futs: list[Future] = []
+
+    def call_async(self, op, body, timeout=None):
+        self.calls.append((op, body, threading.current_thread()))
+        self.futs.append(Future())
+        return self.futs[-1]
+
+    def answer(self, i, body):
+        self.futs[i].set_result(body)
+
+
+def stored(n):
+    return {"results": ["stored"] * n}
+
+
+def chunk(key, ids):
+    return {"key": key, "blocks": [ids]}
+
+
+def test_an_idle_staged_store_of_written_blocks_is_sent_on_the_callers_thread():
+    client, stager = Client(), Stager()
+    rank = StagedRank(client, "e/0", stager)
+    try:
+        fut = rank.store([chunk(b"k" * 16, [1, 2])])
+        assert [(op, t) for op, _, t in client.calls] == [("STORE", threading.current_thread())]
+        assert client.calls[0][1]["staged_at"] == 0
+        client.answer(0, stored(1))
+        assert fut.result(1) == stored(1)
+    finally:
+        rank.close()
+
+
+def test_a_store_whose_gather_waits_for_the_forward_is_sent_by_another_thread():
+    client, stager = Client(), Stager()
+    rank = StagedRank(client, "e/0", stager)
+    try:
+        forward = Event(done=False)
+        stager.slow = True  # the gather waits for the forward on the GPU
+        fut = rank.store([chunk(b"k" * 16, [1, 2])], after=forward)
+        assert client.calls == []  # not sent: its gather has not run
+        forward.done = stager.gathered[0].done = True
+        for _ in range(1000):
+            if client.calls:
+                break
+            threading.Event().wait(0.001)
+        assert client.calls[0][2] is not threading.current_thread()
+        client.answer(0, stored(1))
+        assert fut.result(1) == stored(1)
+    finally:
+        rank.close()
+
+
+def test_jobs_of_one_direction_go_out_in_order_when_one_had_to_queue():
+    """A job that could not run on the caller's thread (no room yet) is queued, and every job after
+    it queues behind it, though the next one would find room at once."""
+    client, stager = Client(), Stager(chunk_bytes=100, nbytes=200)  # one chunk's room each way
+    rank = StagedRank(client, "e/0", stager, inline=True)
+    try:
+        first = rank.retrieve([chunk(b"a" * 16, [1])])  # fills the room
+        second = rank.retrieve([chunk(b"c" * 16, [3])])  # no room: queued for the submitter
+        third = rank.retrieve([chunk(b"d" * 16, [4])])
+        assert [c[1]["chunks"][0]["key"] for c in client.calls] == [b"a" * 16]
+        for i, fut in enumerate((first, second, third)):
+            for _ in range(1000):
+                if len(client.calls) > i:
+                    break
+                threading.Event().wait(0.001)
+            client.answer(i, {"ok": [True], "failed": [], "event": None})
+            assert fut.result(1)["ok"] == [True]
+        assert [c[1]["chunks"][0]["key"] for c in client.calls] == [b"a" * 16, b"c" * 16, b"d" * 16]
+    finally:
+        rank.close()
+
+
+def test_without_inline_every_job_goes_through_the_submitter():
+    client, stager = Client(), Stager()
+    rank = StagedRank(client, "e/0", stager, inline=False)
+    try:
+        rank.retrieve([chunk(b"a" * 16, [1])])
+        for _ in range(1000):
+            if client.calls:
+                break
+            threading.Event().wait(0.001)
+        assert client.calls[0][2] is not threading.current_thread()
+    finally:
+        rank.close()
+
+
+def test_direct_requests_wait_for_their_event_and_keep_their_order():
+    client = Client()
+    rank = DirectRank(client, "e/0", device=None)
+    try:
+        forward = Event(done=False)
+        a = rank.store([chunk(b"a" * 16, [1])], after=forward)
+        b = rank.store([chunk(b"b" * 16, [2])])  # its blocks are written, but a store is ahead of it
+        assert client.calls == []
+        forward.done = True
+        for _ in range(1000):
+            if len(client.calls) == 2:
+                break
+            threading.Event().wait(0.001)
+        assert [c[1]["chunks"][0]["key"] for c in client.calls] == [b"a" * 16, b"b" * 16]
+        assert all("staged_at" not in c[1] for c in client.calls)
+        client.answer(0, stored(1))
+        client.answer(1, stored(1))
+        assert a.result(1) == b.result(1) == stored(1)
+        c = rank.store([chunk(b"c" * 16, [3])], after=Event(done=True))
+        assert client.calls[2][2] is threading.current_thread()  # nothing ahead: sent right here
+        client.answer(2, stored(1))
+        assert c.result(1) == stored(1)
+    finally:
+        rank.close()
