@@ -53,6 +53,32 @@ def test_http_serves_on_after_more_slow_clients_than_its_cap(daemon_factory):
     assert d.proc.poll() is None
 
 
+def test_http_serves_on_when_the_connection_closed_to_make_room_had_data_waiting(daemon_factory):
+    """The race behind a thread that died for good: the oldest unfinished request, closed to make
+    room for a new connection, had its own bytes waiting in the same round of ready events."""
+    cap = 8
+    d = daemon_factory("--http-max-connections", str(cap), "--http-timeout-s", "30")
+    live = []
+    try:
+        for _ in range(cap):
+            live.append(connect(d.http_port))
+            live[-1].sendall(SLOW)
+        time.sleep(0.3)
+        for _ in range(300):
+            new = connect(d.http_port)  # ready to accept: the server closes the oldest to make room
+            new.sendall(SLOW)
+            try:
+                live[0].send(b"X")  # ... which has a byte to read in the same round, often
+            except OSError:  # closed already
+                pass
+            live.pop(0).close()
+            live.append(new)
+        assert healthz(d.http_port, timeout=5) == 200
+    finally:
+        for s in live:
+            s.close()
+
+
 # ---- the storm ------------------------------------------------------------------------------------
 def _slow(port: int, held: list) -> None:
     s = connect(port)
