@@ -71,7 +71,10 @@ def serve(**kwargs):
 
     try:
         daemon = Daemon(settings)
-    except (PoolDirError, EndpointError) as exc:  # each names its folder or socket, and what to do
+    except PoolDirError as exc:
+        index = f" --pool-index-dir {settings.pool_index_dir}" if settings.pool_index_dir else ""
+        raise click.UsageError(f"{exc} [--pool-dir {settings.pool_dir}{index}]") from None
+    except EndpointError as exc:  # it names the socket and what to do (not: pass the busy socket)
         raise click.UsageError(str(exc)) from None
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot start: {exc}") from None
