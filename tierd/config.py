@@ -28,7 +28,18 @@ class Settings:
         0.0, "Host memory backed (and pinned on CUDA hosts) at start, in GiB.", min=0.0
     )
     l1_align_bytes: int = _opt(4096, "Alignment of every object in bytes; a power of two.", min=64)
-    l1_segment_mb: int = _opt(1024, "Size of one backed (and pinned) segment of the pool, in MiB.", min=1)
+    l1_segment_mb: int = _opt(
+        1024,
+        "Largest step the pool grows by, in MiB: a segment, one memory mapping and, on CUDA hosts, one "
+        "pinned registration. A larger object gets a segment of its own while the ceiling allows.",
+        min=1,
+    )
+    l1_grow_mb: int = _opt(
+        64,
+        "Smallest step the pool grows by, in MiB: a new segment is as large as the pool already is, "
+        "from this up to --l1-segment-mb (a first 1 MiB object backs 64 MiB).",
+        min=1,
+    )
     socket: str = _opt(
         None,
         "ZeroMQ endpoint to bind: ipc://PATH (default under $XDG_RUNTIME_DIR or /tmp) or tcp://HOST:PORT.",

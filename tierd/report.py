@@ -21,11 +21,7 @@ def status_table(s: dict) -> str:
     rows = [
         ("version", f"{s['version']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)"),
         ("socket", s["socket"]),
-        (
-            "memory",
-            f"{_bytes(s['memory_used_bytes'])} used / {_bytes(s['memory_total_bytes'])} backed / "
-            f"{_bytes(s['memory_configured_bytes'])} ceiling",
-        ),
+        ("memory", _memory(s)),
         (
             "objects",
             f"{s['objects']}  " + "  ".join(f"{g}={n}" for g, n in sorted(s["group_objects"].items())),
@@ -52,6 +48,15 @@ def status_table(s: dict) -> str:
         ),
         ("sessions", s["sessions"]),
     ]
+    if "largest_storable_bytes" in s:
+        rows.insert(
+            3,
+            (
+                "room",
+                f"largest new object storable now {_bytes(s['largest_storable_bytes'])} "
+                f"({_bytes(s['largest_free_bytes'])} without evicting)",
+            ),
+        )
     if s.get("warm_restart"):
         rows.append(("warm restart", _warm(s["warm_restart"])))
     if s.get("pool_grow_error"):
@@ -66,6 +71,16 @@ def status_table(s: dict) -> str:
             f"groups {','.join(inst['groups'])}  heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
         )
     return "\n".join(out)
+
+
+def _memory(s: dict) -> str:
+    backed = f"{_bytes(s['memory_total_bytes'])} backed"
+    if "memory_segments" in s:  # (a daemon before segments that grow with the pool: not shown)
+        n, step = s["memory_segments"], s["memory_next_segment_bytes"]
+        grow = f"the next grows {_bytes(step)}" if step else "none can grow"
+        backed += f" ({n} segment{'' if n == 1 else 's'}; {grow})"
+    ceiling = _bytes(s["memory_configured_bytes"])
+    return f"{_bytes(s['memory_used_bytes'])} used / {backed} / {ceiling} ceiling"
 
 
 def _warm(w: dict) -> str:

@@ -100,6 +100,7 @@ def build_status(daemon) -> dict:
     """The /status object (docs/protocol.md section 16), on the main loop."""
     pool, counts, reg = daemon.pool, daemon.stats.counts, daemon.registry
     with pool.lock:
+        free, storable = pool.room()
         out = {
             "version": __version__,
             "boot_id": daemon.boot_id,
@@ -110,8 +111,12 @@ def build_status(daemon) -> dict:
             "cuda": bool(daemon.cuda),
             "memory_configured_bytes": pool.configured_bytes,
             "memory_total_bytes": pool.backed_bytes,
+            "memory_segments": len(pool.segments.segments),
+            "memory_next_segment_bytes": pool.segments.next_segment_bytes(),
             "memory_used_bytes": pool.used_bytes,
             "memory_pinned_bytes": daemon.cuda.pinned_bytes if daemon.cuda else 0,
+            "largest_free_bytes": free,
+            "largest_storable_bytes": storable,
             "objects": pool.objects,
             "group_objects": dict(pool.per_group),
             "evictions": pool.evictions,

@@ -55,10 +55,18 @@ class Persist:
     """The pool folder's bookkeeping: recovery at start, the journal, checkpoints."""
 
     def __init__(
-        self, pool_dir: str, index_dir: str | None, align: int, segment_bytes: int, meta: dict | None
+        self,
+        pool_dir: str,
+        index_dir: str | None,
+        align: int,
+        segment_bytes: int,
+        meta: dict | None,
+        grow_bytes: int | None = None,
     ):
+        """``grow_bytes``: the pool's smallest segment grown on demand (tierd.pool.segments); not a
+        setting a restart compares: recovered segments keep their recorded sizes."""
         self.folder = PoolDir(pool_dir, index_dir)
-        self.align, self.segment_bytes = align, segment_bytes
+        self.align, self.segment_bytes, self.grow_bytes = align, segment_bytes, grow_bytes
         settings = {
             "format": FORMAT,
             "pool_dir": self.folder.path,
@@ -103,7 +111,7 @@ class Persist:
         t0 = time.perf_counter()
         model = self.recover(self.align, ceiling)
         segments = lambda restore: SegmentSet(
-            ceiling, 0, self.segment_bytes, self.align, pinner, self.folder, restore
+            ceiling, 0, self.segment_bytes, self.align, pinner, self.folder, restore, self.grow_bytes
         )
         try:
             pool.build(segments(model.segments if model else ()), model)

@@ -23,6 +23,7 @@ at a planned stop it waits for its copies, then calls ``save(extra)``, then ``cl
 from __future__ import annotations
 
 import heapq
+import operator
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -31,9 +32,11 @@ from tierd.pool import evict
 from tierd.pool.evlog import EvictionLog
 from tierd.pool.index import Index, Obj, Span
 from tierd.pool.persist import KEEP, Persist
-from tierd.pool.segments import Pinner, SegmentSet
-from tierd.pool.slabs import SizeClass, SlabAllocator
+from tierd.pool.segments import Pinner, SegmentSet, order_of
+from tierd.pool.slabs import SLAB_SLOTS, SizeClass, SlabAllocator
 from tierd.protocol.layout import GroupSpec
+
+ROOM_WORK = 1 << 15  # slabs and objects one ``Pool.room`` looks at, at most (a few ms)
 
 
 class Exists:
@@ -151,13 +154,16 @@ class Pool:
         index_dir: str | None = None,
         ns_quota_bytes: int = 0,
         eviction_log: int = 0,
+        grow_bytes: int | None = None,
     ):
         """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
         recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
         restart must find equal; ``index_dir``: a tmpfs folder for the index and journal
         (default ``pool_dir``; required when that is hugetlbfs); ``ns_quota_bytes``: the bytes
         (slots) one namespace may hold, 0 for no quota; ``eviction_log``: the records ``evlog``
-        keeps (0: it only counts)."""
+        keeps (0: it only counts); ``grow_bytes``: the smallest segment grown on demand, segments
+        doubling with the pool up to ``segment_bytes`` (tierd.pool.segments; default: all of
+        ``segment_bytes``)."""
         self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
         self._unpinned: list[Callable[[], None]] = []  # lease grants whose pins are not applied yet
         self.lock = PoolLock(self)
@@ -166,9 +172,14 @@ class Pool:
         self._replacing: set[Obj] = set()  # objects being written in place of a committed one
         self.on_evict = None  # told of each object eviction takes, under the lock (tierd.tier2)
         segment_bytes = min(segment_bytes, ceiling)
-        self.persist = None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta)
+        self.persist = (
+            None
+            if pool_dir is None
+            else Persist(pool_dir, index_dir, align, segment_bytes, meta, grow_bytes=grow_bytes)
+        )
         if self.persist is None:
-            self.build(SegmentSet(ceiling, initial, segment_bytes, align, pinner), None)
+            segments = SegmentSet(ceiling, initial, segment_bytes, align, pinner, grow_bytes=grow_bytes)
+            self.build(segments, None)
         else:
             self.persist.open(self, ceiling, initial, pinner)
         self.warm_restart: dict | None = None if self.persist is None else self.persist.report
@@ -493,6 +504,28 @@ class Pool:
     def backed_bytes(self) -> int:
         return self.segments.backed
 
+    def room(self) -> tuple[int, int]:
+        """(without evicting, evicting too): the largest object of a size not stored yet that a
+        STORE can place now, in bytes, a power of two or 0. Without evicting: in a free block, an
+        empty slab's block or a segment the ceiling lets grow. Evicting too: also in an aligned
+        window of a new slab's size whose objects are all unpinned (tierd.pool.evict empties
+        one); a lower bound past ROOM_WORK slabs and objects looked at. Objects of a size stored
+        already may also fit in free slots of their class, or in place of its least recent one.
+        The lock held."""
+        segs, slabs = self.segments, self.slabs
+        free = max([segs.free_order(), *(slab.order for slab in slabs.empty)])
+        without = 1 << free if free >= 0 else 0
+        clean = slabs.clean_order(_PINS, ROOM_WORK)
+        if clean < 0:
+            return without, without
+        # the largest object whose class's new slab fits the window: the window itself (a slab of
+        # one slot), a whole segment's block, or the window's share of SLAB_SLOTS slots
+        top = order_of(segs.segment_bytes + 1) - 1
+        ks = (clean, min(top, clean), clean - order_of(SLAB_SLOTS))
+        sizes = [1 << k for k in ks if k >= order_of(segs.align)]
+        fits = [n for n in sizes if slabs.class_order(n) <= clean]
+        return without, max([without, *fits])
+
     @property
     def configured_bytes(self) -> int:
         return self.segments.ceiling
@@ -622,3 +655,6 @@ class Pool:
 
 def _tick(obj: Obj) -> int:
     return obj.tick
+
+
+_PINS = operator.attrgetter("pins")  # an object's pins: true while it is pinned

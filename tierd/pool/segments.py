@@ -5,6 +5,14 @@ segment is one memfd mapping, populated at creation so that the first copy into 
 page-fault, and registered with CUDA as one pinned range when a pinner is installed. A slab
 never spans two segments, so every copy stays inside one pinned registration.
 
+How much a growth backs is a trade-off: small segments back memory close to what is stored, but
+each is a mapping, a file descriptor and a CUDA registration, and an eviction window never spans
+two segments, so only a large segment can take a large slab once the pool is full. So a new
+segment is as large as the pool already is (rounded down to a power of two), at least
+``grow_bytes`` and at most ``segment_bytes`` (and at least the block it is grown for): a small
+pool grows in small steps, a large one in steps of ``segment_bytes``, with O(log) more segments
+than equal ones of that size (an 8 GiB pool: 64, 64, 128, 256, 512 MiB, then 1 GiB ones).
+
 With a pool folder (tierd.pool.pooldir) each segment is instead a file there, created, sized and
 populated the same way; a restarted pool maps the files it recovers (``restore``) without
 truncating them. On hugetlbfs every file is a whole number of huge pages (``grain``).
@@ -79,11 +87,8 @@ class Segment:
         self._free: list[set[int]] = [set() for _ in range(nbytes.bit_length())]  # order -> offsets
         self._heaps: list[list[int]] = [[] for _ in self._free]  # the same, lowest first (lazily pruned)
         self._where = where if where is not None else [set() for _ in range(64)]
-        off = 0
-        while off < nbytes:  # the maximal aligned blocks that tile [0, nbytes)
-            k = min((off & -off).bit_length() - 1 if off else 64, (nbytes - off).bit_length() - 1)
+        for off, k in self.tiles():
             self._push(k, off)
-            off += 1 << k
 
     @property
     def fd(self) -> int:
@@ -94,6 +99,15 @@ class Segment:
     def top_order(self) -> int:
         """The order of the largest block this segment can ever hand out."""
         return self.nbytes.bit_length() - 1
+
+    def tiles(self) -> list[tuple[int, int]]:
+        """(offset, order) of the maximal aligned blocks that tile the segment, lowest first."""
+        out, off = [], 0
+        while off < self.nbytes:
+            k = min((off & -off).bit_length() - 1 if off else 64, (self.nbytes - off).bit_length() - 1)
+            out.append((off, k))
+            off += 1 << k
+        return out
 
     def _push(self, k: int, off: int) -> None:
         if not self._free[k]:
@@ -201,15 +215,19 @@ class SegmentSet:
         pinner: Pinner | None = None,
         folder=None,
         restore: Sequence[int] = (),
+        grow_bytes: int | None = None,
     ):
         """``folder``: a PoolDir whose segment files back the pool (memfd without one);
-        ``restore``: sizes of segment files 0.. to map as they are (a recovered pool)."""
+        ``restore``: sizes of segment files 0.. to map as they are (a recovered pool);
+        ``grow_bytes``: the smallest segment grown on demand (default ``segment_bytes``: all equal)."""
         if align <= 0 or align & (align - 1):
             raise ValueError(f"alignment {align} is not a power of two")
         self.grain = max(align, folder.grain if folder is not None else 1)  # powers of two: the lcm
         ceiling -= ceiling % self.grain  # segments are whole grains: never back past the ceiling
         self.ceiling = ceiling
         self.segment_bytes = max(self.grain, _round_up(segment_bytes, self.grain))
+        grow = self.segment_bytes if grow_bytes is None else _round_up(max(1, grow_bytes), self.grain)
+        self.grow_bytes = min(self.segment_bytes, grow)
         self.align = align
         self.pinner = pinner
         self.folder = folder
@@ -257,7 +275,7 @@ class SegmentSet:
                 return seg, seg.alloc(1 << k)
         if self.can_grow(k):
             try:
-                seg = self._grow(min(self.ceiling - self.backed, max(1 << k, self.segment_bytes)))
+                seg = self._grow(self.next_segment_bytes(k))
             except OSError as exc:  # the pool folder's filesystem is full: serve from what is backed
                 self.grow_error = str(exc)
                 return None
@@ -266,6 +284,15 @@ class SegmentSet:
             return seg, off
         return None
 
+    def next_segment_bytes(self, k: int = 0) -> int:
+        """The bytes a growth for a block of order ``k`` backs: the pool's size so far rounded down
+        to a power of two, within [grow_bytes, segment_bytes], at least the block, at most what
+        the ceiling leaves (module doc); 0 once growing failed."""
+        if self.grow_error is not None:
+            return 0
+        step = min(self.segment_bytes, max(self.grow_bytes, 1 << max(0, self.backed.bit_length() - 1)))
+        return min(self.ceiling - self.backed, _round_up(max(1 << k, step), self.grain))
+
     def can_grow(self, k: int) -> bool:
         """Whether a new segment holding a block of order ``k`` fits under the ceiling."""
         return self.grow_error is None and self.ceiling - self.backed >= 1 << k
@@ -273,6 +300,12 @@ class SegmentSet:
     def has_free(self, k: int) -> bool:
         """Whether a block of order ``k`` is free in a backed segment or could be grown."""
         return any(self.where[j] for j in range(k, len(self.where))) or self.can_grow(k)
+
+    def free_order(self) -> int:
+        """The order of the largest block free now or growable under the ceiling (-1: none)."""
+        free = max((j for j, segs in enumerate(self.where) if segs), default=-1)
+        room = self.ceiling - self.backed if self.grow_error is None else 0
+        return max(free, room.bit_length() - 1 if room >= self.align else -1)
 
     @property
     def top_order(self) -> int:

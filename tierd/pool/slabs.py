@@ -13,6 +13,9 @@ victims'. Near the ceiling a class settles for a smaller slab rather than evict 
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Callable
+
 from tierd.pool.segments import Segment, SegmentSet, order_of
 
 SLAB_SLOTS = 8  # a slab holds at least this many slots...
@@ -162,12 +165,20 @@ class SlabAllocator:
         self._at: dict[tuple[int, int], Slab] = {}  # (segment, offset) -> the slab there
         self.watch = None  # told of every slab carved and released (the pool's journal)
 
+    def slot_bytes(self, nbytes: int) -> int:
+        """The slot of an object of ``nbytes``: rounded up to the alignment."""
+        return -(-nbytes // self.segments.align) * self.segments.align
+
+    def class_order(self, slot_bytes: int) -> int:
+        """The order of a new slab of a class of ``slot_bytes`` slots (``slab_order`` in segments
+        of ``segment_bytes``)."""
+        return slab_order(slot_bytes, order_of(self.segments.segment_bytes + 1) - 1)
+
     def size_class(self, nbytes: int) -> SizeClass:
-        slot = -(-nbytes // self.segments.align) * self.segments.align
+        slot = self.slot_bytes(nbytes)
         cls = self.classes.get(slot)
         if cls is None:
-            top = order_of(self.segments.segment_bytes + 1) - 1  # the largest block of a whole segment
-            cls = self.classes[slot] = SizeClass(slot, slab_order(slot, top), self.empty)
+            cls = self.classes[slot] = SizeClass(slot, self.class_order(slot), self.empty)
         return cls
 
     def fits(self, cls: SizeClass) -> bool:
@@ -271,6 +282,59 @@ class SlabAllocator:
             pos += 1 << k
         return out
 
+    def clean_order(self, busy: Callable[[object], bool], budget: int) -> int:
+        """The order of the largest aligned window of a segment where no slab holds an object
+        ``busy`` says must stay (-1: none): evicting the rest empties it for a new slab of that
+        order (tierd.pool.evict). Largest segments first, each from its start; after ``budget``
+        slabs and objects looked at, the rest counts as busy (the answer is then a lower bound)."""
+        best, align, at = -1, order_of(self.segments.align), self._at
+        for seg in sorted(self.segments.segments, key=_size, reverse=True):
+            if seg.top_order <= best or budget <= 0:
+                break
+            dirty, pos = [], 0  # busy extents, in offset order
+            while pos < seg.nbytes:
+                if budget <= 0:
+                    dirty.append((pos, seg.nbytes))
+                    break
+                slab = at.get((seg.index, pos))
+                if slab is None:  # a free block
+                    pos += 1 << seg.free_order_at(pos, seg.top_order + 1)
+                    continue
+                budget -= 1 + slab.used
+                if any(map(busy, filter(None, slab.owners))):  # (an owner is an object or None)
+                    dirty.append((pos, pos + slab.block))
+                pos += slab.block
+            starts = [a for a, _ in dirty]
+            for off, k in seg.tiles():
+                floor = max(best, align - 1)  # no window below the alignment
+                found = _clean(dirty, starts, off, k, floor)
+                if found > floor:
+                    best = found
+        return best
+
     @property
     def used_bytes(self) -> int:
         return sum(s.used * c.slot_bytes for c in self.classes.values() for s in c.slabs)
+
+
+def _size(seg: Segment) -> int:
+    return seg.nbytes
+
+
+def _clean(dirty: list[tuple[int, int]], starts: list[int], lo: int, k: int, floor: int) -> int:
+    """The order of the largest aligned block inside [lo, lo + 2^k) that meets none of the
+    sorted, disjoint ``dirty`` extents, if above ``floor``; else ``floor``."""
+    if k <= floor:
+        return floor
+    hi = lo + (1 << k)
+    i = bisect_right(starts, lo) - 1  # the last extent starting at or before lo
+    if i >= 0 and dirty[i][1] > lo:
+        if dirty[i][1] >= hi:
+            return floor  # inside one busy extent
+    else:
+        i += 1
+        if i == len(dirty) or dirty[i][0] >= hi:
+            return k  # meets none
+    half = 1 << (k - 1)
+    floor = _clean(dirty, starts, lo, k - 1, floor)
+    return _clean(dirty, starts, lo + half, k - 1, floor)
