@@ -267,40 +267,63 @@ class Daemon:
 
     def _recv_burst(self) -> None:
         """Up to RECV_BURST requests; in batches read whole before any is handled, so that the
-        connection events that came before them are known first (tierd.disconnects)."""
+        connection events that came before them are known first (tierd.disconnects). A batch holds
+        at most BATCH_BYTES of frames, and one message more."""
         left = RECV_BURST
         while left > 0:
             batch, nbytes = [], 0
             while left > 0 and nbytes < BATCH_BYTES:
                 try:
-                    parts = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    message = self._recv_message()
                 except zmq.Again:
                     left = 0
                     break
                 left -= 1
-                batch.append(parts)
-                nbytes += parts[-1].buffer.nbytes
+                batch.append(message)
+                nbytes += len(message[1])
             watch = self.watch
             if watch is not None:
                 watch.drain()
-            for parts in batch:
-                envelope = [parts[0].bytes]
-                frame = parts[-1]
+            for identity, frame, extra in batch:
+                envelope = [identity]
                 peer = self._peer(frame)
                 if watch is not None:
-                    watch.saw(envelope[0], frame, peer.uid)
-                if len(parts) != 2:  # [identity, frame] from a DEALER; anything else is not ours to echo
-                    self._error(
-                        envelope,
-                        0,
-                        ErrorCode.BAD_REQUEST,
-                        f"a request is one frame, got {len(parts) - 1}",
-                        "?",
-                    )
+                    watch.saw(identity, frame, peer.uid)
+                if extra is not None:  # not [identity, frame] from a DEALER: nothing of it is echoed
+                    self._refuse_message(envelope, *extra)
                     continue
                 self._on_request(envelope, frame.buffer, peer)
             if watch is not None:
                 self._drop_disconnected()
+
+    def _recv_message(self) -> tuple[bytes, zmq.Frame, tuple[int, int] | None]:
+        """One message: ``(identity, frame, None)`` for a DEALER's ``[identity, frame]``, else
+        ``(identity, first frame, (frames, bytes in all))``.
+
+        Hazard: ZeroMQ delivers a message whole, so by the time its first frame can be read libzmq
+        holds all of it, whatever its number of parts (MAXMSGSIZE bounds each part, not their sum).
+        What the daemon can bound is what it holds on top of that: the parts after the first are
+        read one at a time and let go at once, never gathered, so a message of any number of parts
+        costs at most its first frame besides libzmq's own copy, and that copy is freed as it is
+        read (recv_multipart would hold every part, as a Python object each, until the batch is
+        handled)."""
+        identity = self.router.recv(zmq.NOBLOCK)
+        frame = self.router.recv(copy=False)  # a ROUTER's message has one after the identity
+        if not frame.more:
+            return identity, frame, None
+        frames, nbytes, more = 1, len(frame), True
+        while more:
+            part = self.router.recv(copy=False)
+            frames, nbytes, more = frames + 1, nbytes + len(part), part.more
+        return identity, frame, (frames, nbytes)
+
+    def _refuse_message(self, envelope: list[bytes], frames: int, nbytes: int) -> None:
+        cap = 2 * self.settings.max_frame_bytes
+        if nbytes > cap:
+            message = f"a message is one frame of at most {cap} bytes, got {frames} frames, {nbytes} bytes"
+            self._error(envelope, 0, ErrorCode.TOO_LARGE, message, "?")
+        else:
+            self._error(envelope, 0, ErrorCode.BAD_REQUEST, f"a request is one frame, got {frames}", "?")
 
     def _recv_channel(self, channel: Channel) -> None:
         for frame in self.channel.receive(channel, RECV_BURST):
