@@ -67,11 +67,14 @@ SUBMITTER_SPIN_S = 0.005  # the submitter, with nothing queued behind, waits thi
 
 
 class _Job(Future):
-    """A job's future. A thread that waits on it first reads the daemon's answer to the job's last
+    """A job's future. A thread that waits on it first reads the daemon's answer to the job's
     request itself (a Reply pumps the client's socket: tierd_client.transport), one wake-up of
-    another thread less before the caller sees it."""
+    another thread less before the caller sees it; only a job of one request that is alone in
+    flight for its rank (``alone()``): pumping holds the client's socket for up to a few
+    milliseconds, which would hold back the other requests' sends and answers."""
 
     reply: Future | None = None
+    alone = None  # () -> bool, set by the rank
 
     def result(self, timeout: float | None = None):
         return super().result(self._pump(timeout))
@@ -81,7 +84,7 @@ class _Job(Future):
 
     def _pump(self, timeout: float | None) -> float | None:
         reply = self.reply
-        if reply is None or self.done() or reply.done() or timeout == 0:
+        if reply is None or self.done() or reply.done() or timeout == 0 or not (self.alone and self.alone()):
             return timeout
         t0 = time.monotonic()
         try:
@@ -204,18 +207,28 @@ class StagedRank:
     # ---- jobs ---------------------------------------------------------------------------------
     def store(self, chunks: list[dict], touch: list[bytes] | None = None, after=None) -> Future:
         """Gather and store ``chunks`` ([{"key", "blocks": [[ids] per group]}]) after the event ``after``."""
-        out = _Job()
+        out = self._job(chunks)
         self._submit("STORE", (chunks, {"touch": touch, "after": after, "t_call": time.perf_counter()}, out))
         return out
 
     def retrieve(self, chunks: list[dict], lease: int = 0, after=None) -> Future:
         """Retrieve ``chunks`` into their blocks, the scatter queued after the event ``after`` (if
         given); the future's ``"done"`` event marks the scatter."""
-        out = _Job()
+        out = self._job(chunks)
         self._submit(
             "RETRIEVE", (chunks, {"lease": lease, "after": after, "t_call": time.perf_counter()}, out)
         )
         return out
+
+    def _job(self, chunks: list[dict]) -> _Job:
+        out = _Job()
+        if len(chunks) <= self.per_request:
+            out.alone = self._alone
+        return out
+
+    def _alone(self) -> bool:
+        """At most one request of this rank in flight (the waiting job's own)."""
+        return sum(not f.done() for ring in self.rings.values() for _, _, f in list(ring.held)) <= 1
 
     def _submit(self, op: str, job: tuple) -> None:
         chunks = job[0]
@@ -484,6 +497,8 @@ class DirectRank:
     # ---- ordering and sending -----------------------------------------------------------------
     def _order(self, op: str, chunks: list[dict], extra: dict, after) -> Future:
         out = _Job()
+        if len(chunks) <= self.per_request:
+            out.alone = lambda: len(self._inflight) <= 1
         t_call = time.perf_counter()
         self._inflight.add(out)
         out.add_done_callback(self._inflight.discard)

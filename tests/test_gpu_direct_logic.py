@@ -11,7 +11,7 @@ from tierd.protocol.layout import GroupLayout
 from tierd.transfer.engine import INLINE_MAX_BYTES, DeviceWork, TransferEngine
 from tierd.transfer.items import Pitched, pitched, pitched_copies
 from tierd_client.layouts import block_span, group
-from tierd_client.staged_rank import DirectRank, StagedRank
+from tierd_client.staged_rank import DirectRank, StagedRank, _Job
 
 BB = 1024  # bytes per block per layer
 
@@ -305,3 +305,27 @@ def test_direct_requests_wait_for_their_event_and_keep_their_order():
         assert c.result(1) == stored(1)
     finally:
         rank.close()
+
+
+class CountingReply(Future):
+    """Stands in for a client Reply: counts the waits that would read the socket."""
+
+    def __init__(self):
+        super().__init__()
+        self.pumped = 0
+
+    def exception(self, timeout=None):
+        self.pumped += 1
+        return super().exception(timeout)
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_waiting_caller_reads_the_answer_itself_only_for_a_job_alone_in_flight(alone):
+    """Reading the socket on the caller's thread holds it for milliseconds: only worth it (and
+    harmless) when no other request of the rank needs it meanwhile."""
+    job = _Job()
+    job.reply = CountingReply()
+    job.alone = lambda: alone
+    with pytest.raises(TimeoutError):
+        job.result(0.01)
+    assert job.reply.pumped == (1 if alone else 0)
