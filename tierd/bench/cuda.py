@@ -1,10 +1,20 @@
 """``tierd bench --device cuda``: this process is the engine. It lays out a vLLM 0.33-style KV
-buffer on the GPU (one buffer, per-layer ``[B, H, N, C]`` views, LBNHC; MLA ``[B, 1, N, 576]``),
-registers it with a real daemon, and stores and retrieves through the engine-side path the vLLM
-connector uses (tierd_client.staged_rank: gather/scatter in this process's context, the daemon
-DMAs through the staging buffer), timing STORE, RETRIEVE and both at once, every byte verified,
-next to same-run baselines on the same bytes: raw pinned cudaMemcpyAsync (one copy per
-direction, and both directions on two streams) and one cudaMemcpyAsync per block.
+buffer on the GPU (one buffer in the physical order ``--kv-layout``: LBNHC by default, BLNHC
+block-outermost; per-layer ``[B, H, N, C]`` views; MLA ``[B, 1, N, 576]``), registers it with a
+real daemon, and stores and retrieves through the path ``--path`` names: ``staged`` (what the
+vLLM connector uses: tierd_client.staged_rank, gather/scatter in this process's context, the
+daemon DMAs through the staging buffer) or ``direct`` (no staging: the daemon's pitched copies
+straight between the blocks and its pool, tierd_client.staged_rank.DirectRank). Block ids are
+shuffled within each region, as an engine's free list hands them out after a while. It times
+STORE, RETRIEVE and both at once, every byte verified, next to same-run baselines on the same
+bytes: raw pinned cudaMemcpyAsync (one copy per direction, and both directions on two streams)
+and one cudaMemcpyAsync per block.
+
+Latencies: 1, 4 and 16 chunks stored and restored one job at a time, next to the raw copy of
+their bytes, and a one-chunk request's ``breakdown``: the medians of its stages as the rank's
+trace stamps them (hand-offs, the engine's Python, the daemon and the wire, the caller's wait),
+the daemon's lane time per call (issuing the DMAs; waiting for them), the stages inside the
+engine's gather and scatter calls, and ``wire_floor_ms``: round trips that copy nothing.
 
 ``--interference``: a compute-bound step (bf16 matmul) and an HBM-bound step (device copy), each
 timed alone, while tierd stores and retrieves at full rate, and while raw pinned DMA runs both
