@@ -272,9 +272,9 @@ class BoundedHTTPServer:
     def _reset(self) -> None:
         """After a failure of the loop itself: every unfinished request goes, and a fresh selector
         watches the listener, so no state the failure left half-changed outlives it."""
-        for sock in self.pending:
+        pending, self.pending = self.pending, {}
+        for sock in pending:
             sock.close()
-        self.pending.clear()
         try:
             self._sel.close()
         except Exception:  # noqa: BLE001 - replaced below either way
