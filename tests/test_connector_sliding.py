@@ -114,3 +114,60 @@ def test_first_token_after_a_hit_reads_the_window_it_would_have_computed(pair, w
         f"and missed {sorted((want_full | want_swa) - changed)}"
     )
     assert null not in changed
+
+
+# (block tokens, window tokens): windows of 1, 2 and 4 blocks of 16 and of 32 tokens, and sizes in
+# between (one token, a block and a half, one past two blocks); 64-token chunks throughout.
+SWEEP = [(16, 1), (16, 16), (16, 24), (16, 32), (16, 64), (32, 32), (32, 48), (32, 64), (32, 65), (32, 128)]
+
+
+@pytest.mark.parametrize("block,window", SWEEP)
+def test_every_hit_boundary_restores_what_the_forward_wrote_alone_batched_and_preempted(pair, block, window):
+    """Prompts with prefixes of 1..8 chunks restored one at a time, then as one batch, then as a
+    batch in a KV cache so small that requests are preempted and restored again: each forward reads
+    (stale_reads: every position of every group its attention reads) exactly what A's forward
+    wrote there, and each first hit is the whole-chunk prefix."""
+    groups = [GroupDef("sliding", block_size=block, window=window), GroupDef("full", block_size=block)]
+    prompts = {
+        f"p{k}-{mode}": prompt(k * CHUNK + 5 + k, seed=k * 31 + window + block + 1000 * "abc".index(mode))
+        for mode in "abc"
+        for k in range(1, 9)
+    }
+    a = pair(groups, num_blocks=512, max_batched=1024)
+    for rid, tokens in prompts.items():
+        a.add(rid, tokens)
+    a.run()
+    a.flush()
+
+    b = pair(groups, num_blocks=512, max_batched=1024)
+    _noise(b, seed=window + block)
+    for rid, tokens in prompts.items():  # one at a time: each restored from the tier alone
+        if rid.endswith("-a"):
+            b.add(rid, tokens)
+            b.run()
+    for rid, tokens in prompts.items():  # then one batch
+        if rid.endswith("-b"):
+            b.add(rid, tokens)
+    b.run()
+    # a KV cache that admits the longest prompt in both groups with a few blocks to spare, for 8
+    # requests that decode 60 tokens each
+    longest = max(len(t) for t in prompts.values())
+    c = pair(groups, num_blocks=2 * -(-longest // block) + -(-window // block) + 2, max_batched=1024)
+    _noise(c, seed=window + block + 1)
+    for rid, tokens in prompts.items():
+        if rid.endswith("-c"):
+            c.add(rid, tokens, max_tokens=60)
+    c.run(max_steps=3000)
+    for engine in (b, c):
+        assert not engine.failed_loads and engine.reads_checked > 0
+    for rid in prompts:
+        k = int(rid[1 : rid.index("-")])
+        engine = c if rid.endswith("-c") else b
+        assert engine.first_computed(rid) == k * CHUNK, f"{rid}: hit {engine.first_computed(rid)}"
+    # preempted and resumed: a forward that starts at or before one the request already ran
+    resumed = [
+        rid
+        for rid, runs in c.computed.items()
+        if any(s <= max(x for x, _ in runs[:i]) for i, (s, _) in enumerate(runs) if i)
+    ]
+    assert resumed, "no request was preempted and resumed"

@@ -7,7 +7,8 @@ The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
 - ``tiny-llama-v1``: 2 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, one KV cache group.
 - ``tiny-gemma3-wN-v1`` (N in GEMMA3_WINDOWS): Gemma3-style text model, 4 layers alternating
   sliding-window attention (window N tokens) and full attention, 1 KV head, head_dim 32, so
-  vLLM's hybrid allocator makes two KV cache groups (sliding, full).
+  vLLM's hybrid allocator makes two KV cache groups (sliding, full); ``tiny-gemma3-wN-kv2-v1``:
+  the same with 2 KV heads.
 All use vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts fit). Building takes a
 few seconds and needs only torch, transformers and tokenizers.
 
@@ -59,17 +60,20 @@ CONFIG = dict(
 )
 SPECIAL_TOKENS = ["<s>", "</s>", "<unk>"]  # ids 0, 1, 2: bos, eos, unk
 
-GEMMA3_WINDOWS = (16, 32, 64, 100)  # smaller than a 32-token block, one block, two blocks, unaligned
+# Windows in tokens: with 16- and 32-token blocks, 1, 2 and 4 blocks of each size and sizes in between.
+GEMMA3_WINDOWS = (16, 24, 32, 48, 64, 100, 128)
 
 
-def _gemma3(window: int, hidden: int = 128, heads: int = 2, full_first: bool = False) -> dict:
+def _gemma3(
+    window: int, hidden: int = 128, heads: int = 2, full_first: bool = False, kv_heads: int = 1
+) -> dict:
     return dict(
         vocab_size=CONFIG["vocab_size"],
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=4,
         num_attention_heads=heads,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         head_dim=32,
         max_position_embeddings=8192,
         rms_norm_eps=1e-6,
@@ -90,6 +94,10 @@ def _gemma3(window: int, hidden: int = 128, heads: int = 2, full_first: bool = F
 RECIPES = {
     RECIPE: ("LlamaConfig", "LlamaForCausalLM", CONFIG),
     **{f"tiny-gemma3-w{w}-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(w)) for w in GEMMA3_WINDOWS},
+    **{
+        f"tiny-gemma3-w{w}-kv2-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(w, heads=4, kv_heads=2))
+        for w in GEMMA3_WINDOWS
+    },
     "tiny-gemma3-w64-h256-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, 256, 4)),
     "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
 }

@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--logprobs", action="store_true", help="also record each generated token's logprob")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="let vLLM compile the model (not enforce_eager)")
@@ -63,7 +64,7 @@ def main() -> None:
         dtype="bfloat16",
         max_model_len=4096,
         enforce_eager=not args.compile,
-        block_size=32,
+        block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         seed=0,
         **kw,
