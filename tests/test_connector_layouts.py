@@ -124,3 +124,22 @@ def test_mamba_state_pages_round_trip(tiny_model, daemon):
         mamba_cache_mode="align",
     )
     round_trip(tiny_model, daemon.endpoint, spec, KVCacheLayout.LBHNC)
+
+
+def _geometry(model, layout: str | None):
+    from tierd_client.vllm_connector.geometry import build_geometry
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    kcc.kv_cache_layout = layout
+    return build_geometry(make_vllm_config(model, "ipc:///unused", BLOCK, CHUNK), kcc, CHUNK)
+
+
+def test_engines_whose_blocks_order_their_bytes_differently_never_share_a_namespace(tiny_model):
+    """Same model, dtype, groups and block bytes; only the order inside a block differs (tokens
+    then heads, or heads then tokens): a page one stored would restore scrambled into the other."""
+    nhd, hnd = _geometry(tiny_model, "LBNHC"), _geometry(tiny_model, "LBHNC")
+    assert nhd.fingerprint != hnd.fingerprint
+    assert _geometry(tiny_model, "LBNHC").fingerprint == nhd.fingerprint  # deterministic per layout

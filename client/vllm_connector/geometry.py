@@ -108,6 +108,7 @@ def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
     model = str(vllm_config.model_config.model)
     desc = {
         "chunk_tokens": chunk_tokens,
+        "kv_layout": kv_cache_layout(vllm_config, kv_cache_config),
         "dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
         "model_dtype": str(vllm_config.model_config.dtype),
         "groups": [
@@ -117,6 +118,19 @@ def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
     }
     fingerprint = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).hexdigest()
     return Geometry(tuple(groups), chunk_tokens, model, world, fingerprint)
+
+
+def kv_cache_layout(vllm_config, kv_cache_config) -> str:
+    """The physical order of the bytes inside a KV block (vLLM's resolved layout name, e.g. NHD,
+    HND, LBHNC). Two engines of one model whose blocks hold the same bytes in another order must
+    not share a namespace: one would restore the other's pages scrambled. vLLM resolves the name
+    once in the engine core and hands it to every worker and the scheduler in ``KVCacheConfig``;
+    an older vLLM without the field names it nowhere both roles see (empty: not told apart)."""
+    return str(
+        getattr(kv_cache_config, "kv_cache_layout", None)
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        or ""
+    )
 
 
 def check_chunk_tokens(chunk_tokens: int, groups) -> None:
