@@ -142,7 +142,7 @@ def test_status_answers_while_idle_connections_fill_the_cap(daemon_factory):
 
 
 def test_busy_server_answers_503_without_a_thread():
-    """Every open connection is being answered (handlers held): one more gets 503 at once."""
+    """Half the cap is being answered (handlers held): one more request gets 503 at once."""
     release = threading.Event()
     entered = threading.Semaphore(0)
 
@@ -152,7 +152,7 @@ def test_busy_server_answers_503_without_a_thread():
             release.wait(10)
             request.sock.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n")
 
-    server = BoundedHTTPServer("127.0.0.1", 0, Held, timeout_s=5, max_connections=2)
+    server = BoundedHTTPServer("127.0.0.1", 0, Held, timeout_s=5, max_connections=4)
     port = server.server_address[1]
     loop = threading.Thread(target=server.serve_forever, daemon=True)
     loop.start()

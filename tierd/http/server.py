@@ -10,8 +10,9 @@ the reply each block at most ``timeout_s``; /healthz, whose reply never waits, i
 accepting thread itself, so a queue of /status asks (each waits for the main loop) cannot delay it
 and its answer proves that thread alive. At most ``max_connections`` are open at once: when full,
 the oldest one still sending its request is closed to make room (a prompt client such as a
-scraper or ``curl`` is not starved by idle ones), and when every open one is being answered the
-new one gets a 503 from the accepting thread. One request per connection (HTTP/1.0).
+scraper or ``curl`` is not starved by idle ones). At most half of them wait for or hold a worker:
+a complete request past that gets a 503 from the accepting thread, so slow /status and /metrics
+replies never leave a new connection unread. One request per connection (HTTP/1.0).
 
 Second hazard: all of this hangs on one thread, so one exception there would leave the endpoints
 dark for the rest of the daemon's life (a connection closed to make room while its read event was
@@ -77,6 +78,7 @@ class BoundedHTTPServer:
         self.handler, self.timeout_s, self.max_connections = handler, timeout_s, max_connections
         self.healthy = healthy
         self.accepts = max(1, max_connections // 2)  # per round
+        self.answering = max(1, max_connections // 2)  # complete requests for the workers, at most
         self.round = 0  # rounds of the accepting loop
         self.pending: dict[socket.socket, _Pending] = {}  # insertion order = age
         self.active = 0  # handed to the workers, not yet answered
@@ -222,19 +224,22 @@ class BoundedHTTPServer:
 
     def _finish(self, p: _Pending, got: bool | bytes) -> None:
         """A connection no longer pending: to the workers (True), or answered and closed. A request
-        for the workers takes the place of an unfinished one, or is answered 503 when every open
-        connection is being answered."""
+        for the workers takes the place of an unfinished one; it is answered 503 when half the cap
+        is being answered already (the other half stays for connections to be read), or when every
+        open connection is."""
         if got is not True:
             if got:
                 _answer_and_close(p.sock, got)
             else:
                 p.sock.close()
             return
-        while self._full():  # (more than one unfinished one goes when newcomers are over the cap)
-            if not self._evict(None):
-                self.refused += 1
-                _answer_and_close(p.sock, BUSY)
-                return
+        busy = self.active >= self.answering
+        while not busy and self._full():  # (more than one goes when newcomers are over the cap)
+            busy = not self._evict(None)
+        if busy:
+            self.refused += 1
+            _answer_and_close(p.sock, BUSY)
+            return
         with self._lock:
             self.active += 1
         try:
