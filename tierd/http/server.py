@@ -133,7 +133,9 @@ class BoundedHTTPServer:
             for key, _ in self._sel.select(TICK_S):
                 if key.fileobj is self.socket:
                     accept = True
-                elif key.fileobj is not self._wake_r:
+                elif key.fileobj is self._wake_r:
+                    self._wake_r.recv(64)  # (woken to see _stopping)
+                else:
                     self._read(key.fileobj)
             if accept:
                 self._accept()
