@@ -27,10 +27,11 @@ Operators.
     tierd/http/           /status, /metrics, /healthz
     tierd/stats.py        counters and histograms
     tierd/config.py       every setting, its flag and its help
-    tierd/cli.py          tierd serve | status | bench
+    tierd/cli.py          tierd serve | status | bench | replay
     tierd/report.py       the tables tierd status and tierd bench print
     tierd/warm.py         warm restart: what must be unchanged, what is reported
     tierd/bench/          tierd bench
+    tierd/replay.py       tierd replay: a request trace through the pool, to size it
 Second tier.
     tierd/tier2/          the daemon's side of L2: spill, fetch, lookups over L1 and L2
     tierd/l2/             Mooncake Store, in a process of its own

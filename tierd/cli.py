@@ -13,6 +13,7 @@ import click
 
 from tierd import __version__
 from tierd.config import Settings, default_socket
+from tierd.replay import command as replay_command
 
 SOCKET_HELP = "ZeroMQ endpoint of the daemon (its --socket)."
 STATUS_TIMEOUT_S = 5.0  # `tierd status`: how long a daemon whose socket exists has to answer
@@ -41,6 +42,9 @@ def _settings_options(fn):
 @click.version_option(__version__, "-V", "--version", prog_name="tierd")
 def main():
     """tierd: a node-local KV-cache tier for LLM serving."""
+
+
+main.add_command(replay_command)  # tierd replay TRACE: size a pool on a request trace (tierd.replay)
 
 
 @main.command()

@@ -146,6 +146,13 @@ class Settings:
     max_lease_share: float = _opt(
         0.5, "Largest share of the pool's ceiling one tenant's leases may pin, 0..1.", min=0.0, max=1.0
     )
+    eviction_policy: str = _opt(
+        "reuse",
+        "What pool pressure evicts first: reuse (least recently used, but an object LOOKUPs found "
+        "before lives longer, by the reuse distance the pool measures; tierd.pool.policy) or lru "
+        "(least recently used). Either takes a prefix's tail before its head and never a leased object.",
+        choices=("reuse", "lru"),
+    )
     namespace_quota_gb: float = _opt(
         0.0,
         "Most pool memory one namespace may fill, in GiB; 0: no quota. A namespace "

@@ -37,7 +37,7 @@ def status_table(s: dict) -> str:
             f"{s['retrieves']}  ({s['retrieved_chunks']} chunks, {_bytes(s['retrieved_bytes'])}, "
             f"{s['retrieve_failed_blocks']} failed blocks)",
         ),
-        ("evictions", s["evictions"]),
+        ("evictions", _evictions(s)),
         (
             "leases",
             f"{s['leases_active']} active, {s['leases_granted']} granted, {s['leases_expired']} expired",
@@ -71,6 +71,17 @@ def status_table(s: dict) -> str:
             f"groups {','.join(inst['groups'])}  heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
         )
     return "\n".join(out)
+
+
+def _evictions(s: dict) -> str:
+    p = s.get("eviction_policy")  # (absent from a daemon before eviction policies)
+    if p is None:
+        return str(s["evictions"])
+    why = "  ".join(f"{r}={n}" for r, n in sorted(p["evictions_by_reason"].items()))
+    out = f"{s['evictions']}  (policy {p['name']}{':  ' + why if why else ''})"
+    if "reuse_distance" in p:
+        out += f"  reuse distance {p['reuse_distance']:,} ticks, bonus x{p['bonus_scale']}"
+    return out
 
 
 def _memory(s: dict) -> str:

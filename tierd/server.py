@@ -87,6 +87,7 @@ class Daemon:
             pinner=self.cuda.pinner() if self.cuda else None,
             ns_quota_bytes=int(settings.namespace_quota_gb * (1 << 30)),
             eviction_log=settings.eviction_log,
+            eviction_policy=settings.eviction_policy,
             grow_bytes=settings.l1_grow_mb << 20,
             pool_dir=settings.pool_dir,
             meta=warm.pool_meta(settings),

@@ -109,6 +109,36 @@ class _Collector:
             per.add_metric([group], n)
         yield per
         yield GaugeMetricFamily("tierd_instances", "registered ranks", value=len(status["instances"]))
+        yield GaugeMetricFamily(
+            "tierd_hit_ratio",
+            "hit_chunks / lookup_chunks since start (0 before any LOOKUP)",
+            value=status["hit_chunks"] / status["lookup_chunks"] if status["lookup_chunks"] else 0.0,
+        )
+        policy = status["eviction_policy"]
+        info = GaugeMetricFamily(
+            "tierd_eviction_policy", "1 for the policy evicting (--eviction-policy)", labels=["policy"]
+        )
+        info.add_metric([policy["name"]], 1)
+        yield info
+        why = CounterMetricFamily(
+            "tierd_evictions_by_reason",
+            "objects evicted to make room, by the policy's reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(policy["evictions_by_reason"].items()):
+            why.add_metric([reason], n)
+        yield why
+        if "reuse_distance" in policy:
+            yield GaugeMetricFamily(
+                "tierd_reuse_distance_ticks",
+                "reuse policy: B, the reuse distance it measures",
+                value=policy["reuse_distance"],
+            )
+            yield GaugeMetricFamily(
+                "tierd_reuse_bonus_scale",
+                "reuse policy: s, the scale of its bonus",
+                value=policy["bonus_scale"],
+            )
         evlog = status["eviction_log"]
         yield GaugeMetricFamily(
             "tierd_eviction_log_records", "evicted chunks remembered for EVICTED", value=evlog["records"]

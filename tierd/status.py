@@ -120,6 +120,7 @@ def build_status(daemon) -> dict:
             "objects": pool.objects,
             "group_objects": dict(pool.per_group),
             "evictions": pool.evictions,
+            "eviction_policy": pool.policy.status(),
             "eviction_log": {
                 "capacity": pool.evlog.capacity,
                 "records": len(pool.evlog),

@@ -9,23 +9,26 @@ and only then does the pool evict (``Pool._alloc``).
 For a slot of class C, in order (each evicts no more than it must):
 1. a free slot of C; else a new slab of C from free or growable memory (smaller near the
    ceiling), other classes' empty slabs given back first: nothing evicted;
-2. C's least recently used unpinned object; unless another class's coldest object is older:
-   then the aligned window of C's slab size around it (tierd.pool.slabs), if every object in it
-   is unpinned and older than C's victim, so memory follows use between classes;
+2. C's first unpinned object in the policy's order (tierd.pool.policy: least recently used
+   first, or by each object's eviction key); unless another class's first object comes before
+   it: then the aligned window of C's slab size around that one (tierd.pool.slabs), if every
+   object in it is unpinned and would go before C's victim, so memory follows use between
+   classes;
 3. with no victim in C (a new class, or all of it pinned): the window around one of the
-   coldest objects of other classes whose objects are all unpinned.
+   first objects of other classes, in the policy's order, whose objects are all unpinned.
 A window's objects number at most window / their slot size: a small constant times the
 allocation's size over theirs. With ``only`` (a namespace at its byte quota) every victim is
 that namespace's. The searches are bounded (PASS pinned objects per class's LRU, each moved to
 its end; SCAN per search of other classes' windows; WINDOWS windows); when they find nothing
-the allocation fails with nothing evicted.
+the allocation fails with nothing evicted. "Colder" below means earlier in that order: a smaller
+``pool.policy.key``.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
 
+from tierd.pool import policy as policies
 from tierd.pool.index import Obj
 from tierd.pool.slabs import SizeClass, Slab
 
@@ -57,11 +60,15 @@ def plan(pool, cls: SizeClass, only: bytes | None = None) -> Plan | None:
     if cls.open_slabs or slabs.can_carve(cls):  # every slab in open_slabs has a free slot
         return FREE
     victim = _first_unpinned(pool, cls, only)
+    if victim is not None and len(slabs.classes) == 1:
+        return Plan([victim])  # no other class to take memory from
     coldest = _coldest_windows(pool, cls, only)
     if victim is not None:  # rebalance: a colder window of another class, tried once
+        key = pool.policy.key
+        below = key(victim)
         for anchor, window in coldest:
-            if anchor.tick < victim.tick:
-                got = _window_plan(slabs, window, only, below=victim.tick)
+            if key(anchor) < below:
+                got = _window_plan(slabs, window, only, key, below=below)
                 if got is not None:
                     return got
             break
@@ -70,17 +77,18 @@ def plan(pool, cls: SizeClass, only: bytes | None = None) -> Plan | None:
     for i, (_, window) in enumerate(coldest):
         if i >= WINDOWS or work[0] <= 0:
             break
-        got = _window_plan(slabs, window, only, work=work)
+        got = _window_plan(slabs, window, only, pool.policy.key, work=work)
         if got is not None:
             return got
     return None
 
 
 def quota_victims(pool, ns: bytes, nbytes: int, spare: set) -> list[Obj] | None:
-    """``ns``'s least recently used unpinned objects (not in ``spare``) whose slots add up to
-    ``nbytes``, or None when it does not hold that many evictable bytes."""
+    """``ns``'s first unpinned objects in the policy's order (not in ``spare``) whose slots add up
+    to ``nbytes``, or None when it does not hold that many evictable bytes."""
     out, freed = [], 0
-    for o in _unpinned(heapq.merge(*(lru for (n, _), lru in pool.nslru.items() if n == ns), key=_tick)):
+    queues = [q for (n, _), q in pool.nslru.items() if n == ns]
+    for o in _unpinned(policies.merged(pool.policy, queues)):
         if freed >= nbytes:
             break
         if o not in spare:
@@ -90,24 +98,22 @@ def quota_victims(pool, ns: bytes, nbytes: int, spare: set) -> list[Obj] | None:
 
 
 # ---- internals -----------------------------------------------------------------------------
-def _tick(o: Obj) -> int:
-    return o.tick
-
-
-def _lru(pool, cls: SizeClass, only: bytes | None):
-    if only is None:
-        return pool.lru.get(cls, ())
-    return pool.nslru.get((only, cls), ())
+def _queue(pool, cls: SizeClass, only: bytes | None):
+    return pool.lru.get(cls) if only is None else pool.nslru.get((only, cls))
 
 
 def _first_unpinned(pool, cls: SizeClass, only: bytes | None) -> Obj | None:
-    """The least recent unpinned object of ``cls``. The pinned ones passed on the way (leased or
-    being read: in use) are touched, so no later search passes them again while they stay pinned:
-    each pin costs one pass at most, whatever the number of stores (a cap on the pass instead let
-    leases on a class's coldest objects starve every later store of the class)."""
+    """The first unpinned object of ``cls`` in the policy's order. The pinned ones passed on the
+    way (leased or being read: in use) are touched, so no later search passes them again while
+    they stay pinned: each pin costs one pass at most, whatever the number of stores (a cap on the
+    pass instead let leases on a class's coldest objects starve every later store of the class)."""
+    q = _queue(pool, cls, only)
+    first = None if q is None else pool.policy.first(q)
+    if first is None or not first.pins:
+        return first
     passed = []
     found = None
-    for o in _lru(pool, cls, only):
+    for o in pool.policy.victims(q):
         if not o.pins:
             found = o
             break
@@ -115,7 +121,7 @@ def _first_unpinned(pool, cls: SizeClass, only: bytes | None) -> Obj | None:
         if len(passed) >= PASS:  # a class pinned through: bounded, and the next search starts past these
             break
     if passed:
-        pool.touch_objects(passed)
+        pool.touch_objects(passed, hit=False)
     return found
 
 
@@ -132,9 +138,9 @@ def _unpinned(objs) -> Iterator[Obj]:
 
 def _coldest_windows(pool, cls: SizeClass, only: bytes | None) -> Iterator[tuple[Obj, tuple]]:
     """(anchor, window) for the coldest unpinned objects of other classes, each window once."""
-    lrus = [_lru(pool, c, only) for c in pool.slabs.classes.values() if c is not cls]
+    queues = [_queue(pool, c, only) for c in pool.slabs.classes.values() if c is not cls]
     seen = set()
-    for anchor in _unpinned(heapq.merge(*lrus, key=_tick)):
+    for anchor in _unpinned(policies.merged(pool.policy, [q for q in queues if q])):
         slab = anchor.slab
         if slab.order >= cls.order:  # a slab at least as large: all of it
             window = (slab.segment, slab.offset, cls.order)
@@ -148,10 +154,11 @@ def _coldest_windows(pool, cls: SizeClass, only: bytes | None) -> Iterator[tuple
 
 
 def _window_plan(
-    slabs, window: tuple, only: bytes | None, below: int | None = None, work: list[int] | None = None
+    slabs, window: tuple, only: bytes | None, key, below: float | None = None, work: list[int] | None = None
 ) -> Plan | None:
     """Every object of the slabs inside ``window``, if all may go: unpinned, of ``only`` when
-    given, and less recent than ``below`` when given. ``work``: a budget, spent on what is seen."""
+    given, and colder than ``below`` (their ``key`` smaller) when given. ``work``: a budget, spent
+    on what is seen."""
     seg, off, order = window
     inside = slabs.slabs_in(seg, off, order)
     victims = []
@@ -159,7 +166,7 @@ def _window_plan(
         for o in slab.owners:
             if o is None:
                 continue
-            if o.pins or (only is not None and o.ns != only) or (below is not None and o.tick >= below):
+            if o.pins or (only is not None and o.ns != only) or (below is not None and key(o) >= below):
                 if work is not None:
                     work[0] -= len(inside) + len(victims)
                 return None

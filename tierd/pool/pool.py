@@ -22,13 +22,12 @@ at a planned stop it waits for its copies, then calls ``save(extra)``, then ``cl
 
 from __future__ import annotations
 
-import heapq
 import operator
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from tierd.pool import evict
+from tierd.pool import evict, policy
 from tierd.pool.evlog import EvictionLog
 from tierd.pool.index import Index, Obj, Span
 from tierd.pool.persist import KEEP, Persist
@@ -155,6 +154,7 @@ class Pool:
         ns_quota_bytes: int = 0,
         eviction_log: int = 0,
         grow_bytes: int | None = None,
+        eviction_policy: str = policy.DEFAULT,
     ):
         """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
         recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
@@ -164,6 +164,7 @@ class Pool:
         keeps (0: it only counts); ``grow_bytes``: the smallest segment grown on demand, segments
         doubling with the pool up to ``segment_bytes`` (tierd.pool.segments; default: all of
         ``segment_bytes``)."""
+        self.policy = policy.make(eviction_policy)  # eviction order (tierd.pool.policy)
         self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
         self._unpinned: list[Callable[[], None]] = []  # lease grants whose pins are not applied yet
         self.lock = PoolLock(self)
@@ -190,7 +191,7 @@ class Pool:
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
         self._untouched = []
-        self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}
+        self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}  # the policy's queue per class
         self._tick = 0
         self.objects = 0
         self.used_bytes = 0
@@ -407,7 +408,7 @@ class Pool:
                 entry = self.index.get(ns, key)
                 if entry is not None:
                     objs.extend(o for o in entry.values() if o.ready)
-            self.touch_objects(objs)
+            self.touch_objects(objs, hit=False)
 
     def find_ready(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
         return self.find_ready_many(ns, [key], group, rank)[0]
@@ -432,11 +433,11 @@ class Pool:
             return None if entry is None else dict(entry)
 
     def coldest(self, nbytes: int, limit: int = 4096) -> list[Obj]:
-        """Committed objects from the least recently used on, until their slots add up to ``nbytes``
-        (at most ``limit``): roughly the next victims of eviction, which picks per size class."""
+        """Committed objects in eviction order, until their slots add up to ``nbytes`` (at most
+        ``limit``): roughly the next victims of eviction, which picks per size class."""
         out, total = [], 0
         with self.lock:
-            for obj in heapq.merge(*self.lru.values(), key=_tick):
+            for obj in policy.merged(self.policy, self.lru.values()):
                 if total >= nbytes or len(out) >= limit:
                     break
                 out.append(obj)
@@ -553,29 +554,22 @@ class Pool:
     def _touch(self, obj: Obj) -> None:
         self._tick += 1
         obj.tick = self._tick
-        lru = self.lru.setdefault(obj.slab.cls, OrderedDict())
-        lru[obj] = None
-        lru.move_to_end(obj)
+        lru = self.lru.get(obj.slab.cls)
+        if lru is None:
+            lru = self.lru[obj.slab.cls] = self.policy.queue()
+        self.policy.enter(lru, obj)
         if self.ns_quota_bytes:
-            lru = self.nslru.setdefault((obj.ns, obj.slab.cls), OrderedDict())
-            lru[obj] = None
-            lru.move_to_end(obj)
+            lru = self.nslru.get((obj.ns, obj.slab.cls))
+            if lru is None:
+                lru = self.nslru[obj.ns, obj.slab.cls] = self.policy.queue()
+            self.policy.join(lru, obj)
 
-    def touch_objects(self, objs: Sequence[Obj]) -> None:
-        """Touch ready objects tail first: the first one ends up most recent. The lock held."""
-        tick, lrus = self._tick, self.lru
-        cls = move = None
-        for obj in reversed(objs):
-            tick += 1
-            obj.tick = tick
-            if obj.slab.cls is not cls:  # a prefix's objects are mostly of one class
-                cls = obj.slab.cls
-                move = lrus[cls].move_to_end  # a ready object is always in its class's LRU
-            move(obj)
+    def touch_objects(self, objs: Sequence[Obj], hit: bool = True) -> None:
+        """Touch ready objects tail first: the first one ends up most recent. ``hit``: a LOOKUP
+        found them, which the policy counts (False: only their recency changes). The lock held."""
+        self._tick = self.policy.touch(self.lru, objs, self._tick, hit)
         if self.ns_quota_bytes:
-            for obj in reversed(objs):
-                self.nslru[obj.ns, obj.slab.cls].move_to_end(obj)
-        self._tick = tick
+            self.policy.retouch(self.nslru, objs)
 
     def _alloc(self, cls: SizeClass, ns: bytes, replace: Obj | None = None):
         """A slot of ``cls`` for an object of ``ns`` (replacing ``replace``), or None; evicts only
@@ -623,6 +617,7 @@ class Pool:
             self.on_evict(obj)
         if obj.ready:
             self.evlog.gone(obj.ns, obj.key)
+            self.policy.evicted(obj, self._tick, self.objects)
         self._drop(obj)
 
     def _drop(self, obj: Obj) -> None:
@@ -633,10 +628,10 @@ class Pool:
         self.index.remove(obj)
         lru = self.lru.get(obj.slab.cls)
         if lru is not None:
-            lru.pop(obj, None)
+            self.policy.leave(lru, obj)
         lru = self.nslru.get((obj.ns, obj.slab.cls))
         if lru is not None:
-            lru.pop(obj, None)
+            self.policy.leave(lru, obj)
             if not lru:
                 del self.nslru[obj.ns, obj.slab.cls]
         obj.slab.owners[obj.slot] = None
@@ -651,10 +646,6 @@ class Pool:
         if not self.per_ns[obj.ns]:
             del self.per_ns[obj.ns], self.per_ns_bytes[obj.ns]
         obj.ready = False
-
-
-def _tick(obj: Obj) -> int:
-    return obj.tick
 
 
 _PINS = operator.attrgetter("pins")  # an object's pins: true while it is pinned

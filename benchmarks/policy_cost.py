@@ -1,0 +1,150 @@
+"""What the eviction policy costs the daemon per request, same run: ``lru`` against ``reuse``.
+
+    python benchmarks/policy_cost.py [--objects 100000] [--prompt-keys 2048] [--chunks 16] [--repeats 300]
+
+One in-process daemon per policy (handlers called directly, as benchmarks/handler_cost.py does),
+each holding ``--objects`` one-block objects in a pool that has room for exactly that many, so
+every new object evicts one:
+- LOOKUP: a hit of the first ``--prompt-keys`` keys: decode, handler, reply encode and the touch
+  the daemon applies after the reply (``Pool.settle``), which is where a policy counts a hit;
+- STORE: ``--chunks`` new chunks, each evicting one object: decode, handler (checks, plan and the
+  evictions) and the commit with its touch (``StoreJob.finish``; no bytes are copied).
+The two daemons take turns request by request (which goes first alternates). Prints each policy's
+p50 and p90 and the ratio reuse / lru of the p50s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from handler_cost import IDENT, _register  # noqa: E402
+
+from tierd import handlers  # noqa: E402
+from tierd.config import Settings  # noqa: E402
+from tierd.handlers import Call  # noqa: E402
+from tierd.protocol import codec, messages  # noqa: E402
+from tierd.server import Daemon  # noqa: E402
+from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
+from tierd_client.shm import SharedBuffer  # noqa: E402
+
+BLOCK_TOKENS, BLOCK_BYTES, NB = 16, 64, 4096
+POLICIES = ("lru", "reuse")
+
+
+class Side:
+    """One policy's daemon, filled, with the prompt it looks up and a counter for new keys."""
+
+    def __init__(self, policy: str, objects: int, prompt_keys: int):
+        folder = tempfile.mkdtemp(prefix="tierd-pc-")
+        self.d = Daemon(
+            Settings(
+                socket=f"ipc://{folder}/p.sock",
+                http_port=-1,
+                l1_align_bytes=BLOCK_BYTES,
+                l1_size_gb=objects * BLOCK_BYTES / (1 << 30),
+                l1_segment_mb=max(1, -(-objects * BLOCK_BYTES // (1 << 20))),
+                l1_grow_mb=1,
+                eviction_policy=policy,
+            )
+        )
+        self.buf = SharedBuffer(NB * BLOCK_BYTES)
+        self.ns = namespace("bench", uuid.uuid4().hex)
+        spans = [block_span((NB, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=0, offset=0)]
+        lay = layout(self.ns, 0, BLOCK_TOKENS, [self.buf.ref()], [group("full", BLOCK_TOKENS, spans)])
+        self.call = _register(self.d, lay)
+        keys = [uuid.uuid4().bytes for _ in range(objects)]
+        for i in range(0, objects, messages.MAX_REQUEST_PARTS):
+            self.store(keys[i : i + messages.MAX_REQUEST_PARTS], frame=False)
+        assert self.d.pool.objects == objects, (self.d.pool.objects, objects)
+        specs = [{"kind": "full", "block_tokens": BLOCK_TOKENS, "window_tokens": 0}]
+        body = {"namespace": self.ns, "keys": keys[:prompt_keys], "groups": specs}
+        body.update(chunk_tokens=BLOCK_TOKENS, lease=False)
+        self.lookup_frame = codec.encode_request("LOOKUP", 1, body)
+        self.prompt_keys = prompt_keys
+
+    def store(self, keys: list[bytes], frame: bool = True) -> float:
+        """STORE ``keys`` (one block each) and commit them; the time from decoding the frame to the
+        commit's end (``frame`` False: no frame, untimed, as the fill does)."""
+        body = {"instance": "i", "chunks": [{"key": k, "blocks": [[j % NB]]} for j, k in enumerate(keys)]}
+        data = codec.encode_request("STORE", 1, body) if frame else None
+        t0 = time.perf_counter()
+        msg = codec.decode_request(data, 1 << 26)[2] if frame else messages.convert(body, messages.Store)
+        job = handlers.store(self.d.tier, self.call, msg)
+        if isinstance(job, handlers.StoreJob):
+            job.finish(self.d.tier, None)
+        return time.perf_counter() - t0
+
+    def lookup(self) -> float:
+        t0 = time.perf_counter()
+        _, rid, msg = codec.decode_request(self.lookup_frame, 1 << 26)
+        reply = handlers.lookup(
+            self.d.tier, Call(IDENT, self.d.registry.session(IDENT), [IDENT], rid, t0), msg
+        )
+        codec.encode_reply(rid, reply)
+        self.d.pool.settle()
+        took = time.perf_counter() - t0
+        assert reply.chunks == self.prompt_keys, reply.chunks
+        return took
+
+    def close(self) -> None:
+        self.d.close()
+        self.buf.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--objects", type=int, default=100_000)
+    ap.add_argument("--prompt-keys", type=int, default=2048)
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=300)
+    args = ap.parse_args()
+    if args.objects * BLOCK_BYTES < 0.001 * (1 << 30):
+        ap.error(
+            "--objects must be at least 16778 (the smallest pool, --l1-size-gb 0.001, of 64-byte objects)"
+        )
+    if not 0 < args.prompt_keys <= min(args.objects, messages.MAX_CHUNKS):
+        ap.error(f"--prompt-keys must be 1..min(--objects, {messages.MAX_CHUNKS})")
+    sides = {p: Side(p, args.objects, args.prompt_keys) for p in POLICIES}
+    try:
+        gc.collect()
+        gc.freeze()  # as the daemon does every GC_FREEZE_S
+        took = {(p, op): [] for p in POLICIES for op in ("LOOKUP", "STORE")}
+        for rep in range(args.repeats):
+            order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
+            for p in order:
+                took[p, "LOOKUP"].append(sides[p].lookup())
+            new = [uuid.uuid4().bytes for _ in range(args.chunks)]
+            for p in order:
+                took[p, "STORE"].append(sides[p].store(new))
+        for p in POLICIES:
+            assert sides[p].d.pool.evictions >= args.repeats * args.chunks, p
+        print(
+            f"{args.objects:,} objects, a full pool; LOOKUP hit of {args.prompt_keys} keys, STORE of "
+            f"{args.chunks} new chunks (each evicting one); {args.repeats} of each, alternated:"
+        )
+        for op in ("LOOKUP", "STORE"):
+            p50 = {}
+            for p in POLICIES:
+                t = sorted(took[p, op])
+                p50[p] = statistics.median(t)
+                print(
+                    f"  {op:6s} {p:5s} p50 {p50[p] * 1e6:8.1f} us, p90 {t[int(len(t) * 0.9)] * 1e6:8.1f} us"
+                )
+            print(f"  {op:6s} reuse / lru (p50): {p50['reuse'] / p50['lru']:.3f}")
+    finally:
+        for s in sides.values():
+            s.close()
+
+
+if __name__ == "__main__":
+    main()
