@@ -1,0 +1,79 @@
+"""The default eviction policy on traces of other shapes than Mooncake's conversations, replayed
+through the daemon's pool (tierd.replay): where frequency tells (popular shared documents) it hits
+well above LRU, and where it does not (quick multi-turn chats, a working set that changes every
+phase) it loses no more than 0.03 of the infinite pool's hit ratio to LRU (a frequency bonus keeps a
+finished phase's objects a while: the price of the first case). Seeded traces, so the
+numbers are exact and a change of the policy that loses badly to LRU somewhere fails here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierd import replay
+
+
+def trace(requests: list[list[int]]) -> replay.Trace:
+    t = replay.Trace("synthetic", [(b"", [i.to_bytes(8, "little") for i in r]) for r in requests], 512)
+    replay._count_infinite(t)
+    return t
+
+
+class Ids:
+    def __init__(self):
+        self.next = 1
+
+    def new(self, n: int) -> list[int]:
+        self.next += n
+        return list(range(self.next - n, self.next))
+
+
+def documents(n: int = 3000, docs: int = 1500, alpha: float = 0.9, seed: int = 1) -> list[list[int]]:
+    """Questions on shared documents of Zipf popularity: system block, document, 1-3 own blocks."""
+    rng, ids = random.Random(seed), Ids()
+    texts = [ids.new(rng.randint(4, 24)) for _ in range(docs)]
+    weights = [1 / (i + 1) ** alpha for i in range(docs)]
+    return [[0] + rng.choices(texts, weights)[0] + ids.new(rng.randint(1, 3)) for _ in range(n)]
+
+
+def chats(n: int = 6000, gap: int = 40, go_on: float = 0.8, seed: int = 2) -> list[list[int]]:
+    """Conversations whose next turn comes ~gap requests later (its prompt: the last one but its
+    last block, then 1-4 new blocks), continued with probability ``go_on``."""
+    rng, ids, due, out = random.Random(seed), Ids(), {}, []
+    for i in range(n):
+        prev = due.pop(i, None)
+        req = prev[:-1] + ids.new(rng.randint(1, 4)) if prev else [0] + ids.new(rng.randint(4, 20))
+        out.append(req)
+        if rng.random() < go_on:
+            at = i + max(1, int(rng.expovariate(1 / gap)))
+            while at in due:
+                at += 1
+            due[at] = req
+    return out
+
+
+def phases(n: int = 6000, phase: int = 1000, prefixes: int = 150, seed: int = 3) -> list[list[int]]:
+    """A working set of prefixes reused uniformly, replaced by a new one every ``phase`` requests."""
+    rng, ids, out = random.Random(seed), Ids(), []
+    for i in range(n):
+        if i % phase == 0:
+            live = [ids.new(rng.randint(4, 16)) for _ in range(prefixes)]
+        out.append([0] + rng.choice(live) + ids.new(1))
+    return out
+
+
+def shares(requests: list[list[int]], capacity: int) -> tuple[float, float]:
+    t = trace(requests)
+    return tuple(replay.replay(t, p, capacity).share(t) for p in ("lru", "reuse"))
+
+
+def test_popular_documents_hit_well_above_lru():
+    lru, reuse = shares(documents(), 1000)
+    assert reuse >= lru + 0.1, (lru, reuse)
+
+
+@pytest.mark.parametrize("make, capacity", [(chats, 1000), (phases, 1500)])
+def test_where_frequency_does_not_tell_it_loses_little_to_lru(make, capacity):
+    lru, reuse = shares(make(), capacity)
+    assert reuse >= lru - 0.03, (lru, reuse)
