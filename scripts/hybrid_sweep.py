@@ -6,7 +6,8 @@ For each case (window tokens / block tokens / KV heads) a private daemon and two
 the control (every prompt computed without the tier in prefill steps of one chunk, which stores
 its prefix) and the tier (the prompts with their prefixes from the tier, one at a time and as a
 batch). Prints one row per case and mode: how many prompts (one per hit boundary of 1..8 chunks)
-decode with token ids and logprobs identical to the control. tests/hybrid_exactness.py says why
+decode with token ids and logprobs identical to the control, and the largest logprob difference
+(in a batch, decode steps batched unlike the control's round differently). tests/hybrid_exactness.py says why
 that is the control; preemption is swept on vLLM's Scheduler in tests/test_connector_sliding.py.
 About a minute per case on two idle cores.
 """
@@ -50,7 +51,10 @@ def main() -> None:
     args = ap.parse_args()
     boundaries = parse_range(args.boundaries)
     table = []
-    print(f"{'case':34} {'mode':10} {'identical tokens':>17} {'identical logprobs':>19}", flush=True)
+    print(
+        f"{'case':34} {'mode':8} {'same tokens':>12} {'same logprobs':>14} {'max logprob diff':>17}",
+        flush=True,
+    )
     for case in parse_cases(args.cases):
         t = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="tierd-sweep-") as tmp:
@@ -64,7 +68,11 @@ def main() -> None:
             if not rs:
                 continue
             tok, lp = sum(r.identical for r in rs), sum(r.same_logprobs for r in rs)
-            print(f"{str(case):34} {mode:10} {tok:>13}/{len(rs):<3} {lp:>15}/{len(rs):<3}", flush=True)
+            diff = max(r.logprob_diff for r in rs)
+            print(
+                f"{str(case):34} {mode:8} {tok:>8}/{len(rs):<3} {lp:>10}/{len(rs):<3} {diff:>17.4f}",
+                flush=True,
+            )
             bad = [r.chunks for r in rs if not r.identical]
             if bad:
                 print(f"{'':34} differ at boundaries (chunks): {bad}", flush=True)

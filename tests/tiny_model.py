@@ -5,10 +5,14 @@
 
 The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
 - ``tiny-llama-v1``: 2 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, one KV cache group.
-- ``tiny-gemma3-wN-v1`` (N in GEMMA3_WINDOWS): Gemma3-style text model, 4 layers alternating
+- ``tiny-gemma3-wN-v1`` (N in 16, 32, 64, 100): Gemma3-style text model, 4 layers alternating
   sliding-window attention (window N tokens) and full attention, 1 KV head, head_dim 32, so
-  vLLM's hybrid allocator makes two KV cache groups (sliding, full); ``tiny-gemma3-wN-kv2-v1``:
-  the same with 2 KV heads.
+  vLLM's hybrid allocator makes two KV cache groups (sliding, full). Its embeddings have unit
+  variance, and Gemma3 scales them by sqrt(hidden) and ties them to the output: its logits are so
+  large that every greedy step has probability 1 (logprob 0.0), whatever the KV cache holds.
+- ``tiny-gemma3-wN-v2`` and ``tiny-gemma3-wN-kv2-v2`` (N in GEMMA3_WINDOWS; 1 and 2 KV heads):
+  the same with embeddings of variance 1/hidden, so logits are of order one and the tokens and
+  logprobs follow every value the attention reads: a model that exactness tests can fail on.
 All use vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts fit). Building takes a
 few seconds and needs only torch, transformers and tokenizers.
 
@@ -62,6 +66,7 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<unk>"]  # ids 0, 1, 2: bos, eos, unk
 
 # Windows in tokens: with 16- and 32-token blocks, 1, 2 and 4 blocks of each size and sizes in between.
 GEMMA3_WINDOWS = (16, 24, 32, 48, 64, 100, 128)
+GEMMA3_V1_WINDOWS = (16, 32, 64, 100)
 
 
 def _gemma3(
@@ -90,13 +95,22 @@ def _gemma3(
     )
 
 
-# recipe -> (transformers config class, model class, config kwargs)
+# recipe -> (transformers config class, model class, config kwargs[, embedding std: default 1])
 RECIPES = {
     RECIPE: ("LlamaConfig", "LlamaForCausalLM", CONFIG),
-    **{f"tiny-gemma3-w{w}-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(w)) for w in GEMMA3_WINDOWS},
     **{
-        f"tiny-gemma3-w{w}-kv2-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(w, heads=4, kv_heads=2))
+        f"tiny-gemma3-w{w}-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(w))
+        for w in GEMMA3_V1_WINDOWS
+    },
+    **{
+        f"tiny-gemma3-w{w}{kv}-v2": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            _gemma3(w, heads=2 * heads, kv_heads=heads),
+            128**-0.5,
+        )
         for w in GEMMA3_WINDOWS
+        for kv, heads in (("", 1), ("-kv2", 2))
     },
     "tiny-gemma3-w64-h256-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, 256, 4)),
     "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
@@ -211,7 +225,7 @@ def _build_model(out: Path, recipe: str) -> None:
     import torch
     import transformers
 
-    config_cls, model_cls, kwargs = RECIPES[recipe]
+    config_cls, model_cls, kwargs, *embed_std = RECIPES[recipe]
     cfg = getattr(transformers, config_cls)(**kwargs, dtype="bfloat16")
     model = getattr(transformers, model_cls)(cfg)
     gen = torch.Generator(device="cpu").manual_seed(SEED)
@@ -220,7 +234,7 @@ def _build_model(out: Path, recipe: str) -> None:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * (embed_std or [1.0])[0])
             else:  # Linear [out, in]: unit-variance activations, so the output depends on the context
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) / p.shape[-1] ** 0.5)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
