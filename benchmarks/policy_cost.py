@@ -1,6 +1,7 @@
 """What the eviction policy costs the daemon per request, same run: ``lru`` against ``reuse``.
 
     python benchmarks/policy_cost.py [--objects 100000] [--prompt-keys 2048] [--chunks 16] [--repeats 300]
+    python benchmarks/policy_cost.py --sides lru,lru     # an A/A control: what the harness alone gives
 
 One in-process daemon per policy (handlers called directly, as benchmarks/handler_cost.py does),
 each holding ``--objects`` one-block objects in a pool that has room for exactly that many, so
@@ -10,7 +11,7 @@ every new object evicts one:
 - STORE: ``--chunks`` new chunks, each evicting one object: decode, handler (checks, plan and the
   evictions) and the commit with its touch (``StoreJob.finish``; no bytes are copied).
 The two daemons take turns request by request (which goes first alternates). Prints each policy's
-p50 and p90 and the ratio reuse / lru of the p50s.
+p50 and p90 and the ratio of the second side's p50 over the first's (``--sides``, default lru,reuse).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E
 from tierd_client.shm import SharedBuffer  # noqa: E402
 
 BLOCK_TOKENS, BLOCK_BYTES, NB = 16, 64, 4096
-POLICIES = ("lru", "reuse")
 
 
 class Side:
@@ -62,15 +62,18 @@ class Side:
         spans = [block_span((NB, BLOCK_BYTES), (BLOCK_BYTES, 1), 1, 0, tensor=0, offset=0)]
         lay = layout(self.ns, 0, BLOCK_TOKENS, [self.buf.ref()], [group("full", BLOCK_TOKENS, spans)])
         self.call = _register(self.d, lay)
-        keys = [uuid.uuid4().bytes for _ in range(objects)]
-        for i in range(0, objects, messages.MAX_REQUEST_PARTS):
-            self.store(keys[i : i + messages.MAX_REQUEST_PARTS], frame=False)
-        assert self.d.pool.objects == objects, (self.d.pool.objects, objects)
+        self.keys = [uuid.uuid4().bytes for _ in range(objects)]
         specs = [{"kind": "full", "block_tokens": BLOCK_TOKENS, "window_tokens": 0}]
-        body = {"namespace": self.ns, "keys": keys[:prompt_keys], "groups": specs}
+        body = {"namespace": self.ns, "keys": self.keys[:prompt_keys], "groups": specs}
         body.update(chunk_tokens=BLOCK_TOKENS, lease=False)
         self.lookup_frame = codec.encode_request("LOOKUP", 1, body)
         self.prompt_keys = prompt_keys
+
+    def fill(self, i: int) -> None:
+        """Store the ``i``-th batch of the keys (the two sides are filled batch by batch in turn,
+        so that neither's objects lie later in memory: that alone made the later one's LOOKUP up to
+        1.27x slower, lru against lru)."""
+        self.store(self.keys[i : i + messages.MAX_REQUEST_PARTS], frame=False)
 
     def store(self, keys: list[bytes], frame: bool = True) -> float:
         """STORE ``keys`` (one block each) and commit them; the time from decoding the frame to the
@@ -107,6 +110,7 @@ def main() -> None:
     ap.add_argument("--prompt-keys", type=int, default=2048)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--sides", default="lru,reuse", help="the two policies compared: A,B (B / A printed)")
     args = ap.parse_args()
     if args.objects * BLOCK_BYTES < 0.001 * (1 << 30):
         ap.error(
@@ -114,35 +118,40 @@ def main() -> None:
         )
     if not 0 < args.prompt_keys <= min(args.objects, messages.MAX_CHUNKS):
         ap.error(f"--prompt-keys must be 1..min(--objects, {messages.MAX_CHUNKS})")
-    sides = {p: Side(p, args.objects, args.prompt_keys) for p in POLICIES}
+    names = args.sides.split(",")
+    if len(names) != 2:
+        ap.error("--sides takes two policies, A,B")
+    sides = [Side(p, args.objects, args.prompt_keys) for p in names]
     try:
+        step = messages.MAX_REQUEST_PARTS
+        for i in range(0, args.objects, step):
+            for s in sides if (i // step) % 2 == 0 else sides[::-1]:
+                s.fill(i)
+        assert all(s.d.pool.objects == args.objects for s in sides)
         gc.collect()
         gc.freeze()  # as the daemon does every GC_FREEZE_S
-        took = {(p, op): [] for p in POLICIES for op in ("LOOKUP", "STORE")}
+        took = [{"LOOKUP": [], "STORE": []} for _ in sides]
         for rep in range(args.repeats):
-            order = POLICIES if rep % 2 == 0 else POLICIES[::-1]
-            for p in order:
-                took[p, "LOOKUP"].append(sides[p].lookup())
+            order = (0, 1) if rep % 2 == 0 else (1, 0)
+            for i in order:
+                took[i]["LOOKUP"].append(sides[i].lookup())
             new = [uuid.uuid4().bytes for _ in range(args.chunks)]
-            for p in order:
-                took[p, "STORE"].append(sides[p].store(new))
-        for p in POLICIES:
-            assert sides[p].d.pool.evictions >= args.repeats * args.chunks, p
+            for i in order:
+                took[i]["STORE"].append(sides[i].store(new))
+        assert all(s.d.pool.evictions >= args.repeats * args.chunks for s in sides)
         print(
             f"{args.objects:,} objects, a full pool; LOOKUP hit of {args.prompt_keys} keys, STORE of "
             f"{args.chunks} new chunks (each evicting one); {args.repeats} of each, alternated:"
         )
         for op in ("LOOKUP", "STORE"):
-            p50 = {}
-            for p in POLICIES:
-                t = sorted(took[p, op])
-                p50[p] = statistics.median(t)
-                print(
-                    f"  {op:6s} {p:5s} p50 {p50[p] * 1e6:8.1f} us, p90 {t[int(len(t) * 0.9)] * 1e6:8.1f} us"
-                )
-            print(f"  {op:6s} reuse / lru (p50): {p50['reuse'] / p50['lru']:.3f}")
+            p50 = []
+            for name, t in zip(names, (sorted(x[op]) for x in took)):
+                p50.append(statistics.median(t))
+                p90 = t[int(len(t) * 0.9)]
+                print(f"  {op:6s} {name:5s} p50 {p50[-1] * 1e6:8.1f} us, p90 {p90 * 1e6:8.1f} us")
+            print(f"  {op:6s} {names[1]} / {names[0]} (p50): {p50[1] / p50[0]:.3f}")
     finally:
-        for s in sides.values():
+        for s in sides:
             s.close()
 
 

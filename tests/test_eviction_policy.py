@@ -156,7 +156,7 @@ def test_reuse_admits_a_key_it_evicted_at_the_next_level():
     for i in range(1, CAP + 1):
         store(pool, i)  # bonus 0: 0 goes first (LRU order)
     assert 0 not in held(pool)
-    assert pool.policy.ghost[NS, key(0)] == [2, 3, False]  # its level and last tick when evicted
+    assert pool.policy.ghost[key(0)] == [NS, 2, 3, False]  # its level and last tick when evicted
     store(pool, 0)  # evicts 1 (level 0, tick 4), commits 0 at tick 8: a distance of 5
     obj = next(o for o in pool.coldest(1 << 30) if o.key == key(0))
     assert obj.hits == 3
@@ -164,7 +164,7 @@ def test_reuse_admits_a_key_it_evicted_at_the_next_level():
     assert pool.policy.samples == [(1, 1), (1, 1), (5, 1)]
     # chunks evicted from level 0 (1) and from higher levels (0), and of those stored again (0)
     assert pool.policy.outcomes == [[0.0, 1.0], [1.0, 1.0]]
-    assert pool.policy.ghost[NS, key(1)] == [0, 4, False]
+    assert pool.policy.ghost[key(1)] == [NS, 0, 4, False]
     store(pool, 1)
     assert next(o for o in pool.coldest(1 << 30) if o.key == key(1)).hits == 1
     store(pool, 20)
@@ -226,3 +226,20 @@ def test_quota_evicts_the_namespaces_own_objects_in_policy_order():
     assert held(pool) == [0, 2, 3]  # 1 is the namespace's first in order; 0 kept by its bonus
     queue = pool.nslru[NS, next(iter(pool.lru))]
     assert [int(o.key[1:]) for o in pool.policy.victims(queue)] == [2, 3, 0]  # keys 3, 5, 104
+
+
+def test_reuse_remembers_an_evicted_key_for_its_own_namespace_only():
+    """Another namespace's (another tenant's or model's) chunk of the same key starts at level 0."""
+    pool = make("reuse")
+    store(pool, 0)
+    lookup(pool, 0)
+    lookup(pool, 0)
+    for i in range(1, CAP + 1):
+        store(pool, i)
+    assert 0 not in held(pool) and pool.policy.ghost[key(0)][:2] == [NS, 2]
+    with pool.writes() as w:
+        other = w.begin(b"other", key(0), SPAN, 0, SLOT, 1, "g0")
+    pool.commit([other])
+    assert other.hits == 0
+    store(pool, 0)
+    assert next(o for o in pool.coldest(1 << 30) if o.key == key(0) and o.ns == NS).hits == 3

@@ -158,8 +158,8 @@ class Reuse:
         self.estimates: list[float] = []
         self.samples: list[tuple[int, int]] = []  # (distance, objects) since the last estimate
         self.weight = 0
-        # evicted keys: (ns, key) -> [level, tick at eviction's last use, seen again]
-        self.ghost: OrderedDict[tuple[bytes, bytes], list] = OrderedDict()
+        # evicted chunks: key -> [namespace, level, tick of its last use, stored again since]
+        self.ghost: OrderedDict[bytes, list] = OrderedDict()
         self.ghost_max = GHOST_MIN
         # evicted chunks by level 0 / higher, decayed: [stored again while remembered, evicted]
         self.outcomes = [[0.0, 0.0], [0.0, 0.0]]
@@ -193,8 +193,8 @@ class Reuse:
     def enter(self, q: Levels, obj: Obj) -> None:
         """(A committed object is in no queue yet: appending it makes it the most recent.)"""
         if self.ghost:
-            g = self.ghost.get((obj.ns, obj.key))
-            if g is not None:
+            g = self.ghost.get(obj.key)
+            if g is not None and g[0] == obj.ns:
                 self._recall(obj, g)
         q.q[obj.hits][obj] = None
 
@@ -257,18 +257,18 @@ class Reuse:
         else:
             self.reasons["displaced"] += 1  # nothing colder could go (pinned, quota, other class)
         ghost = self.ghost
-        k = (obj.ns, obj.key)
+        k = obj.key
         g = ghost.get(k)
-        if g is not None and not g[2]:  # another object of the chunk: remembered once
-            g[0], g[1] = max(g[0], level), obj.tick
+        if g is not None and not g[3] and g[0] == obj.ns:  # another object of the chunk: once
+            g[1], g[2] = max(g[1], level), obj.tick
             ghost.move_to_end(k)
             return
         self.outcomes[level > 0][1] += 1
-        if g is not None:  # evicted again after it came back
-            g[0], g[1], g[2] = level, obj.tick, False
+        if g is not None:  # evicted again after it came back (or the key of another namespace)
+            g[0], g[1], g[2], g[3] = obj.ns, level, obj.tick, False
             ghost.move_to_end(k)
             return
-        ghost[k] = [level, obj.tick, False]
+        ghost[k] = [obj.ns, level, obj.tick, False]
         if len(ghost) > self.ghost_max:
             self.ghost_max = max(self.ghost_max, GHOST_PER_OBJECT * held)  # grows with the pool
             while len(ghost) > self.ghost_max:
@@ -287,10 +287,10 @@ class Reuse:
     # ---- estimates -----------------------------------------------------------------------
     def _recall(self, obj: Obj, g: list) -> None:
         """A key the pool evicted (``g``, its ghost entry) is stored again: one more use of it."""
-        level, tick, seen = g
+        _, level, tick, seen = g
         obj.hits = min(level + 1, LEVELS - 1)
         if not seen:  # (the chunk's other objects take the same level without counting it again)
-            g[2] = True
+            g[3] = True
             self.outcomes[level > 0][0] += 1
             self._sample(obj.tick - tick, 1)
 
