@@ -69,7 +69,6 @@ class Row:
     chunks: int  # the hit boundary, in chunks
     identical: bool  # token ids
     same_logprobs: bool  # every generated token's logprob, bit for bit
-    first_logprob_equal: bool  # the token the prefill on top of the restored prefix computed
     logprob_diff: float  # the largest difference of one token's logprob
     agree_until: int  # tokens generated alike before the first that differs
     diff_while_agreeing: float  # the largest logprob difference among those
@@ -119,7 +118,6 @@ def _row(mode, k, tokens, control, logprobs, control_logprobs, control_cached, t
         k,
         tokens == control,
         logprobs == control_logprobs,
-        logprobs[:1] == control_logprobs[:1],
         max(diffs),
         agree,
         max(diffs[:agree], default=0.0),
