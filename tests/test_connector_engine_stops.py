@@ -166,8 +166,11 @@ def test_no_file_session_or_mapping_outlives_an_engine_process(daemon, tmp_path,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        # vLLM 0.32 leaves its own rings behind when SIGKILLed; remove those (nobody maps them)
-        for name in unmapped(vllm_shm_files() - vllm_before):
+        # vLLM 0.32 leaves its own rings behind when SIGKILLed; remove those nobody maps. Only rings:
+        # a live semaphore is mapped under glibc's temporary name, not its own, so "unmapped" cannot
+        # tell a leftover semaphore from another process's live one (removing that one kills the
+        # other process's next spawn).
+        for name in unmapped({n for n in vllm_shm_files() - vllm_before if n.startswith("psm_")}):
             os.unlink(f"/dev/shm/{name}")
 
 
