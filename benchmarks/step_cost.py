@@ -51,45 +51,6 @@ HOOKS = (
 PHASES = ("cold", "warm", "skip")
 
 
-# The baseline: a connector whose hooks do nothing (vLLM's scheduling with a connector configured).
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorMetadata,
-        SupportsHMA,
-    )
-
-    class _NoMetadata(KVConnectorMetadata):
-        pass
-
-    class NothingConnector(KVConnectorBase_V1, SupportsHMA):
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return 0, False
-
-        def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            pass
-
-        def build_connector_meta(self, scheduler_output):
-            return _NoMetadata()
-
-        def start_load_kv(self, forward_context, **kwargs):
-            pass
-
-        def wait_for_layer_load(self, layer_name):
-            pass
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            pass
-
-        def wait_for_save(self):
-            pass
-
-        def request_finished_all_groups(self, request, block_ids):
-            return False, None
-except ImportError:  # pragma: no cover - the driver itself needs no vLLM
-    pass
-
-
 def _timed(cls, totals):
     for name in HOOKS:
         original = getattr(cls, name, None)
@@ -138,11 +99,9 @@ def engine_main(args) -> None:
             "kv_connector_extra_config": {"tierd.url": args.url},
         }
     else:
-        kv = {
-            "kv_connector": "NothingConnector",
-            "kv_connector_module_path": "step_cost",
-            "kv_role": "kv_both",
-        }
+        from nothing_connector import KV_TRANSFER_CONFIG
+
+        kv = dict(KV_TRANSFER_CONFIG)
     llm = LLM(
         args.model,
         dtype="bfloat16",

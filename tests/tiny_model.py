@@ -112,6 +112,12 @@ RECIPES = {
         for w in GEMMA3_WINDOWS
         for kv, heads in (("", 1), ("-kv2", 2))
     },
+    # 4 layers x 4 KV heads x 64 x bf16: 4 KiB of KV per token, for serving benchmarks
+    "tiny-llama-4l-v1": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {**CONFIG, "num_hidden_layers": 4, "num_key_value_heads": 4},
+    ),
     "tiny-gemma3-w64-h256-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, 256, 4)),
     "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
 }
