@@ -13,7 +13,9 @@ descriptor is the capability, so no path, owner or permission of the daemon's us
 Bounds: at most ``max_per_uid`` unclaimed descriptors per uid (more are refused, the message
 answered ``er``), each ticket expires ``ttl_s`` after its last message (its descriptors are
 closed), at most ``max_conns`` connections at once, each closed after ``idle_s`` of silence. One
-thread serves the socket with a selector; nothing here touches the main loop's state.
+thread serves the socket with a selector; nothing here touches the main loop's state. Since that
+one thread is the only way in, nothing a connection does may end it: an error while serving one
+connection drops that connection (the descriptors of its message are closed) and is counted.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class FdInbox:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, bytes], tuple[list[int], float]] = {}  # (uid, ticket) -> (fds, last)
         self._count: dict[int, int] = {}  # uid -> unclaimed descriptors
-        self.received = self.refused = 0
+        self.received = self.refused = self.failed = 0  # failed: connections dropped on an exception
         self._conns: dict[socket.socket, tuple[int, float]] = {}  # -> (uid, last heard)
         self._sock = listen_seqpacket(path, mode)
         self._stop_r, self._stop_w = os.pipe()
@@ -100,15 +102,33 @@ class FdInbox:
 
     # ---- the inbox thread ------------------------------------------------------------------------
     def _serve(self) -> None:
+        """Serve until ``close``. Nothing a connection sends may end this thread: an exception while
+        serving one connection is logged and that connection dropped (its descriptors of that
+        message closed); one anywhere else is logged and the loop goes on."""
         while True:
-            for key, _ in self._sel.select(timeout=1.0):
+            try:
+                events = self._sel.select(timeout=1.0)
+            except Exception:
+                log.exception("fd inbox: select failed; serving on")
+                time.sleep(0.1)
+                continue
+            for key, _ in events:
                 if key.fileobj == self._stop_r:
                     return
-                if key.fileobj is self._sock:
-                    self._accept()
-                else:
-                    self._read(key.fileobj)
-            self._expire(time.monotonic())
+                try:
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    else:
+                        self._read(key.fileobj)
+                except Exception:
+                    log.exception("fd inbox: serving a connection failed; it is dropped")
+                    if key.fileobj is not self._sock:
+                        self._drop(key.fileobj)
+                    self.failed += 1
+            try:
+                self._expire(time.monotonic())
+            except Exception:
+                log.exception("fd inbox: expiring tickets failed; serving on")
 
     def _accept(self) -> None:
         try:
@@ -149,18 +169,25 @@ class FdInbox:
             self._drop(conn)
             return
         self._conns[conn] = (uid, time.monotonic())
-        reply = self._deposit(uid, data, fds, flags)
+        kept = False
+        try:
+            reply, kept = self._deposit(uid, data, fds, flags)
+        finally:
+            if not kept:  # refused, or the deposit raised: the message's descriptors are closed here
+                for fd in fds:
+                    os.close(fd)
         try:
             conn.send(reply)
         except OSError:
             self._drop(conn)
 
-    def _deposit(self, uid: int, data: bytes, fds: list[int], flags: int) -> bytes:
-        def refuse(why: str) -> bytes:
-            for fd in fds:
-                os.close(fd)
+    def _deposit(self, uid: int, data: bytes, fds: list[int], flags: int) -> tuple[bytes, bool]:
+        """The reply to one message, and whether its descriptors were kept (else the caller closes
+        them)."""
+
+        def refuse(why: str) -> tuple[bytes, bool]:
             self.refused += 1
-            return b"er" + why.encode()
+            return b"er" + why.encode(), False
 
         if flags & socket.MSG_CTRUNC:
             return refuse(f"more than {MAX_FDS_PER_MESSAGE} descriptors in one message")
@@ -168,6 +195,8 @@ class FdInbox:
             return refuse(f"a message is {MAGIC!r} + a {TICKET_BYTES}-byte ticket")
         if not fds:
             return refuse("no descriptors came with the message")
+        if len(fds) > MAX_FDS_PER_MESSAGE:  # the receive buffer has room for a few more, to see them
+            return refuse(f"more than {MAX_FDS_PER_MESSAGE} descriptors in one message")
         ticket = data[len(MAGIC) :]
         with self._lock:
             have = self._count.get(uid, 0)
@@ -182,7 +211,7 @@ class FdInbox:
             self._count[uid] = have + len(fds)
             self.received += len(fds)
             n = len(held)
-        return b"ok" + n.to_bytes(4, "little")
+        return b"ok" + n.to_bytes(4, "little"), True
 
     def _expire(self, now: float) -> None:
         for conn, (_, last) in list(self._conns.items()):

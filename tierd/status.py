@@ -159,7 +159,12 @@ def build_status(daemon) -> dict:
     out["fd_inbox"] = (
         None
         if inbox is None
-        else {"waiting": inbox.waiting, "received": inbox.received, "refused": inbox.refused}
+        else {
+            "waiting": inbox.waiting,
+            "received": inbox.received,
+            "refused": inbox.refused,
+            "failed": inbox.failed,
+        }
     )
     channel = daemon.channel
     out["lookup_channel"] = (
