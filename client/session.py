@@ -146,6 +146,11 @@ class Session(Transport):
         )
         return done
 
+    @property
+    def leaving(self) -> bool:
+        """Whether ``leave_now`` or ``close`` began saying goodbye."""
+        return self._leaving
+
     def leave_now(self, unregister: tuple[str, ...] = ()) -> None:
         """Queue UNREGISTERs of ``unregister`` (any session may drop any instance) and a BYE, and
         return at once: safe in a signal handler (lock-free queue puts, a pipe write). No

@@ -191,9 +191,10 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- both ---------------------------------------------------------------------------------------
     def instances_to_drop(self) -> tuple[str, ...]:
         """What to UNREGISTER when leaving in a hurry: the scheduler side names every rank of this
-        engine (the workers may be killed before they can say goodbye), a worker its own."""
+        engine (the workers may be killed before they can say goodbye); a worker nothing, as its
+        BYE drops its own rank, so each rank is named in one UNREGISTER only."""
         if self.worker is not None:
-            return (self.worker.instance,)
+            return ()
         return tuple(f"{self._engine}/{r}" for r in range(self.geo.world_size))
 
     def shutdown(self):

@@ -9,10 +9,12 @@
   connector chains vLLM's own SIGTERM/SIGINT handlers in its process (engine core, workers) and
   queues a BYE before handing the signal on: queueing is a lock-free put and a pipe write (safe
   in a signal handler), and the I/O thread sends it at once. Workers get no signal before
-  the kill (only the engine core does), so the scheduler side also UNREGISTERs the engine's
+  the kill (only the engine core does), so the scheduler side UNREGISTERs the engine's
   worker instances (any session may): the daemon lets go of their KV memory at once; their
   now empty sessions end at the heartbeat timeout (at once with a daemon that drops a session
-  when its connection closes). Only handlers vLLM installed are chained (never a user's), and
+  when its connection closes). A worker that does see the signal (one in the engine core's
+  process) only says BYE, and its shutdown afterwards sends nothing: each rank is named in one
+  UNREGISTER. Only handlers vLLM installed are chained (never a user's), and
   only in abort mode: with a grace period the engine keeps serving while it drains, and a BYE
   then would turn the tier off under running requests.
 - An ``atexit`` hook covers processes that exit without either (an offline ``LLM`` at

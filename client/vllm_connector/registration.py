@@ -185,9 +185,12 @@ class RankRegistration:
             )
 
     def leave(self) -> None:
-        """UNREGISTER (bounded), for daemons that do not know BYE."""
+        """UNREGISTER (bounded) on a clean stop. Not once the client is leaving in a hurry (a
+        signal queued its BYE, which drops this rank, and the scheduler side's UNREGISTER names it)."""
         if self.registered:
             self.registered = False
+            if self.client.leaving:
+                return
             try:
                 self.client.unregister(self.instance, timeout=0.5)
             except Exception:  # noqa: BLE001 - BYE or the heartbeat timeout reaps us anyway

@@ -216,8 +216,8 @@ class WorkerSide:
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Let pending stores finish (bounded: vLLM kills an engine that takes long to stop),
-        then leave the daemon (the client's BYE ends the session; UNREGISTER serves a daemon
-        that does not know BYE)."""
+        then UNREGISTER this rank (unless a signal already had the client say BYE); the client's
+        BYE then ends the session."""
         self.flush(timeout)
         self.stores, self._store_keys = [], {}
         self.reg.leave()
