@@ -97,8 +97,14 @@ class _Collector:
         yield err
         for name, doc in (
             ("memory_configured_bytes", "ceiling of the host pool (--l1-size-gb)"),
-            ("memory_total_bytes", "host memory backed now"),
+            ("memory_total_bytes", "host memory backed now (all segments)"),
+            ("memory_segments", "segments backed"),
+            ("memory_next_segment_bytes", "bytes the pool's next growth backs (0 at the ceiling)"),
             ("memory_used_bytes", "bytes held by objects"),
+            ("memory_pinned_bytes", "pool bytes registered with CUDA (page-locked)"),
+            ("largest_free_bytes", "the largest new object a STORE places now without evicting"),
+            ("largest_storable_bytes", "the largest new object a STORE places now, evicting if need be"),
+            ("leased_bytes", "bytes pinned by leases"),
             ("objects", "objects in the index"),
             ("leases_active", "leases outstanding"),
             ("sessions", "connected clients"),
