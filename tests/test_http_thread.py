@@ -25,7 +25,7 @@ def serve():
     made: list[BoundedHTTPServer] = []
 
     def make(handler=Ok, max_connections: int = 8, timeout_s: float = 5.0) -> BoundedHTTPServer:
-        server = BoundedHTTPServer("127.0.0.1", 0, handler, timeout_s, max_connections, healthy=lambda: True)
+        server = BoundedHTTPServer("127.0.0.1", 0, handler, timeout_s, max_connections, health=lambda: None)
         server.start()
         made.append(server)
         return server

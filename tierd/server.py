@@ -243,6 +243,7 @@ class Daemon:
                 active = time.perf_counter()
             now = time.monotonic()
             if now >= next_house:
+                self.board.beat = now  # /healthz reads it (tierd.status)
                 self._housekeeping(now)
                 next_house = now + HOUSEKEEPING_S
             if self.stopping:

@@ -1,6 +1,8 @@
 """The /status object, and how the HTTP thread gets it without touching the daemon's state.
 
-Only the main loop reads the registry and the pool. The HTTP thread asks the board
+Only the main loop reads the registry and the pool. It also beats here (``beat``, at every
+housekeeping), and /healthz reads that without waiting: a loop stuck in a call, or gone, fails
+/healthz within STALL_S while the HTTP thread still answers. The HTTP thread asks the board
 (``StatusBoard.ask``); the main loop answers pending asks between requests (``answer``). Once
 the daemon is stopping or the loop is gone, asks are answered from the last status built, marked
 ``"stopping": true``, so an operator never gets a half-torn-down state or an error.
@@ -19,11 +21,13 @@ from tierd import __version__, warm
 from tierd.stats import COUNTERS
 
 ASK_TIMEOUT_S = 5.0
+STALL_S = 5.0  # /healthz fails once the main loop has not beaten for this long (as /status gives up)
 
 
 class StatusBoard:
     def __init__(self):
         self.stopping = False
+        self.beat = time.monotonic()  # the main loop's heartbeat: set at least every housekeeping
         self._last: dict = {}
         self._lock = threading.Lock()
         self._asks: queue.SimpleQueue = queue.SimpleQueue()
@@ -38,6 +42,16 @@ class StatusBoard:
     def last(self) -> dict:
         with self._lock:
             return {**self._last, "stopping": True} if self.stopping else dict(self._last)
+
+    def health(self) -> str | None:
+        """/healthz, on the HTTP thread without waiting: None while serving, else why not (stopping,
+        or the main loop silent for STALL_S: stuck in a call, or its thread gone)."""
+        if self.stopping:
+            return "stopping"
+        silent = time.monotonic() - self.beat
+        if silent > STALL_S:
+            return f"main loop stalled: no heartbeat for {silent:.1f} s"
+        return None
 
     def ask(self, timeout: float = ASK_TIMEOUT_S) -> dict:
         """A fresh status from the main loop (any thread but the main loop's)."""

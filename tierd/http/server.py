@@ -8,8 +8,9 @@ have arrived, and it has ``timeout_s`` for all of them (one deadline, not one pe
 closed when that passes. A complete request goes to a pool of ``WORKERS`` threads, whose writes of
 the reply each block at most ``timeout_s``; /healthz, whose reply never waits, is answered by the
 accepting thread itself, so a queue of /status asks (each waits for the main loop) cannot delay it
-and its answer proves that thread alive. At most ``max_connections`` are open at once: when full,
-the oldest one still sending its request is closed to make room (a prompt client such as a
+and its answer proves that thread alive; it reads the main loop's heartbeat (``health``), so it is
+a 503 with the reason once that loop is stuck or gone. At most ``max_connections`` are open at
+once: when full, the oldest one still sending its request is closed to make room (a prompt client such as a
 scraper or ``curl`` is not starved by idle ones). At most half of them wait for or hold a worker:
 a complete request past that gets a 503 from the accepting thread, so slow /status and /metrics
 replies never leave a new connection unread. One request per connection (HTTP/1.0).
@@ -55,7 +56,7 @@ def _plain(status: str, body: bytes) -> bytes:
     return head.encode() + b"Connection: close\r\n\r\n" + body
 
 
-HEALTHY, STOPPING = _plain("200 OK", b"ok\n"), _plain("503 Service Unavailable", b"stopping\n")
+HEALTHY = _plain("200 OK", b"ok\n")
 
 
 class _Pending:
@@ -67,16 +68,17 @@ class _Pending:
 
 
 class BoundedHTTPServer:
-    """An HTTP server whose threads (1 + WORKERS) and open connections are bounded. ``healthy()``
-    (no waiting) decides /healthz, answered on the accepting thread; ``handler`` the rest."""
+    """An HTTP server whose threads (1 + WORKERS) and open connections are bounded. ``health()``
+    (no waiting: None when healthy, else why not) decides /healthz, answered on the accepting
+    thread; ``handler`` the rest."""
 
-    def __init__(self, host: str, port: int, handler, timeout_s: float, max_connections: int, healthy=None):
+    def __init__(self, host: str, port: int, handler, timeout_s: float, max_connections: int, health=None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=BACKLOG)
         self.socket.setblocking(False)
         self.server_address = self.socket.getsockname()
         self.handler, self.timeout_s, self.max_connections = handler, timeout_s, max_connections
-        self.healthy = healthy
+        self.health = health
         self.accepts = max(1, max_connections // 2)  # per round
         self.answering = max(1, max_connections // 2)  # complete requests for the workers, at most
         self.round = 0  # rounds of the accepting loop
@@ -220,8 +222,9 @@ class BoundedHTTPServer:
         p.head += data
         if p.head.find(b"\r\n\r\n", seen) < 0 and p.head.find(b"\n\n", seen) < 0:
             return TOO_LARGE if len(p.head) > MAX_HEAD else False
-        if self.healthy is not None and _path(p.head) == b"/healthz":
-            return HEALTHY if self.healthy() else STOPPING
+        if self.health is not None and _path(p.head) == b"/healthz":
+            why = self.health()
+            return HEALTHY if why is None else _plain("503 Service Unavailable", why.encode() + b"\n")
         return True
 
     def _finish(self, p: _Pending, got: bool | bytes) -> None:
@@ -392,9 +395,7 @@ def start_http_server(
         def log_message(self, fmt, *args):
             log.debug("http: " + fmt, *args)
 
-    server = BoundedHTTPServer(
-        host, port, Handler, timeout_s, max_connections, healthy=lambda: not board.stopping
-    )
+    server = BoundedHTTPServer(host, port, Handler, timeout_s, max_connections, health=board.health)
     server.start()
     log.info(
         "HTTP on http://%s:%d (/status /metrics /healthz; at most %d connections, %.3g s each to send "
