@@ -1,4 +1,4 @@
-"""Connections are capped (found by benchmarks/hardening.py, attack 10b: 4251 connections that
+"""Connections are capped (found by a hostile client: 4251 connections that
 never said HELLO took every descriptor of a daemon with RLIMIT_NOFILE 4096, libzmq's accept
 failed with EMFILE and aborted the daemon). One past the cap is closed at once; the daemon and
 clients within the cap go on. Real daemon, real ZeroMQ connections."""

@@ -1,5 +1,5 @@
-"""Leases on a class's coldest objects do not stop its stores from evicting the rest (found by
-benchmarks/hardening.py, attack 7g: leases on the 1100 coldest of 3000 objects, 34% of the pool,
+"""Leases on a class's coldest objects do not stop its stores from evicting the rest (found by a
+hostile client: leases on the 1100 coldest of 3000 objects, 34% of the pool,
 left a victim's 500 new stores rejected 428 times with 0 evictions, because each eviction search
 gave up after passing SCAN pinned objects). Pool-level, exact counts."""
 
