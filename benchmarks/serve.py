@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -219,6 +222,135 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
     return out
 
 
+FAULTS = ("kill", "term", "aborts", "server")
+
+
+def tier_files() -> list[str]:
+    """/dev/shm entries of the engine's KV memory as tierd shares it (torch's files, tierd's links)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "tierd-kv-")))
+
+
+def abort_streams(url: str, model: str, prompts: list[str], stop: threading.Event) -> dict:
+    """Streaming completions closed after their first chunk, one after another until ``stop``."""
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    n = ok = 0
+    while not stop.is_set():
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": prompts[n % len(prompts)],
+                "max_tokens": 64,
+                "stream": True,
+                "temperature": 0,
+            }
+        )
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            ok += resp.status == 200 and bool(resp.readline())
+        except OSError:
+            pass
+        finally:
+            conn.close()  # the stream ends here: vLLM aborts the request
+        n += 1
+    return {"aborted": n, "answered_before_abort": ok}
+
+
+def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
+    """One fault at concurrency ``--fault-concurrency`` against a TierdConnector server: the same
+    workload shape first without the fault (a fresh prefix set), then with it; the daemon's state and
+    /dev/shm are compared with their state before the server started."""
+    from conftest import DaemonProcess
+
+    folder = workdir / f"fault-{fault}"
+    pool_dir = folder / "pool"
+    folder.mkdir(parents=True, exist_ok=True)
+    daemon_args = ("--pool-dir", str(pool_dir)) if fault == "term" else ()
+    daemon = DaemonProcess(folder, *daemon_args, pool_mb=int(args.pool_gb * 1024))
+    files_before = tier_files()
+    base = daemon.status()
+    conc = args.fault_concurrency
+    kv = {
+        "kv_connector": "TierdConnector",
+        "kv_connector_module_path": "tierd_client.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"tierd.url": daemon.endpoint, "tierd.chunk_tokens": CHUNK_TOKENS},
+    }
+
+    def serve():
+        return ApiServer(model, folder / f"server-{fault}.log", kv, max_model_len=args.max_model_len)
+
+    server = serve()
+    out: dict = {"fault": fault, "concurrency": conc}
+    try:
+        wl = client_args("prefix", 9000, args, workdir, tok)
+        clean = bench_serve(server, model, wl, folder, concurrency=conc, seed=9000)
+        stop = threading.Event()
+        result: dict = {}
+        wl = client_args("prefix", 9001, args, workdir, tok)
+        run = threading.Thread(
+            target=lambda: result.update(bench_serve(server, model, wl, folder, concurrency=conc, seed=9001))
+        )
+        t0 = time.monotonic()
+        run.start()
+        time.sleep(args.fault_at_s)
+        if fault == "kill":
+            daemon.restart()  # SIGKILL, then a new daemon on the same socket
+        elif fault == "term":
+            daemon.stop()  # SIGTERM: the pool folder keeps what was stored
+            daemon.start()
+        elif fault == "aborts":
+            prompts = ["abort " + " ".join(str(i + j) for j in range(300)) for i in range(8)]
+            aborter = threading.Thread(
+                target=lambda: out.update(abort_streams(server.url, model, prompts, stop)), daemon=True
+            )
+            aborter.start()
+        elif fault == "server":
+            run.join()  # the server is stopped between runs, never with requests in flight
+            server.close()
+            server = serve()
+        out["fault_after_s"] = round(time.monotonic() - t0, 2)
+        run.join()
+        stop.set()
+        if fault == "server":  # the restarted server serves the same prompts from the tier
+            result = bench_serve(server, model, wl, folder, concurrency=conc, seed=9001)
+        out["clean"] = {
+            "failed": clean["failed"],
+            "ttft_max": max(clean["ttfts"]) * 1e3,
+            "ttft_p99": clean["p99_ttft_ms"],
+        }
+        out["faulted"] = {
+            "failed": result.get("failed", -1),
+            "ttft_max": max(result.get("ttfts") or [0]) * 1e3,
+            "ttft_p99": result.get("p99_ttft_ms", 0),
+        }
+        after_run = server.close()
+        out["server_rc"] = after_run
+        settled = daemon.status()
+        deadline = time.monotonic() + 40
+        while (settled["sessions"], settled["leases_active"]) != (base["sessions"], base["leases_active"]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+            settled = daemon.status()
+        out["state_after"] = {k: settled[k] for k in ("sessions", "leases_active", "objects", "errors")}
+        out["state_base"] = {k: base[k] for k in ("sessions", "leases_active")}
+        out["shm_left"] = sorted(set(tier_files()) - set(files_before))
+    finally:
+        server.close()
+        daemon.kill()
+    log(
+        f"fault {fault}: failed {out['faulted']['failed']} (clean run {out['clean']['failed']}), "
+        f"max TTFT {out['faulted']['ttft_max']:.0f} ms vs {out['clean']['ttft_max']:.0f} ms without, "
+        f"state {out['state_after']} (base {out['state_base']}), /dev/shm left {out['shm_left']}"
+    )
+    return out
+
+
 def median_rows(rows: list[dict]) -> dict:
     out = {}
     for k in rows[0]:
@@ -280,11 +412,18 @@ def main() -> None:
     ap.add_argument("--lmcache-venv", default=str(ROOT / ".bench" / "lmcache-venv"))
     ap.add_argument("--skip-lmcache-install", action="store_true")
     ap.add_argument("--workdir", default="", help="logs and client results (default: a temp folder)")
+    ap.add_argument("--faults", default="", help=f"comma list of {', '.join(FAULTS)} (after the phases)")
+    ap.add_argument("--fault-concurrency", type=int, default=8)
+    ap.add_argument("--fault-at-s", type=float, default=3.0, help="seconds into the faulted run")
     ap.add_argument("--json", default="", help="write every figure here")
     args = ap.parse_args()
     args.phases = [p for p in args.phases.split(",") if p]
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.faults = [f for f in args.faults.split(",") if f]
+    for f in args.faults:
+        if f not in FAULTS:
+            ap.error(f"unknown fault {f!r}; one of {', '.join(FAULTS)}")
     for p in args.phases:
         if p not in PHASES:
             ap.error(f"unknown phase {p!r}; one of {', '.join(PHASES)}")
@@ -310,6 +449,7 @@ def main() -> None:
         for rnd in range(args.repeat):
             for phase in args.phases:
                 rounds[phase].append(run_phase(phase, model, workdir, args, state, tok, rnd))
+        faults = [run_fault(f, model, workdir, args, tok) for f in args.faults]
     finally:
         for key in ("tierd", "lmcache"):
             if key in state:
@@ -318,8 +458,17 @@ def main() -> None:
         ph: {k: median_rows([r[k] for r in runs]) for k in runs[0]} for ph, runs in rounds.items() if runs
     }
     print(table(results, args.workloads, args.concurrency, args.phases))
+    for f in faults:
+        print(
+            f"fault {f['fault']} at c{f['concurrency']}: failed {f['faulted']['failed']}, max TTFT "
+            f"{f['faulted']['ttft_max']:.0f} ms "
+            f"({f['faulted']['ttft_max'] - f['clean']['ttft_max']:+.0f} ms vs "
+            f"the run without it), daemon after {f['state_after']} (base {f['state_base']}), "
+            f"/dev/shm left {len(f['shm_left'])}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        out = {"args": vars(args), "results": results, "faults": faults}
+        Path(args.json).write_text(json.dumps(out, indent=1))
         log(f"wrote {args.json}")
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)

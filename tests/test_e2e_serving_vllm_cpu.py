@@ -1,0 +1,84 @@
+"""Serving end to end: vLLM's OpenAI server with TierdConnector, driven by vLLM's own benchmark client
+(``vllm bench serve``) at concurrency 4, with an engine KV cache small enough that requests are
+preempted and resumed. The server is restarted between a cold run (every prefix computed and
+stored) and a warm run of the same prompts (every prefix comes back from the tier): no request
+fails in either, the warm run's greedy outputs equal the cold run's (a server with the same
+connector computing everything: the same scheduling, so the same numerics), the tier serves the
+warm run's shared prefixes, and the daemon's sessions and leases return to where they started."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from conftest import DaemonProcess  # noqa: E402
+from conftest_vllm import tiny_model  # noqa: E402,F401 - fixture
+from serving import ApiServer, bench_serve, prefix_workload  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHUNK = 256
+PREFIXES, PER_PREFIX, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN = 6, 2, 1024, 40, 8
+PROMPTS = PREFIXES * PER_PREFIX
+# 16-token blocks: 4 requests of ~1,070 tokens need ~270 blocks; 160 forces preemptions
+ENGINE_ARGS = ("--num-gpu-blocks-override", "160", "--block-size", "16", "--max-num-seqs", "4")
+
+
+def wait_for(pred, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def test_a_restarted_server_under_load_gets_its_prefixes_from_the_tier_with_the_same_outputs(
+    tmp_path, tiny_model
+):
+    daemon = DaemonProcess(tmp_path, pool_mb=512)
+    kv = {
+        "kv_connector": "TierdConnector",
+        "kv_connector_module_path": "tierd_client.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"tierd.url": daemon.endpoint, "tierd.chunk_tokens": CHUNK},
+    }
+    workload = prefix_workload(PREFIX_LEN, SUFFIX_LEN, PROMPTS, OUTPUT_LEN, PER_PREFIX)
+    base = daemon.status()
+    runs = {}
+    try:
+        for phase in ("cold", "warm"):
+            server = ApiServer(
+                tiny_model, tmp_path / f"server-{phase}.log", kv, max_model_len=2048, extra_args=ENGINE_ARGS
+            )
+            try:
+                before, st_before = server.metrics(), daemon.status()
+                res = bench_serve(server, tiny_model, workload, tmp_path, concurrency=4, seed=7)
+                after = server.metrics()
+            finally:
+                assert server.close() is not None
+            runs[phase] = (res, {k: after.get(k, 0) - before.get(k, 0) for k in after}, st_before)
+
+        for phase, (res, _, _) in runs.items():
+            assert res["completed"] == PROMPTS and not any(res["errors"]), (phase, res["errors"])
+        cold, warm = runs["cold"], runs["warm"]
+        assert cold[1]["vllm:num_preemptions_total"] + warm[1]["vllm:num_preemptions_total"] > 0, (
+            "the engine's cache was meant to be small enough to preempt"
+        )
+        # every prefix was stored by the cold server and comes back from the tier to the warm one
+        stored_chunks = warm[2]["stored_chunks"] - base["stored_chunks"]
+        assert stored_chunks >= PREFIXES * (PREFIX_LEN // CHUNK), stored_chunks
+        from_tier = warm[1]["vllm:external_prefix_cache_hits_total"]
+        assert from_tier >= PREFIXES * PREFIX_LEN, (from_tier, warm[1])
+        assert warm[0]["generated_texts"] == cold[0]["generated_texts"]
+    finally:
+        settled = wait_for(
+            lambda: (s := daemon.status())["leases"] == 0 and s["sessions"] == base["sessions"]
+        )
+        status = daemon.status()
+        daemon.stop()
+    assert settled, f"sessions {status['sessions']} (at start {base['sessions']}), leases {status['leases']}"
