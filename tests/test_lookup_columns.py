@@ -150,7 +150,7 @@ def test_a_touch_of_an_object_gone_meanwhile_touches_the_rest(pool):
 @pytest.fixture
 def stored(tmp_path):
     """An in-process Daemon (real handlers and pool) with one session and four committed chunks,
-    the last one least recent; its ``_send`` records each reply and what was pending then."""
+    the last one least recent; its ``replies.send`` records each reply and what was pending then."""
     from tierd import handlers
     from tierd.config import Settings
     from tierd.handlers import Call
@@ -182,7 +182,7 @@ def stored(tmp_path):
             pins = [o.pins for o in job.plan.objs]
             sent.append((codec.decode_reply(frame, 1 << 20), list(pool._untouched), pins))
 
-        d._send = send
+        d.replies.send = send
 
         def lookup(n: int, lease: bool) -> None:
             specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]

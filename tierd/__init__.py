@@ -3,8 +3,11 @@
 Reading the code, in the order a request meets it (each module says what it owns and its hazards;
 tests/test_docs_paths.py fails when this map misses a module or names one that is gone):
 
-Edge: bytes in, typed requests out.
-    tierd/server.py       the daemon's main loop: receive, decode, dispatch, submit copies, reply
+Edge: bytes in, typed requests out; outcomes in, replies out.
+    tierd/server.py       the daemon's main loop: receive, decode, dispatch, carry outcomes
+    tierd/outcomes.py     a handler's outcome on the loop: reply, submit a copy, ask the second tier
+    tierd/respond.py      respond(): every reply and typed error goes out here
+    tierd/assemble.py     what a daemon is built of, from its settings
     tierd/protocol/       frames (codec), typed requests with every limit (messages), page
                           layouts (layout), key hashing (keys), error codes (errors)
     tierd/channel.py      the lookup channel: LOOKUP and PING without ZeroMQ
@@ -15,7 +18,8 @@ Edge: bytes in, typed requests out.
 State and decisions.
     tierd/registry.py     sessions, registered ranks, namespaces, leases: one owner
     tierd/tenants.py      who a session acts as, and what it may touch
-    tierd/handlers.py     one handler per op: (tier, call, request) -> reply | Job
+    tierd/handlers.py     one handler per op: (tier, call, request) -> outcome (reply | Job | needs)
+    tierd/jobs.py         Tier, Call; the copy Jobs of STORE and RETRIEVE; what needs the second tier
 Planning: pure functions of (request, geometry, pool).
     tierd/planner.py      STORE and RETRIEVE: per-chunk results, objects, copy items, failures
     tierd/pool/           host memory: segments, slabs, the index and LOOKUP's fold, eviction,

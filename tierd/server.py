@@ -1,16 +1,18 @@
 """The daemon: one ROUTER socket and a single-threaded main loop that receives, decodes, dispatches,
-submits copies and replies. State lives in the registry and the pool; handlers (tierd.handlers)
-decide; copies run on transfer lanes; an HTTP thread serves operators from a status snapshot.
+carries each handler's outcome and replies. State lives in the registry and the pool; handlers
+(tierd.handlers) decide and return an outcome: a reply's body, a copy Job, or what the request
+needs of the second tier, which the loop asks it and hands back to the handler once it answered.
+Copies run on transfer lanes; an HTTP thread serves operators from a status snapshot.
 
-Every request gets exactly one reply: a success body or a typed error. A handler that raises is
-answered INTERNAL with the exception text; a copy that raises is answered DEVICE_ERROR.
+Every request gets exactly one reply, and every reply goes out through ``respond``
+(tierd.respond): a success body or a typed error. A handler that raises is answered INTERNAL
+with the exception text; a copy that raises is answered DEVICE_ERROR.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import signal
 import time
@@ -18,21 +20,20 @@ import uuid
 
 import zmq
 
-from tierd import __version__, endpoint, handlers, warm
+from tierd import __version__, assemble, endpoint, handlers, warm
 from tierd.channel import CHANNEL_OPS, Channel, ChannelServer, channel_path
 from tierd.config import Settings
 from tierd.disconnects import ConnectionWatch
-from tierd.handlers import Call, Job, Tier
+from tierd.jobs import Call, Tier
+from tierd.outcomes import Outcomes
 from tierd.peer import Peer, parse_peer_address
-from tierd.pool.pool import Pool
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
-from tierd.registry import Limits, Registry
+from tierd.respond import Replies
 from tierd.stats import Stats
 from tierd.status import StatusBoard, build_status
-from tierd.tenants import Tenants, load_tokens
-from tierd.transfer.engine import QUEUED, TransferEngine
+from tierd.transfer.engine import TransferEngine
 
 log = logging.getLogger("tierd")
 
@@ -64,7 +65,7 @@ class Daemon:
         # connections are capped (each costs a descriptor; libzmq aborts when none is left to accept
         # with), and a client's closed connection drops its session at once, not at the heartbeat
         # timeout (tierd.disconnects)
-        self.max_connections = _connection_cap(settings)
+        self.max_connections = assemble.connection_cap(settings)
         self.watch = ConnectionWatch(self.router, self.max_connections, 2 * settings.max_sessions_per_peer)
         # the endpoint first: a second daemon on a served socket is refused before it backs (and
         # pins) a pool; clients that connect meanwhile are answered once the loop runs
@@ -74,54 +75,28 @@ class Daemon:
         except BaseException:
             self._unbind()
             raise
-        self.stats.install(self.board.ask, _l2_families if self.l2 is not None else None)  # /metrics is
-        # scraped on the HTTP thread: it asks the main loop
+        # /metrics is scraped on the HTTP thread: it asks the main loop
+        self.stats.install(self.board.ask, assemble.l2_families if self.l2 is not None else None)
 
     def _open(self, settings: Settings) -> None:
-        self.cuda = _cuda_support(settings)
-        self.pool = Pool(
-            settings.ceiling_bytes,
-            settings.initial_bytes,
-            settings.l1_align_bytes,
-            settings.l1_segment_mb << 20,
-            pinner=self.cuda.pinner() if self.cuda else None,
-            ns_quota_bytes=int(settings.namespace_quota_gb * (1 << 30)),
-            eviction_log=settings.eviction_log,
-            eviction_policy=settings.eviction_policy,
-            grow_bytes=settings.l1_grow_mb << 20,
-            pool_dir=settings.pool_dir,
-            meta=warm.pool_meta(settings),
-            index_dir=settings.pool_index_dir,
-        )
+        self.cuda = assemble.cuda_support(settings)
+        self.pool = assemble.open_pool(settings, self.cuda)
         warm.announce(settings, self.pool)
         self.xfer = TransferEngine(settings.workers)
-        self.registry = Registry(
-            self.pool,
-            self.xfer,
-            settings.lease_ttl_s,
-            settings.heartbeat_timeout_s,
-            Limits.from_settings(settings),
-        )
+        self.registry = assemble.open_registry(settings, self.pool, self.xfer)
         self._ipc = settings.socket.startswith("ipc://")
-        tenants = Tenants(
-            not self._ipc,
-            load_tokens(settings.tcp_token_file) if settings.tcp_token_file else None,
-            settings.insecure_tcp,
-        )
+        tenants = assemble.open_tenants(settings, self._ipc)
         self._peers: dict[str, Peer] = {}  # Peer-Address -> Peer
         self.boot_id = uuid.uuid4().hex
+        self.memory = assemble.MemoryOpener(settings, self.cuda, self.inbox)
         self.tier = Tier(
-            self.registry,
-            self.pool,
-            self.stats,
-            settings,
-            self.boot_id,
-            self._open_memory,
-            self.status,
-            tenants,
+            self.registry, self.pool, self.stats, settings, self.boot_id, self.memory, self.status, tenants
         )
-        self.l2 = _second_tier(settings, self.pool)  # None without --l2-url
+        self.l2 = assemble.second_tier(settings, self.pool, self.registry)  # None without --l2-url
         self.tier.l2 = self.l2
+        self.replies = Replies(self.router, self.channel, self.stats)
+        self.respond = self.replies.respond  # every reply goes out through it
+        self.outcomes = Outcomes(self.tier, self.xfer, self.l2, self.respond)
         self.tier.channel_max_bytes = self.channel.max_bytes if self.channel is not None else 0
         self.stopping = False
         self._next_freeze = 0.0
@@ -165,34 +140,7 @@ class Daemon:
         self.http_port = self.http.server_address[1]
 
     def _open_memory(self, layout: PageLayout, peer: Peer):
-        if layout.device == "cpu":
-            from tierd.transfer.cpu import CpuRankMemory
-
-            claim = None
-            if self.inbox is not None and peer.local:
-
-                def claim(ticket, uid=peer.uid):
-                    return self.inbox.claim(uid, ticket)
-
-            return CpuRankMemory(layout, peer, self._refuse_own_file, claim)
-        if not self.cuda:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_INVALID, "a cuda layout was registered but this daemon has no CUDA"
-            )
-        return self.cuda.rank_memory(layout)
-
-    def _refuse_own_file(self, st: os.stat_result) -> str | None:
-        """A client naming one of the pool's own files (--pool-dir under /dev/shm) is refused."""
-        for folder in {self.settings.pool_dir, self.settings.pool_index_dir} - {None}:
-            try:
-                if os.stat(folder).st_dev != st.st_dev:
-                    continue
-                with os.scandir(folder) as entries:
-                    if any(e.inode() == st.st_ino for e in entries):
-                        return f"it is one of the daemon's own pool files (in {folder})"
-            except OSError:
-                continue
-        return None
+        return self.memory(layout, peer)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -222,7 +170,9 @@ class Daemon:
         spin = self.settings.busy_poll_us / 1e6  # (--busy-poll-us: from the last socket event on)
         active = 0.0
         while True:
-            events = poller.poll(0 if spin and time.perf_counter() - active < spin else self._poll_ms())
+            events = poller.poll(
+                0 if spin and time.perf_counter() - active < spin else self.outcomes.poll_ms(HOUSEKEEPING_S)
+            )
             for sock, _ in events:
                 if sock is self.router:
                     self._recv_burst()
@@ -236,9 +186,9 @@ class Daemon:
                         self.channel.accept()
                     elif sock in channels:
                         self._recv_channel(channels[sock])
-            self._finish_jobs()
+            self.outcomes.finish_jobs()
             if self.l2 is not None:
-                self._finish_l2()
+                self.outcomes.finish_l2()
             if spin and events:
                 active = time.perf_counter()
             now = time.monotonic()
@@ -380,93 +330,16 @@ class Daemon:
             if self.stopping and op not in NO_STATE_OPS:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             session = None if op in SESSIONLESS_OPS else self.registry.session(identity, peer.uid)
-            result = handlers.HANDLERS[op](
-                self.tier, Call(identity, session, envelope, req_id, t0, peer), msg
-            )
-            if result is handlers.DEFERRED:  # answered once L2 has (tierd.tier2), by its deadline
-                return
-            if isinstance(result, Job):
-                self.xfer.submit(result.lane, result.run, result)
-                return
-            self._send(envelope, codec.encode_reply(req_id, result))
-            self.stats.observe(op, time.perf_counter() - t0)
-        except ProtocolError as exc:
-            self._error(envelope, exc.req_id if exc.req_id is not None else req_id, exc.code, exc.message, op)
-        except Exception as exc:  # every request gets a reply, whatever broke
-            log.exception("handler for %s raised", op)
-            self._error(envelope, req_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", op)
+            call = Call(identity, session, envelope, req_id, t0, peer)
+            outcome = handlers.HANDLERS[op](self.tier, call, msg)
+        except Exception as exc:  # noqa: BLE001 - every request gets a reply, whatever broke
+            self.respond(envelope, req_id, op, t0, exc)
+        else:
+            self.outcomes.carry(call, op, outcome)
         self.pool.settle()  # what the reply did not wait for (a LOOKUP's LRU touch), before the next request
 
     def _error(self, envelope, req_id: int, code: ErrorCode, message: str, op: str) -> None:
-        self.stats.error(code.name)
-        log.debug("%s req %d -> %s: %s", op, req_id, code.name, message)
-        self._send(envelope, codec.encode_error(req_id, code, message))
-
-    def _send(self, envelope: list[bytes] | Channel, frame: bytes) -> None:
-        if type(envelope) is Channel:
-            if not envelope.send(frame):  # its queue is full or it is gone: its deadline covers it
-                self.channel.dropped += 1
-            return
-        try:
-            self.router.send_multipart([*envelope, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: the client's deadline covers it
-            log.debug("reply dropped: %s", exc)
-
-    def _finish_jobs(self) -> None:
-        for job, result, exc in self.xfer.drain():
-            call = job.call
-            if result is QUEUED:  # its copy is queued: the reply goes now, the completion later
-                job.replied = True
-                self._send(call.envelope, codec.encode_reply(call.req_id, job.queued(self.tier)))
-                self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
-                continue
-            if exc is not None and not isinstance(exc, handlers.Expired):
-                log.error("%s copy for %s failed: %r", job.op, job.instance.id, exc)
-            try:
-                body = job.finish(self.tier, exc)
-            except ProtocolError as err:
-                if not job.replied:
-                    self._error(call.envelope, call.req_id, err.code, err.message, job.op)
-                continue
-            except Exception as e:  # noqa: BLE001 - still answer
-                log.exception("finishing %s raised", job.op)
-                if not job.replied:
-                    self._error(
-                        call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", job.op
-                    )
-                continue
-            if not job.replied:
-                self._send(call.envelope, codec.encode_reply(call.req_id, body))
-                self.stats.observe(job.op, time.perf_counter() - call.t0, job.nbytes)
-
-    def _finish_l2(self) -> None:
-        for call, op, result in self.l2.drain(self.tier, time.monotonic()):
-            self._deliver(call, op, result)
-        self.pool.settle()  # the touches and lease pins of LOOKUPs answered now
-
-    def _deliver(self, call: Call, op: str, result) -> None:
-        """The reply, or the copy, of a request that waited for L2."""
-        if isinstance(result, Job):
-            self.xfer.submit(result.lane, result.run, result)
-        elif isinstance(result, ProtocolError):
-            self._error(call.envelope, call.req_id, result.code, result.message, op)
-        elif isinstance(result, Exception):
-            log.error("%s after L2: %r", op, result)
-            self._error(
-                call.envelope, call.req_id, ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", op
-            )
-        else:
-            self._send(call.envelope, codec.encode_reply(call.req_id, result))
-            self.stats.observe(op, time.perf_counter() - call.t0)
-
-    def _poll_ms(self) -> int:
-        """Until the next housekeeping, or sooner when a request waiting for L2 is due."""
-        wait = HOUSEKEEPING_S
-        if self.l2 is not None:
-            due = self.l2.next_due(time.monotonic())
-            if due is not None:
-                wait = min(wait, max(0.0, due))
-        return math.ceil(wait * 1000)
+        self.respond(envelope, req_id, op, 0.0, ProtocolError(code, message))
 
     def _housekeeping(self, now: float) -> None:
         if self.http is not None:
@@ -491,9 +364,9 @@ class Daemon:
         """Copies first (each answered), then the ranks' memory, then the pool they copied into."""
         if self.l2 is not None:  # the grace is over: what still waits for L2 is answered SHUTTING_DOWN
             for call, op, result in self.l2.abandon():
-                self._deliver(call, op, result)
+                self.outcomes.after_l2(call, op, result)
         self.xfer.close()  # waits for every queued copy
-        self._finish_jobs()
+        self.outcomes.finish_jobs()
         if self.l2 is not None:
             self.l2.close()  # Mooncake lets go of the pool's memory (bounded: it kills its agent)
         self.board.publish(self.status())
@@ -519,47 +392,3 @@ class Daemon:
         self.endpoint.close()  # our socket file goes, then the lock
         os.close(self._stop_r)
         os.close(self._stop_w)
-
-
-def _connection_cap(settings: Settings) -> int:
-    """--max-connections, or (0) a quarter of the descriptors this process may open, raised first
-    to the hard limit: the rest is for shared-memory files, pool segments, and the connections a
-    burst brings in before the loop sees them (libzmq accepts on its own thread)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    cap = (1 << 20) if soft == resource.RLIM_INFINITY else max(64, soft // 4)
-    return min(settings.max_connections, cap) if settings.max_connections else cap
-
-
-def _l2_families(status: dict):
-    """The ``tierd_l2_*`` metric families of a /status (with --l2-url)."""
-    from tierd.tier2.metrics import families
-
-    return families(status.get("l2"))
-
-
-def _second_tier(settings: Settings, pool: Pool):
-    """Mooncake Store as L2 with --l2-url (imported only then), else None."""
-    if not settings.l2_url:
-        return None
-    from tierd.tier2 import SecondTier
-
-    return SecondTier(settings, pool)
-
-
-def _cuda_support(settings: Settings):
-    """The CUDA data path when torch sees a GPU (and --cuda is not off), else None."""
-    if settings.cuda == "off":
-        return None
-    try:
-        from tierd.transfer import cuda
-    except ImportError:
-        return None
-    return cuda.detect(settings)

@@ -24,10 +24,14 @@ import time
 from collections import Counter
 
 from tierd.planner import Geometry
+from tierd.pool.index import Obj
 from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.registry import Instance, Registry
 from tierd.tier2.fetch import Fetches
-from tierd.tier2.lookups import Lookups
+from tierd.tier2.lookups import PENDING, Caller, Folded, Lookups
+from tierd.tier2.lookups import Need as LookupNeed
+from tierd.tier2.retrieves import Need as RetrieveNeed
 from tierd.tier2.retrieves import Retrieves
 from tierd.tier2.spill import Spill
 
@@ -58,10 +62,12 @@ COUNTERS = {
 
 
 class SecondTier:
-    def __init__(self, settings, pool: Pool):
+    PENDING = PENDING  # ``lookup``'s answer while the LOOKUP waits for L2
+
+    def __init__(self, settings, pool: Pool, registry: Registry):
         from tierd.l2 import MooncakeTier
 
-        self.settings, self.pool = settings, pool
+        self.settings, self.pool, self.registry = settings, pool, registry
         self.mc = MooncakeTier(settings.l2_url)  # connects in the background
         self.get_timeout_s = self.mc.url.timeout_ms / 1000
         self.wake_r, self._wake_w = os.pipe()
@@ -84,7 +90,7 @@ class SecondTier:
             self._prepare,
         )
         self.fetches = Fetches(self.mc, pool, self.post, self.counts, self._prepare, self.spill.landed)
-        self.lookups = Lookups(self, settings.l2_lookup_timeout_ms / 1000)
+        self.lookups = Lookups(self, registry, settings.l2_lookup_timeout_ms / 1000)
         self.retrieves = Retrieves(self)
         pool.on_evict = self.spill.evicted
         log.info(
@@ -94,16 +100,16 @@ class SecondTier:
             settings.l2_lookup_timeout_ms,
         )
 
-    # ---- what handlers call ------------------------------------------------------------------
-    def lookup(self, tier, call, msg, ns: bytes, ranks: list[int]):
-        """The LOOKUP's reply, DEFERRED, or None (answer from L1)."""
-        return self.lookups.start(tier, call, msg, ns, ranks)
+    # ---- what the main loop and handlers call -------------------------------------------------
+    def lookup(self, call: Caller, need: LookupNeed) -> Folded | None | object:
+        """The fold over L1 and L2, PENDING (``drain`` hands it back), or None (answer from L1)."""
+        return self.lookups.start(call, need)
 
-    def fetch_for(self, tier, call, msg, inst, geo: Geometry) -> bool:
-        """True: the RETRIEVE waits for fetches (DEFERRED)."""
-        return self.retrieves.start(tier, call, msg, inst, geo)
+    def fetch_for(self, call: Caller, need: RetrieveNeed) -> bool:
+        """True: the RETRIEVE waits for fetches (``drain`` hands it back)."""
+        return self.retrieves.start(call, need)
 
-    def committed(self, inst, geo: Geometry, objs) -> None:
+    def committed(self, inst: Instance, geo: Geometry, objs: list[Obj]) -> None:
         self.spill.learn(inst.ns, geo)
         self.spill.committed(objs)
         self.spill.pump(time.monotonic())
@@ -111,9 +117,9 @@ class SecondTier:
     def learn(self, ns: bytes, geo: Geometry) -> None:
         self.spill.learn(ns, geo)
 
-    def geometry(self, tier, ns: bytes) -> Geometry | None:
+    def geometry(self, ns: bytes) -> Geometry | None:
         """The object geometry of the ranks registered in ``ns`` (None: none is)."""
-        registered = tier.registry.registered_layout(ns)
+        registered = self.registry.registered_layout(ns)
         if registered is None:
             return None
         layout = registered[1]
@@ -136,8 +142,9 @@ class SecondTier:
             except OSError:  # the pipe is full: the loop wakes anyway
                 pass
 
-    def drain(self, tier, now: float) -> list[tuple]:
-        """Handle the tier's events; (call, op, reply | Job | exception) of requests now answered."""
+    def drain(self, now: float) -> list[tuple]:
+        """Handle the tier's events; (call, op, result) of requests no longer waiting: a LOOKUP's
+        Folded or exception, a RETRIEVE's request (to plan now)."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
@@ -150,7 +157,7 @@ class SecondTier:
             except queue.Empty:
                 break
             if kind == "exists":
-                result = self.lookups.answered(tier, *args)
+                result = self.lookups.answered(*args)
                 if result is not None:
                     out.append((args[0].call, "LOOKUP", result))
             elif kind == "got":
@@ -161,8 +168,8 @@ class SecondTier:
                 self.spill.put_done(*args)
             elif kind == "put_freed":
                 self.spill.put_freed(*args)
-        out += [(rec.call, "LOOKUP", result) for rec, result in self.lookups.overdue(tier, now)]
-        out += [(call, "RETRIEVE", result) for call, result in self.retrieves.ready(tier, now)]
+        out += [(rec.call, "LOOKUP", result) for rec, result in self.lookups.overdue(now)]
+        out += [(call, "RETRIEVE", msg) for call, msg in self.retrieves.ready(now)]
         return out
 
     def next_due(self, now: float) -> float | None:

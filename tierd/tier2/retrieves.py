@@ -3,8 +3,8 @@
 Hazards first:
 
 - A RETRIEVE whose objects are being fetched (the LOOKUP that promised them started the fetches)
-  waits for them without holding the loop: it is answered DEFERRED and planned again, as any
-  RETRIEVE, once every fetch it needs settled or its time is up. Planning reads only committed
+  waits for them without holding the loop: it is handed back to the main loop, which plans it
+  again as any RETRIEVE, once every fetch it needs settled or its time is up. Planning reads only committed
   objects, so a fetch that failed, timed out or had not landed yet by then leaves exactly its
   blocks in ``failed`` (the engine recomputes them); nothing half-written is ever copied out.
 - Objects L1 lacks and nobody fetches (no LOOKUP before, its lease expired and the object was
@@ -17,9 +17,22 @@ Hazards first:
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
-from tierd import handlers
+from tierd.planner import Geometry
+from tierd.protocol import messages as m
+from tierd.registry import Instance
+from tierd.tier2.lookups import Caller
 from tierd.tier2.parts import Part, shape_of
+
+
+class Need(Protocol):
+    """What a RETRIEVE asks of L2 (tierd.jobs.RetrieveNeeds)."""
+
+    msg: m.Retrieve
+    instance: Instance
+    geometry: Geometry
+
 
 MARGIN_S = 0.05
 MIN_FETCH_S = 0.02  # less time left than this: do not start a get at all
@@ -34,12 +47,13 @@ class Waiting:
 
 class Retrieves:
     def __init__(self, l2):
-        self.l2 = l2  # the SecondTier
+        self.l2, self.pool = l2, l2.pool  # l2: the SecondTier
         self.pending: list[Waiting] = []
 
-    def start(self, tier, call, msg, inst, geo) -> bool:
-        """True: the RETRIEVE waits (DEFERRED); False: plan it now."""
-        l2 = self.l2
+    def start(self, call: Caller, need: Need) -> bool:
+        """True: the RETRIEVE waits (``ready`` hands it back); False: plan it now. ``call`` is
+        handed back as it is."""
+        l2, msg, inst, geo = self.l2, need.msg, need.instance, need.geometry
         now = time.monotonic()
         left = msg.deadline - time.time() - MARGIN_S if msg.deadline else l2.get_timeout_s + MARGIN_S
         if left <= 0:
@@ -59,7 +73,7 @@ class Retrieves:
                     continue
                 seen.add(part)
                 if entry is None:
-                    entry = tier.pool.entry(ns, c.key) or {}
+                    entry = self.pool.entry(ns, c.key) or {}
                 obj = entry.get((g, rank))
                 if obj is not None and obj.ready:
                     continue
@@ -76,13 +90,10 @@ class Retrieves:
         l2.counts["retrieve_waits"] += 1
         return True
 
-    def ready(self, tier, now: float) -> list:
-        """RETRIEVEs whose fetches all settled, or whose time is up: (call, reply | Job | error)."""
+    def ready(self, now: float) -> list[tuple[Caller, m.Retrieve]]:
+        """RETRIEVEs whose fetches all settled, or whose time is up: (call, request), to plan now."""
         out = []
         for w in [w for w in self.pending if w.due <= now or all(f.settled for f in w.fetches)]:
             self.pending.remove(w)
-            try:
-                out.append((w.call, handlers.retrieve(tier, w.call, w.msg, fetch=False)))
-            except Exception as exc:  # noqa: BLE001 - ProtocolError or a bug: the caller answers it
-                out.append((w.call, exc))
+            out.append((w.call, w.msg))
         return out
