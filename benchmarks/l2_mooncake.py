@@ -2,7 +2,7 @@
 """L2 put and get GB/s through tierd's MooncakeTier next to Mooncake's own client, same bytes, same run.
 
 Question answered: what does the tier (a worker thread, a deadline per call, and the agent process
-that holds the Mooncake client, see tierd/l2/agent.py) cost on top of calling
+that holds the Mooncake client, see tierd/tier2/agent.py) cost on top of calling
 ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` directly?
 
 Method. One ``mooncake_master`` (its own HTTP metadata server, TCP over loopback) in a private

@@ -2,7 +2,7 @@
 
 It owns a memfd shared mapping of MB MiB (as tierd's pool segments are), registers it, and
 answers one JSON command per stdin line with one JSON line on stdout. MODE ``tier`` moves bytes
-through :class:`tierd.l2.MooncakeTier`; MODE ``raw`` calls Mooncake's own client directly with
+through :class:`tierd.tier2.MooncakeTier`; MODE ``raw`` calls Mooncake's own client directly with
 the same object names (the benchmark's baseline). Mooncake logs to stderr; the parent sends that
 to a file. Keys travel as hex; memory is named by offsets into the mapping.
 
@@ -26,9 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tierd.l2 import MooncakeTier, object_name, parse_url  # noqa: E402
-from tierd.l2.client import advertise, load_store_class, open_store  # noqa: E402
-from tierd.l2.url import route_host  # noqa: E402
+from tierd.tier2.client import advertise, load_store_class, open_store  # noqa: E402
+from tierd.tier2.keys import object_name  # noqa: E402
+from tierd.tier2.mooncake import MooncakeTier  # noqa: E402
+from tierd.tier2.url import parse_url, route_host  # noqa: E402
 
 
 class Memory:

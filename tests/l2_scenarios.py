@@ -13,7 +13,7 @@ from pathlib import Path
 
 from l2_harness import Master, Node
 
-from tierd.l2 import chunk_key
+from tierd.tier2.keys import chunk_key
 
 MIB = 1 << 20
 NS = hashlib.blake2b(b"tierd-l2-test-namespace", digest_size=16).digest()

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from tierd.l2.keys import chunk_key, key_of, object_name
+from tierd.tier2.keys import chunk_key, key_of, object_name
 
 NS = bytes(range(16))
 PAGE = bytes(range(100, 116))
 
 SCRIPT = """
-from tierd.l2.keys import chunk_key, object_name
+from tierd.tier2.keys import chunk_key, object_name
 print(object_name(chunk_key(bytes(range(16)), bytes(range(100, 116)), 3, 1), "tierd"))
 """
 

@@ -16,7 +16,8 @@ from functools import lru_cache
 import pytest
 from l2_harness import master_binary, namespaced, unshare_prefix
 
-from tierd.l2 import L2Unavailable, MooncakeTier
+from tierd.tier2.client import L2Unavailable
+from tierd.tier2.mooncake import MooncakeTier
 
 MIB = 1 << 20
 
@@ -57,7 +58,10 @@ def run(scenario: str, timeout: float = 240) -> dict:
 
 
 def test_importing_tierd_l2_does_not_import_mooncake():
-    code = "import sys, tierd.l2; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mooncake'))"
+    code = (
+        "import sys, tierd.tier2.mooncake; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mooncake'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tierd.l2.buffers import Buffers
-from tierd.l2.worker import DeadlineWorker, Op
+from tierd.tier2.buffers import Buffers
+from tierd.tier2.worker import DeadlineWorker, Op
 
 
 @pytest.fixture

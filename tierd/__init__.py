@@ -37,8 +37,8 @@ Operators.
     tierd/bench/          tierd bench
     tierd/replay.py       tierd replay: a request trace through the pool, to size it
 Second tier.
-    tierd/tier2/          the daemon's side of L2: spill, fetch, lookups over L1 and L2
-    tierd/l2/             Mooncake Store, in a process of its own
+    tierd/tier2/          L2: spill, fetch, lookups over L1 and L2 on the main loop; Mooncake Store
+                          in a process of its own (mooncake, link, agent)
 
 The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
 the vLLM connector (client/vllm_connector/).

@@ -111,7 +111,7 @@ def second_tier(settings: Settings, pool: Pool, registry: Registry):
     """Mooncake Store as L2 with --l2-url (imported only then), else None."""
     if not settings.l2_url:
         return None
-    from tierd.tier2 import SecondTier
+    from tierd.tier2.bridge import SecondTier
 
     return SecondTier(settings, pool, registry)
 

@@ -104,7 +104,7 @@ def _check_l2(settings: Settings) -> None:
     anything starts)."""
     if settings.l2_url is None:
         return
-    from tierd.l2.client import L2Unavailable, load_store_class
+    from tierd.tier2.client import L2Unavailable, load_store_class
 
     try:
         load_store_class()

@@ -243,7 +243,7 @@ class Settings:
         if not 0 <= mode <= 0o777:
             raise ValueError(f"--socket-mode must be between 0000 and 0777, got {self.socket_mode}")
         if self.l2_url is not None:
-            from tierd.l2.url import parse_url  # pure: Mooncake itself is imported only by the daemon
+            from tierd.tier2.url import parse_url  # pure: Mooncake itself is imported only by the daemon
 
             try:
                 parse_url(self.l2_url)

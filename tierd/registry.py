@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from tierd.peer import Peer
+from tierd.planner import Geometry
 from tierd.pool.index import Obj
 from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
@@ -68,7 +69,7 @@ class Instance:
     memory: object  # CpuRankMemory or CudaRankMemory
     registered_at: float = field(default_factory=time.time)
     closed: bool = False
-    geometry: object = None  # the planner's per-layout constants (planner.Geometry), made on first use
+    geometry: Geometry | None = None  # the planner's per-layout constants, made on first use
     name: str = ""  # as the client named it
     tenant: str = DEFAULT_TENANT
 

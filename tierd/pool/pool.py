@@ -171,7 +171,7 @@ class Pool:
         self.ns_quota_bytes = ns_quota_bytes
         self.evlog = EvictionLog(eviction_log)
         self._replacing: set[Obj] = set()  # objects being written in place of a committed one
-        self.on_evict = None  # told of each object eviction takes, under the lock (tierd.tier2)
+        self._evicted: list[Obj] | None = None  # what eviction took, once kept (``keep_evicted``)
         segment_bytes = min(segment_bytes, ceiling)
         self.persist = (
             None
@@ -450,6 +450,20 @@ class Pool:
         with self.lock:
             return [(seg.addr, seg.nbytes, seg.fd) for seg in self.segments.segments]
 
+    def keep_evicted(self, keep: bool = True) -> None:
+        """From now on (until ``keep`` False) the objects eviction takes are kept for ``take_evicted``
+        (the second tier reads them: tierd.tier2.spill). Main loop only."""
+        self._evicted = [] if keep else None
+
+    def take_evicted(self) -> list[Obj]:
+        """The objects eviction took since the last call (their slots may be reused already: read
+        only their identity and metadata). Main loop only."""
+        out = self._evicted
+        if not out:
+            return []
+        self._evicted = []
+        return out
+
     def pin(self, objs: Iterable[Obj]) -> None:
         with self.lock:
             for obj in objs:
@@ -613,8 +627,8 @@ class Pool:
     def _evict(self, obj: Obj) -> None:
         self.evictions += 1
         self.evicted_bytes += obj.nbytes
-        if self.on_evict is not None:
-            self.on_evict(obj)
+        if self._evicted is not None:
+            self._evicted.append(obj)
         if obj.ready:
             self.evlog.gone(obj.ns, obj.key)
             self.policy.evicted(obj, self._tick, self.objects)

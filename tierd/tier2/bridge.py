@@ -65,7 +65,7 @@ class SecondTier:
     PENDING = PENDING  # ``lookup``'s answer while the LOOKUP waits for L2
 
     def __init__(self, settings, pool: Pool, registry: Registry):
-        from tierd.l2 import MooncakeTier
+        from tierd.tier2.mooncake import MooncakeTier
 
         self.settings, self.pool, self.registry = settings, pool, registry
         self.mc = MooncakeTier(settings.l2_url)  # connects in the background
@@ -92,7 +92,6 @@ class SecondTier:
         self.fetches = Fetches(self.mc, pool, self.post, self.counts, self._prepare, self.spill.landed)
         self.lookups = Lookups(self, registry, settings.l2_lookup_timeout_ms / 1000)
         self.retrieves = Retrieves(self)
-        pool.on_evict = self.spill.evicted
         log.info(
             "l2: %s, %s, LOOKUPs wait at most %d ms",
             self.mc.url,
@@ -208,6 +207,7 @@ class SecondTier:
     # ---- status and shutdown -----------------------------------------------------------------
     def status(self) -> dict:
         spill = self.spill
+        spill.settle()
         out = self.mc.status()
         out.update(
             policy=self.settings.l2_policy,
@@ -225,7 +225,7 @@ class SecondTier:
 
     def close(self) -> None:
         """Leave the store (bounded: the agent is killed if it does not go); the pool may go after."""
-        self.pool.on_evict = None
+        self.pool.keep_evicted(False)
         if not self.mc.close(timeout_s=CLOSE_S):
             log.warning("l2: the Mooncake client did not leave cleanly (killed)")
         with self._wake_lock:

@@ -7,7 +7,7 @@ Hazards first:
   pool object: LOOKUP and RETRIEVE only read committed objects, eviction and CLEAR skip pinned
   ones, and nothing else is ever written to that slot. A get that failed is aborted (its slot
   freed) only once ``finished`` resolved.
-- A get answered True wrote exactly the object's size (tierd.l2 checks the size it asked for), so
+- A get answered True wrote exactly the object's size (tierd.tier2.mooncake checks the size it asked for), so
   the object is committed with every block present; any other answer is aborted: a failed or
   timed-out get is never served (RETRIEVE reports its blocks as failed).
 - Allocation evicts synchronously, as a STORE's does; a caller that already promised some L1
@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from tierd.l2.link import MAX_KEYS
 from tierd.planner import Geometry
 from tierd.pool.pool import EXISTS, Pool
+from tierd.tier2.link import MAX_KEYS
 from tierd.tier2.parts import Part, full_mask, part_name
 
 

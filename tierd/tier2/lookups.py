@@ -26,10 +26,10 @@ from typing import Protocol
 
 import msgspec
 
-from tierd.l2.link import MAX_KEYS
 from tierd.pool.index import Obj
 from tierd.protocol import messages as m
 from tierd.registry import Registry, Session
+from tierd.tier2.link import MAX_KEYS
 from tierd.tier2.parts import Remote, fold, missing, part_name
 
 log = logging.getLogger("tierd.l2")

@@ -1,7 +1,7 @@
 """/metrics families of the second tier, from the ``l2`` map of /status (docs/protocol.md 22).
 
 Nothing here imports Mooncake or the tier: a daemon without --l2-url has no ``l2`` map and gets
-no ``tierd_l2_*`` family. Counters are the tier's (tierd.l2.stats.COUNTERS: calls, keys, bytes,
+no ``tierd_l2_*`` family. Counters are the tier's (tierd.tier2.stats.COUNTERS: calls, keys, bytes,
 errors, state changes) and the daemon's (tierd.tier2.bridge.COUNTERS: lookups, fetches,
 write-back); latency histograms are the tier's, per call kind, cumulative as Prometheus wants.
 """
@@ -29,8 +29,8 @@ def families(status: dict | None):
     """The ``tierd_l2_*`` families; none without a second tier."""
     if not status:
         return
-    from tierd.l2.stats import COUNTERS as TIER_COUNTERS
     from tierd.tier2.bridge import COUNTERS
+    from tierd.tier2.stats import COUNTERS as TIER_COUNTERS
 
     for name, doc in (*TIER_COUNTERS.items(), *COUNTERS.items()):
         yield CounterMetricFamily(f"tierd_l2_{name}", doc, value=status[name])

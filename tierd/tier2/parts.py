@@ -7,7 +7,7 @@ Hazards first:
   it holds. Its bytes carry no presence mask, so a partial object (null blocks) never goes to L2,
   and whatever comes back is committed with every block present.
 - Names come from the namespace id, the PAGE hash, the group (-1: all groups) and the rank
-  (tierd.l2.keys.chunk_key): every node derives the same name for the same chunk, and one
+  (tierd.tier2.keys.chunk_key): every node derives the same name for the same chunk, and one
   namespace's objects can never answer another's (the id hashes model, layout fingerprint,
   world size and salt; Mooncake itself does not separate tenants).
 - The fold is the L1 fold itself (tierd.pool.fold.lookup) run over an overlay in which
@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from tierd.l2.keys import chunk_key
 from tierd.planner import Geometry
 from tierd.pool.fold import lookup
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupSpec
+from tierd.tier2.keys import chunk_key
 
 
 class Part(NamedTuple):

@@ -70,6 +70,7 @@ class Spill:
         self._masks: dict[tuple, int] = {}  # (namespace id, span items) -> the complete object's mask
         self._seen_evictions = pool.evictions
         self._next_put = self._next_scan = 0.0
+        pool.keep_evicted()  # what eviction takes, read back by ``settle`` (the pool calls nothing here)
 
     # ---- what L1 tells ---------------------------------------------------------------------------
     def learn(self, ns: bytes, geo: Geometry) -> None:
@@ -81,6 +82,7 @@ class Spill:
 
     def committed(self, objs) -> None:
         """A STORE committed ``objs`` (write-through queues the complete ones)."""
+        self.settle()
         if self.policy != "write-through":
             return
         for obj in objs:
@@ -92,8 +94,15 @@ class Spill:
     def landed(self, obj) -> None:
         self.clean.add(obj)
 
+    def settle(self) -> None:
+        """What eviction took since the last call: out of the queue and the clean set, and counted
+        lost if it was complete and L2 held no copy. Before the queue is read."""
+        for obj in self.pool.take_evicted():
+            self.evicted(obj)
+
     def evicted(self, obj) -> None:
-        """The pool's eviction hook (under its lock: no pool calls here)."""
+        """An object eviction took (its slot may be reused already: nothing of it is read but its
+        identity and metadata)."""
         if obj in self.clean:
             self.clean.discard(obj)
         elif self.complete(obj):
@@ -104,11 +113,13 @@ class Spill:
 
     def prune(self) -> None:
         """Forget objects that left L1 by other ways than eviction (CLEAR, a fuller copy)."""
+        self.settle()
         self.clean = {o for o in self.clean if o.ready}
 
     # ---- puts ------------------------------------------------------------------------------------
     def pump(self, now: float) -> None:
         """Start the next put if none is in flight (write-back: refill the queue from the cold end)."""
+        self.settle()
         if self.inflight is not None or now < self._next_put or self.tier.state != "connected":
             return
         if self.policy == "write-back" and not self.queue:

@@ -7,7 +7,7 @@ Hazards, observed with mooncake-transfer-engine-non-cuda 0.3.13.post1 on this ho
 - ``setup`` and ``close`` block *holding the GIL*: setup 4.3 s per try against an absent master
   (20 tries, about 90 s, with an automatic local port), 30 s against a stopped one; close 6 s
   against a dead master, 45 s against a stopped one; the interpreter's exit with a live client
-  11 s and 75 s. Hence the client runs in its own process (:mod:`tierd.l2.agent`). The batch
+  11 s and 75 s. Hence the client runs in its own process (:mod:`tierd.tier2.agent`). The batch
   calls release the GIL.
 - ``health_check()`` answered 0 (healthy) with the master killed; ``batch_is_exist`` tells, so the
   tier probes with that.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from tierd.l2.url import MooncakeUrl
+from tierd.tier2.url import MooncakeUrl
 
 INSTALL_HINT = "pip install 'tierd[mooncake]'"
 DEBIAN_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200"

@@ -6,7 +6,7 @@ Hazards, as Mooncake 0.3.13 behaves (checked on this host, see the tests and doc
   non-loopback interface* it finds; the host part of ``local_hostname`` is ignored for that. On a
   multi-homed node peers may be told an address they cannot reach, and in a namespace with only
   ``lo`` setup fails ("not valid LAN address found"). ``local=`` (or the address this host reaches
-  the master from) is therefore exported as ``MC_TCP_BIND_ADDRESS`` by :mod:`tierd.l2.mooncake`,
+  the master from) is therefore exported as ``MC_TCP_BIND_ADDRESS`` by :mod:`tierd.tier2.mooncake`,
   process-wide, unless the operator already set it.
 - The master's RPC port defaults to 50051 and its HTTP metadata server to 8080 (both from
   ``mooncake_master --help``). 8080 is often taken by something else: say ``metadata=`` then.

@@ -1,4 +1,4 @@
-"""The Mooncake client's own process: ``python -m tierd.l2.agent FD``, started by ``link.AgentLink``.
+"""The Mooncake client's own process: ``python -m tierd.tier2.agent FD``, started by ``link.AgentLink``.
 
 Why a process and not a thread: Mooncake's ``setup`` and ``close`` hold the GIL while they block
 (measured: setup 30 s against a stopped master, close 45 s, interpreter exit 75 s; 4.3 s per
@@ -26,8 +26,8 @@ import sys
 
 import msgpack
 
-from tierd.l2 import client
-from tierd.l2.url import MooncakeUrl
+from tierd.tier2 import client
+from tierd.tier2.url import MooncakeUrl
 
 MAX_MESSAGE = 8 << 20
 VERBS = frozenset(("setup", "register", "unregister", "put", "get", "exists", "remove", "close"))

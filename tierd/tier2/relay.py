@@ -21,9 +21,9 @@ import os
 import time
 from collections.abc import Callable
 
-from tierd.l2 import client
-from tierd.l2.buffers import Buf, Buffers
-from tierd.l2.client import (
+from tierd.tier2 import client
+from tierd.tier2.buffers import Buf, Buffers
+from tierd.tier2.client import (
     ANSWERS,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
@@ -32,9 +32,9 @@ from tierd.l2.client import (
     OBJECT_NOT_FOUND,
     OK,
 )
-from tierd.l2.link import AgentLink, AgentLost
-from tierd.l2.stats import L2Stats
-from tierd.l2.url import MooncakeUrl, route_host
+from tierd.tier2.link import AgentLink, AgentLost
+from tierd.tier2.stats import L2Stats
+from tierd.tier2.url import MooncakeUrl, route_host
 
 
 class Relay:

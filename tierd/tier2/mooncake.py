@@ -2,8 +2,8 @@
 
 Hazards first:
 
-- Threading contract. Every verb returns an :class:`~tierd.l2.worker.Op` at once. The Mooncake
-  client lives in a child process (:mod:`tierd.l2.agent`), because its setup and close hold the
+- Threading contract. Every verb returns an :class:`~tierd.tier2.worker.Op` at once. The Mooncake
+  client lives in a child process (:mod:`tierd.tier2.agent`), because its setup and close hold the
   GIL for tens of seconds when the master misbehaves; the tier's worker thread relays one call at
   a time to it, in submission order. ``op.done`` resolves by the call's deadline with one bool
   per key (False: failed, missed, timed out or rejected), never with an exception for L2
@@ -14,14 +14,14 @@ Hazards first:
   A get that failed may have written part of its destination: never serve it. Registered memory
   must be a file (the pool's memfd segments or pool-dir files): the agent maps the same pages
   from the descriptor given to :meth:`MooncakeTier.register`.
-- Health. ``fail_after`` failed calls in a row (see :mod:`tierd.l2.relay`), a timed-out call, a
+- Health. ``fail_after`` failed calls in a row (see :mod:`tierd.tier2.relay`), a timed-out call, a
   failed or timed-out setup, or a lost agent mark the tier degraded: calls then fail fast without
   touching Mooncake, and every ``retry_s`` (once the worker is free) a probe asks the master
   about one key, or a fresh client (and agent, if it died) is set up. A probe that answers brings
   the tier back. An agent silent for ``HANG_S`` is killed. A restarted master holds none of the
   old objects: old keys miss, and puts fail "full" for the second or so until every client has
   mounted its segment again.
-- Names. Keys are bytes (:func:`tierd.l2.keys.chunk_key`), stored as ``<prefix>/v1/<hex>``, so
+- Names. Keys are bytes (:func:`tierd.tier2.keys.chunk_key`), stored as ``<prefix>/v1/<hex>``, so
   every node derives the same name. Mooncake does not separate tenants: the key bytes must carry
   the namespace.
 """
@@ -33,14 +33,14 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tierd.l2 import client
-from tierd.l2.buffers import Buffers
-from tierd.l2.keys import object_name
-from tierd.l2.link import MAX_KEYS
-from tierd.l2.relay import Relay
-from tierd.l2.stats import L2Stats
-from tierd.l2.url import MooncakeUrl, parse_url
-from tierd.l2.worker import DeadlineWorker, Op
+from tierd.tier2 import client
+from tierd.tier2.buffers import Buffers
+from tierd.tier2.keys import object_name
+from tierd.tier2.link import MAX_KEYS
+from tierd.tier2.relay import Relay
+from tierd.tier2.stats import L2Stats
+from tierd.tier2.url import MooncakeUrl, parse_url
+from tierd.tier2.worker import DeadlineWorker, Op
 
 log = logging.getLogger("tierd.l2")
 
@@ -132,7 +132,7 @@ class MooncakeTier:
         return self._state
 
     def status(self) -> dict:
-        """Counters (:data:`tierd.l2.stats.COUNTERS`), latency histograms and gauges, as a plain dict."""
+        """Counters (:data:`tierd.tier2.stats.COUNTERS`), latency histograms and gauges, as a plain dict."""
         queued, queued_bytes, running_s = self._worker.backlog()
         buffers, registered = self._buffers.totals()
         out = self.stats.snapshot()

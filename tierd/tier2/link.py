@@ -23,7 +23,7 @@ import time
 
 import msgpack
 
-from tierd.l2.client import L2Unavailable
+from tierd.tier2.client import L2Unavailable
 
 SOCKET_BUFFER = 4 << 20
 MAX_KEYS = 4096
@@ -45,7 +45,7 @@ class AgentLink:
         self.seq = 0
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierd.l2.agent", str(theirs.fileno())],
+                [sys.executable, "-m", "tierd.tier2.agent", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
