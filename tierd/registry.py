@@ -17,7 +17,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 from tierd.peer import Peer
 from tierd.planner import Geometry
@@ -131,7 +130,6 @@ class Registry:
         self._peer_sessions: dict[str, int] = {}  # Principal.peer_key -> live sessions
         self._tenant_instances: dict[str, int] = {}
         self._tenant_files: dict[str, int] = {}
-        self.leased_bytes: dict[str, int] = {}  # tenant -> bytes its leases pin (each object once)
         self._noted: set[bytes] = set()  # namespace ids in the pool's extra blob (warm restart)
         self._restore_namespaces(pool.extra)
 
@@ -349,6 +347,11 @@ class Registry:
         self._noted = set(self.namespaces)
 
     # ---- leases -------------------------------------------------------------------------------
+    @property
+    def leased_bytes(self) -> dict[str, int]:
+        """Tenant -> the bytes its leases pin, each object once (kept by the pool: Pool.pin_lease)."""
+        return self.pool.leased_bytes
+
     def grant(self, session: Session, objs: list[Obj], world_size: int) -> int:
         """A lease pinning ``objs`` (LIMIT past --max-leases-per-session or --max-lease-share:
         nothing pinned). A tenant's pinned bytes count each object once, however many of its
@@ -376,12 +379,12 @@ class Registry:
             # within the cap even if none of them is leased yet and each is as large as the pool's
             # largest (a bound that reads no object): the pins can wait for the reply. The pool's
             # lock applies them before anyone reads pins (an eviction, a release).
-            self.pool.defer_pins(partial(self._pin, lease))
+            self.pool.defer_lease(lease.objs, tenant)
         else:  # count each object once (some may be leased already), and undo past the cap
             with self.pool.lock.plain:
-                add = self._pin(lease)
+                add = self.pool.pin_lease(lease.objs, tenant)
                 if add and pinned + add > cap:
-                    self._unpin(lease)
+                    self.pool.unpin_lease(lease.objs, tenant)
                     raise ProtocolError(
                         ErrorCode.LIMIT,
                         f"this tenant's leases would pin {pinned + add} bytes, more than "
@@ -391,33 +394,6 @@ class Registry:
         self.leases[lease.id] = lease
         session.leases.add(lease.id)
         return lease.id
-
-    def _pin(self, lease: Lease) -> int:
-        """Pin a lease's objects; its tenant's pinned bytes grow by the objects no lease held yet
-        (an object is one tenant's: its namespace id is scoped by the tenant). Lock held."""
-        add = 0
-        for o in lease.objs:
-            o.pins += 1
-            if not o.leases:
-                add += o.nbytes  # an object repeated in objs counts once
-            o.leases += 1
-        if add:
-            self.leased_bytes[lease.tenant] = self.leased_bytes.get(lease.tenant, 0) + add
-        return add
-
-    def _unpin(self, lease: Lease) -> None:
-        """Undo ``_pin``. Lock held."""
-        freed = 0
-        for o in lease.objs:
-            o.pins -= 1
-            o.leases -= 1
-            if not o.leases:
-                freed += o.nbytes
-        left = self.leased_bytes.get(lease.tenant, 0) - freed
-        if left:
-            self.leased_bytes[lease.tenant] = left
-        else:
-            self.leased_bytes.pop(lease.tenant, None)
 
     def lease_of(self, lease_id: int, tenant: str) -> Lease | None:
         """The lease, if it is ``tenant``'s (another tenant's lease is FORBIDDEN)."""
@@ -431,7 +407,7 @@ class Registry:
         if lease is None:
             return False
         with self.pool.lock.plain:  # pins only (and a grant's not applied yet, first)
-            self._unpin(lease)
+            self.pool.unpin_lease(lease.objs, lease.tenant)
         owner = self.sessions.get(lease.session)
         if owner is not None:
             owner.leases.discard(lease_id)

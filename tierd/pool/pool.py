@@ -22,20 +22,17 @@ at a planned stop it waits for its copies, then calls ``save(extra)``, then ``cl
 
 from __future__ import annotations
 
-import operator
-import threading
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from tierd.pool import evict, policy
+from tierd.pool import policy
+from tierd.pool.alloc import Allocation
 from tierd.pool.evlog import EvictionLog
 from tierd.pool.index import Index, Obj, Span
 from tierd.pool.persist import KEEP, Persist
-from tierd.pool.segments import Pinner, SegmentSet, order_of
-from tierd.pool.slabs import SLAB_SLOTS, SizeClass, SlabAllocator
-from tierd.protocol.layout import GroupSpec
-
-ROOM_WORK = 1 << 15  # slabs and objects one ``Pool.room`` looks at, at most (a few ms)
+from tierd.pool.recency import Recency
+from tierd.pool.segments import Pinner, SegmentSet
+from tierd.pool.slabs import SizeClass, SlabAllocator
 
 
 class Exists:
@@ -43,65 +40,6 @@ class Exists:
 
 
 EXISTS = Exists()
-
-
-class PoolLock:
-    """The pool's lock. Whoever takes it next first applies what a LOOKUP's reply did not wait for:
-    the pins of the leases it granted (Pool.defer_pins), then its LRU touches (Pool.lookup). So
-    nobody sees pins or the LRU without them, and the daemon applies them itself right after each
-    reply (Pool.settle). ``plain`` is the same lock applying the pins only, for code that neither
-    reads nor changes the LRU (lease grants and releases)."""
-
-    __slots__ = ("_lock", "_pool", "plain")
-
-    def __init__(self, pool: Pool):
-        self._lock = threading.Lock()
-        self._pool = pool
-        self.plain = _PinsLock(self._lock, pool)
-
-    def acquire(self) -> None:
-        _take(self._lock, self._pool, touches=True)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> PoolLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-
-
-class _PinsLock:
-    """PoolLock.plain: the pool's lock, applying pending lease pins (not LRU touches) when taken."""
-
-    __slots__ = ("_lock", "_pool")
-
-    def __init__(self, lock: threading.Lock, pool: Pool):
-        self._lock, self._pool = lock, pool
-
-    def __enter__(self) -> _PinsLock:
-        _take(self._lock, self._pool, touches=False)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-
-
-def _take(lock: threading.Lock, pool: Pool, touches: bool) -> None:
-    """Acquire ``lock``, then apply the pool's pending pins (and LRU touches, with ``touches``);
-    if applying raises, the lock is let go before the exception propagates."""
-    lock.acquire()
-    if pool._unpinned or (touches and pool._untouched):
-        try:
-            if pool._unpinned:
-                pool._apply_pins()
-            if touches and pool._untouched:
-                pool._apply_touches()
-        except BaseException:
-            lock.release()
-            raise
 
 
 class Writes:
@@ -140,7 +78,7 @@ class Writes:
         self._pool._abort(objs)
 
 
-class Pool:
+class Pool(Recency, Allocation):
     def __init__(
         self,
         ceiling: int,
@@ -165,13 +103,11 @@ class Pool:
         doubling with the pool up to ``segment_bytes`` (tierd.pool.segments; default: all of
         ``segment_bytes``)."""
         self.policy = policy.make(eviction_policy)  # eviction order (tierd.pool.policy)
-        self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
-        self._unpinned: list[Callable[[], None]] = []  # lease grants whose pins are not applied yet
-        self.lock = PoolLock(self)
+        self.init_recency()
+        self.init_allocation()
         self.ns_quota_bytes = ns_quota_bytes
         self.evlog = EvictionLog(eviction_log)
         self._replacing: set[Obj] = set()  # objects being written in place of a committed one
-        self._evicted: list[Obj] | None = None  # what eviction took, once kept (``keep_evicted``)
         segment_bytes = min(segment_bytes, ceiling)
         self.persist = (
             None
@@ -359,121 +295,11 @@ class Pool:
             self._drop(obj)
 
     # ---- reading -------------------------------------------------------------------------
-    def lookup(
-        self,
-        ns: bytes,
-        keys: Sequence[bytes],
-        specs: Sequence[GroupSpec],
-        chunk_tokens: int,
-        ranks: Sequence[int],
-    ):
-        """Longest servable boundary and the objects a retrieve there reads (tierd.pool.fold).
-        They are touched (most recent: the first) when the lock is next taken, or at ``settle``."""
-        with self.lock:
-            hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
-            if objs:
-                self._untouched.append(objs)
-            return hit, objs
-
-    def settle(self) -> None:
-        """Apply the pins and touches LOOKUPs left (the daemon calls this once a reply is sent)."""
-        if self._untouched or self._unpinned:
-            with self.lock:  # taking it applies them (PoolLock.acquire)
-                pass
-
-    def defer_pins(self, pin: Callable[[], None]) -> None:
-        """``pin()`` (a lease's pins) runs when the lock is next taken, before anything else does."""
-        self._unpinned.append(pin)
-
-    def settle_pins(self) -> None:
-        """Apply the lease pins granted so far (``defer_pins``), not the LRU touches."""
-        if self._unpinned:
-            with self.lock.plain:
-                pass
-
-    def _apply_pins(self) -> None:
-        while self._unpinned:
-            self._unpinned.pop(0)()
-
-    def _apply_touches(self) -> None:
-        untouched, self._untouched = self._untouched, []
-        for objs in untouched:
-            self.touch_objects(objs)
-
-    def touch(self, ns: bytes, keys: Sequence[bytes]) -> None:
-        """Mark a prefix's chunks used, tail first, so the head is the most recent."""
-        with self.lock:
-            objs = []
-            for key in keys:
-                entry = self.index.get(ns, key)
-                if entry is not None:
-                    objs.extend(o for o in entry.values() if o.ready)
-            self.touch_objects(objs, hit=False)
-
-    def find_ready(self, ns: bytes, key: bytes, group: int, rank: int) -> Obj | None:
-        return self.find_ready_many(ns, [key], group, rank)[0]
-
-    def find_ready_many(self, ns: bytes, keys: Sequence[bytes], group: int, rank: int) -> list[Obj | None]:
-        """``find_ready`` for each of ``keys``, under one hold of the lock."""
-        with self.lock:
-            space = self.index.spaces.get(ns)
-            if space is None:
-                return [None] * len(keys)
-            part = (group, rank)
-            out = []
-            for entry in map(space.get, keys):
-                obj = None if entry is None else entry.get(part)
-                out.append(obj if obj is not None and obj.ready else None)
-            return out
-
-    def entry(self, ns: bytes, key: bytes) -> dict | None:
-        """A copy of the chunk entry of ``key``: (group, rank) -> Obj, objects being written included."""
-        with self.lock:
-            entry = self.index.get(ns, key)
-            return None if entry is None else dict(entry)
-
-    def coldest(self, nbytes: int, limit: int = 4096) -> list[Obj]:
-        """Committed objects in eviction order, until their slots add up to ``nbytes`` (at most
-        ``limit``): roughly the next victims of eviction, which picks per size class."""
-        out, total = [], 0
-        with self.lock:
-            for obj in policy.merged(self.policy, self.lru.values()):
-                if total >= nbytes or len(out) >= limit:
-                    break
-                out.append(obj)
-                total += obj.slab.cls.slot_bytes
-        return out
-
     def regions(self) -> list[tuple[int, int, int]]:
         """(address, bytes, file descriptor) of every backed segment, oldest first. Segments are
         only added, never moved or shrunk, until ``close``."""
         with self.lock:
             return [(seg.addr, seg.nbytes, seg.fd) for seg in self.segments.segments]
-
-    def keep_evicted(self, keep: bool = True) -> None:
-        """From now on (until ``keep`` False) the objects eviction takes are kept for ``take_evicted``
-        (the second tier reads them: tierd.tier2.spill). Main loop only."""
-        self._evicted = [] if keep else None
-
-    def take_evicted(self) -> list[Obj]:
-        """The objects eviction took since the last call (their slots may be reused already: read
-        only their identity and metadata). Main loop only."""
-        out = self._evicted
-        if not out:
-            return []
-        self._evicted = []
-        return out
-
-    def pin(self, objs: Iterable[Obj]) -> None:
-        with self.lock:
-            for obj in objs:
-                obj.pins += 1
-
-    def unpin(self, objs: Iterable[Obj]) -> None:
-        with self.lock:
-            for obj in objs:
-                obj.pins -= 1
-                assert obj.pins >= 0
 
     # ---- housekeeping --------------------------------------------------------------------
     def clear(self, ns: bytes | None = None) -> int:
@@ -519,28 +345,6 @@ class Pool:
     def backed_bytes(self) -> int:
         return self.segments.backed
 
-    def room(self) -> tuple[int, int]:
-        """(without evicting, evicting too): the largest object of a size not stored yet that a
-        STORE can place now, in bytes, a power of two or 0. Without evicting: in a free block, an
-        empty slab's block or a segment the ceiling lets grow. Evicting too: also in an aligned
-        window of a new slab's size whose objects are all unpinned (tierd.pool.evict empties
-        one); a lower bound past ROOM_WORK slabs and objects looked at. Objects of a size stored
-        already may also fit in free slots of their class, or in place of its least recent one.
-        The lock held."""
-        segs, slabs = self.segments, self.slabs
-        free = max([segs.free_order(), *(slab.order for slab in slabs.empty)])
-        without = 1 << free if free >= 0 else 0
-        clean = slabs.clean_order(_PINS, ROOM_WORK)
-        if clean < 0:
-            return without, without
-        # the largest object whose class's new slab fits the window: the window itself (a slab of
-        # one slot), a whole segment's block, or the window's share of SLAB_SLOTS slots
-        top = order_of(segs.segment_bytes + 1) - 1
-        ks = (clean, min(top, clean), clean - order_of(SLAB_SLOTS))
-        sizes = [1 << k for k in ks if k >= order_of(segs.align)]
-        fits = [n for n in sizes if slabs.class_order(n) <= clean]
-        return without, max([without, *fits])
-
     @property
     def configured_bytes(self) -> int:
         return self.segments.ceiling
@@ -564,75 +368,6 @@ class Pool:
     def _flush(self) -> None:
         if self.persist is not None:
             self.persist.flush(self)
-
-    def _touch(self, obj: Obj) -> None:
-        self._tick += 1
-        obj.tick = self._tick
-        lru = self.lru.get(obj.slab.cls)
-        if lru is None:
-            lru = self.lru[obj.slab.cls] = self.policy.queue()
-        self.policy.enter(lru, obj)
-        if self.ns_quota_bytes:
-            lru = self.nslru.get((obj.ns, obj.slab.cls))
-            if lru is None:
-                lru = self.nslru[obj.ns, obj.slab.cls] = self.policy.queue()
-            self.policy.join(lru, obj)
-
-    def touch_objects(self, objs: Sequence[Obj], hit: bool = True) -> None:
-        """Touch ready objects tail first: the first one ends up most recent. ``hit``: a LOOKUP
-        found them, which the policy counts (False: only their recency changes). The lock held."""
-        self._tick = self.policy.touch(self.lru, objs, self._tick, hit)
-        if self.ns_quota_bytes:
-            self.policy.retouch(self.nslru, objs)
-
-    def _alloc(self, cls: SizeClass, ns: bytes, replace: Obj | None = None):
-        """A slot of ``cls`` for an object of ``ns`` (replacing ``replace``), or None; evicts only
-        once the whole plan is known to succeed (tierd.pool.evict)."""
-        if not self.ns_quota_bytes and cls.open_slabs:  # the common case: a slab of the class has room
-            got = cls.take()
-            if got is not None:
-                return got
-        over = 0
-        if self.ns_quota_bytes:
-            held = self.per_ns_bytes.get(ns, 0) - (replace.slab.cls.slot_bytes if replace is not None else 0)
-            over = held + cls.slot_bytes - self.ns_quota_bytes
-            if cls.slot_bytes > self.ns_quota_bytes:
-                return None
-        for _ in range(2):  # twice: growing can fail (a full pool folder), then it is not tried again
-            plan = evict.plan(self, cls, ns if over > 0 else None)
-            if plan is None:
-                return None
-            extra = []
-            if over > 0:  # the namespace pays for its new object with its own least recent ones
-                left = over - sum(o.slab.cls.slot_bytes for o in plan.victims)
-                if left > 0:
-                    extra = evict.quota_victims(self, ns, left, set(plan.victims))
-                    if extra is None:
-                        return None
-            for obj in plan.victims:
-                self._evict(obj)
-            if plan.window is not None:
-                for slab in plan.slabs:
-                    self.slabs.release_slab(slab)
-                self.slabs.carve_at(cls, *plan.window)
-            got = self.slabs.alloc(cls)
-            if got is None:
-                assert not plan.victims and self.segments.grow_error is not None, "a plan failed"
-                continue
-            for obj in extra:
-                self._evict(obj)
-            return got
-        return None
-
-    def _evict(self, obj: Obj) -> None:
-        self.evictions += 1
-        self.evicted_bytes += obj.nbytes
-        if self._evicted is not None:
-            self._evicted.append(obj)
-        if obj.ready:
-            self.evlog.gone(obj.ns, obj.key)
-            self.policy.evicted(obj, self._tick, self.objects)
-        self._drop(obj)
 
     def _drop(self, obj: Obj) -> None:
         if self._untouched:  # (the lock's holder has applied them; code bypassing it has not)
@@ -660,6 +395,3 @@ class Pool:
         if not self.per_ns[obj.ns]:
             del self.per_ns[obj.ns], self.per_ns_bytes[obj.ns]
         obj.ready = False
-
-
-_PINS = operator.attrgetter("pins")  # an object's pins: true while it is pinned
