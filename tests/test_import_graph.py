@@ -130,3 +130,165 @@ def private_reaches(path: Path) -> list[str]:
 def test_no_module_reaches_into_another_modules_private_attributes():
     found = [hit for path in modules().values() for hit in private_reaches(path)]
     assert not found, "use (or add) a public name instead:\n" + "\n".join(found)
+
+
+# The daemon's layers, top first: a module may import (at module level, in a function, or for
+# type checking only) modules of its own layer and of the layers below it, never above. So a
+# request's path goes down, edge -> handler -> (second tier) -> state -> planner -> pool ->
+# transfer, and comes back as returned values, never as a call from below into a module it left.
+LAYERS = [
+    (
+        "edge and operators",
+        ("tierd.__main__", "tierd.cli", "tierd.server", "tierd.outcomes", "tierd.respond", "tierd.assemble")
+        + ("tierd.status", "tierd.http", "tierd.report", "tierd.bench", "tierd.replay", "tierd.warm"),
+    ),
+    ("handlers", ("tierd.handlers", "tierd.jobs")),
+    ("second tier", ("tierd.tier2",)),
+    ("state", ("tierd.registry", "tierd.tenants")),
+    ("planner", ("tierd.planner",)),
+    ("pool", ("tierd.pool",)),
+    ("transfer", ("tierd.transfer",)),
+    (
+        "wire and settings",
+        ("tierd.protocol", "tierd.config", "tierd.stats", "tierd.channel", "tierd.endpoint")
+        + ("tierd.fdinbox", "tierd.peer", "tierd.disconnects", "tierd")
+        # the --l2-url grammar is pure: config checks the flag with it
+        + ("tierd.tier2.url",),
+    ),
+]
+
+
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    """The index of ``module``'s layer (its longest listed prefix), None outside tierd."""
+    best, depth = None, -1
+    for i, (_, prefixes) in enumerate(layers):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and p.count(".") > depth:
+                best, depth = i, p.count(".")
+    return best
+
+
+def upward(g: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Imports from a lower layer's module of a higher layer's."""
+    out = []
+    for mod, deps in g.items():
+        here = layer_of(mod, layers)
+        if here is None:
+            continue
+        for dep in deps:
+            there = layer_of(dep, layers)
+            if there is not None and there < here:
+                out.append(f"{mod} ({layers[here][0]}) imports {dep} ({layers[there][0]})")
+    return sorted(out)
+
+
+def test_every_daemon_module_has_a_layer():
+    missing = [m for m in modules() if m.split(".")[0] == "tierd" and layer_of(m) is None]
+    assert not missing, f"add these to LAYERS: {missing}"
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    found = upward(graph(modules()))
+    assert not found, "a lower layer reaches up (return a value instead):\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    layers = [("top", ("t",)), ("mid", ("m",)), ("low", ("l", "m.leaf"))]
+    assert upward({"t.a": {"m.b", "l.c"}, "m.b": {"l.c"}, "l.c": set()}, layers) == []
+    assert upward({"m.b": {"t.a"}, "m.leaf": {"m.b"}}, layers) == [
+        "m.b (mid) imports t.a (top)",
+        "m.leaf (low) imports m.b (mid)",
+    ]
+
+
+def object_hooks(path: Path) -> list[str]:
+    """Attributes annotated ``object`` (or ``object | None``) in a class, or on ``self``: a hook
+    whose type says nothing, through which anything could be handed in and called."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        ann = node.annotation
+        bare = isinstance(ann, ast.Name) or (isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr))
+        names = {
+            n.id if isinstance(n, ast.Name) else n.value
+            for n in ast.walk(ann)
+            if isinstance(n, (ast.Name, ast.Constant))
+        }
+        if bare and "object" in names and names <= {"object", "None", None}:
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.target)}")
+    return out
+
+
+def test_no_daemon_hook_is_typed_object():
+    found = [
+        hit for name, path in modules().items() if name.startswith("tierd.") for hit in object_hooks(path)
+    ]
+    assert not found, "type these (a Protocol, or the class itself):\n" + "\n".join(found)
+
+
+def callbacks_up(root, root_module: str, depth: int = 3) -> list[str]:
+    """Callables reachable from ``root``'s attributes (through dicts, lists and tuples, ``depth``
+    objects deep) whose code lives in a higher layer than ``root_module``'s: a lower layer that
+    would call back up at run time."""
+    here = layer_of(root_module)
+    seen, out = set(), []
+
+    def code_module(value) -> str | None:
+        func = getattr(value, "__func__", None) or getattr(value, "func", None) or value
+        if callable(func) and hasattr(func, "__module__") and not isinstance(func, type):
+            return getattr(func, "__module__", None)
+        return None
+
+    def walk(value, where: str, left: int) -> None:
+        if id(value) in seen or left < 0:
+            return
+        seen.add(id(value))
+        mod = code_module(value)
+        if mod is not None and mod.startswith("tierd"):
+            there = layer_of(mod)
+            if there is not None and there < here:
+                out.append(f"{where}: {mod}")
+        if isinstance(value, dict):
+            items = list(value.items())[:64]
+            for k, v in items:
+                walk(v, f"{where}[{k!r}]", left - 1)
+        elif isinstance(value, (list, tuple, set)):
+            for i, v in enumerate(list(value)[:64]):
+                walk(v, f"{where}[{i}]", left - 1)
+        elif hasattr(value, "__dict__") and type(value).__module__.startswith("tierd"):
+            for k, v in vars(value).items():
+                walk(v, f"{where}.{k}", left - 1)
+
+    walk(root, root_module, depth)
+    return out
+
+
+def test_the_pool_and_registry_of_a_running_daemon_hold_no_callback_into_a_higher_layer(tmp_path):
+    """A daemon in process, a lease granted but its pins not applied yet (the pool holds them
+    as data), then the pool's and the registry's attributes are walked for callables of a
+    higher layer."""
+    from tierd.config import Settings
+    from tierd.server import Daemon
+
+    d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625))
+    try:
+        session = d.registry.open_session(b"i" * 16, "c", 1)
+        d.registry.grant(session, [], 1)
+        found = callbacks_up(d.pool, "tierd.pool.pool") + callbacks_up(d.registry, "tierd.registry")
+        assert not found, "a lower layer holds a callback into a higher one:\n" + "\n".join(found)
+    finally:
+        d.close()
+
+
+def test_the_callback_walk_finds_one():
+    from functools import partial
+
+    from tierd import handlers
+
+    class Holder:
+        __module__ = "tierd.pool.pool"
+
+    h = Holder()
+    h.hooks = {"evict": partial(handlers.hello, None)}
+    assert callbacks_up(h, "tierd.pool.pool") == ["tierd.pool.pool.hooks['evict']: tierd.handlers"]

@@ -1,7 +1,18 @@
 """tierd: a node-local KV-cache tier for LLM serving.
 
 Reading the code, in the order a request meets it (each module says what it owns and its hazards;
-tests/test_docs_paths.py fails when this map misses a module or names one that is gone):
+tests/test_docs_paths.py fails when this map misses a module or names one that is gone).
+
+Layers, top first: the main loop, its setup and the operators' tools; handlers; the second tier;
+state (registry, tenants); the planner; the pool; transfer; the wire and settings (protocol,
+config, stats, channel, endpoint, peer). A module imports only its own layer and those below it
+(tests/test_import_graph.py LAYERS: it fails on an import, or a callback held at run time, that
+reaches up), so a request goes down and its answer comes back as returned values. A STORE's block ids go
+edge (server: decode) -> handler (handlers.store: check them against the layout) -> planner
+(plan_store: per chunk, its objects and the copies of its blocks) -> pool (room for each object,
+evicting if it must) -> transfer (the copy on the rank's lane) -> back on the main loop: the
+Job's finish commits, and respond() replies. With a second tier, a handler that needs it
+returns what it needs; the loop asks tierd/tier2 and hands the answer back to the handler.
 
 Edge: bytes in, typed requests out; outcomes in, replies out.
     tierd/server.py       the daemon's main loop: receive, decode, dispatch, carry outcomes
@@ -15,15 +26,20 @@ Edge: bytes in, typed requests out; outcomes in, replies out.
     tierd/fdinbox.py      engine memory handed over as file descriptors
     tierd/peer.py         who sent a message, as the kernel says
     tierd/disconnects.py  which connections ended
-State and decisions.
-    tierd/registry.py     sessions, registered ranks, namespaces, leases: one owner
-    tierd/tenants.py      who a session acts as, and what it may touch
+Decisions.
     tierd/handlers.py     one handler per op: (tier, call, request) -> outcome (reply | Job | needs)
     tierd/jobs.py         Tier, Call; the copy Jobs of STORE and RETRIEVE; what needs the second tier
+Second tier.
+    tierd/tier2/          L2: spill, fetch, lookups over L1 and L2 on the main loop; Mooncake Store
+                          in a process of its own (mooncake, link, agent)
+State.
+    tierd/registry.py     sessions, registered ranks, namespaces, leases: one owner
+    tierd/tenants.py      who a session acts as, and what it may touch
 Planning: pure functions of (request, geometry, pool).
     tierd/planner.py      STORE and RETRIEVE: per-chunk results, objects, copy items, failures
-    tierd/pool/           host memory: segments, slabs, the index and LOOKUP's fold, eviction,
-                          the pool folder a warm restart reads
+    tierd/pool/           host memory: segments, slabs and the allocator (alloc), eviction (evict,
+                          its order in policy), the index, recency and LOOKUP's fold, the pool
+                          folder a warm restart reads (persist)
 Copies.
     tierd/transfer/       lanes of copy threads; CPU and CUDA copies between engine and pool
 Operators.
@@ -36,9 +52,6 @@ Operators.
     tierd/warm.py         warm restart: what must be unchanged, what is reported
     tierd/bench/          tierd bench
     tierd/replay.py       tierd replay: a request trace through the pool, to size it
-Second tier.
-    tierd/tier2/          L2: spill, fetch, lookups over L1 and L2 on the main loop; Mooncake Store
-                          in a process of its own (mooncake, link, agent)
 
 The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
 the vLLM connector (client/vllm_connector/).

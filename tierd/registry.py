@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tierd.peer import Peer
 from tierd.planner import Geometry
@@ -25,6 +26,10 @@ from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import Namespace, PageLayout
 from tierd.tenants import DEFAULT_TENANT, Principal, scoped_namespace_id
+
+if TYPE_CHECKING:  # (cuda's imports torch)
+    from tierd.transfer.cpu import CpuRankMemory
+    from tierd.transfer.cuda import CudaRankMemory
 
 log = logging.getLogger("tierd")
 
@@ -65,7 +70,7 @@ class Instance:
     session: bytes
     layout: PageLayout
     ns: bytes  # namespace id
-    memory: object  # CpuRankMemory or CudaRankMemory
+    memory: CpuRankMemory | CudaRankMemory
     registered_at: float = field(default_factory=time.time)
     closed: bool = False
     geometry: Geometry | None = None  # the planner's per-layout constants, made on first use
