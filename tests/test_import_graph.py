@@ -140,11 +140,12 @@ LAYERS = [
     (
         "edge and operators",
         ("tierd.__main__", "tierd.cli", "tierd.server", "tierd.outcomes", "tierd.respond", "tierd.assemble")
-        + ("tierd.status", "tierd.http", "tierd.report", "tierd.bench", "tierd.replay", "tierd.warm"),
+        + ("tierd.status", "tierd.http", "tierd.report", "tierd.bench", "tierd.replay", "tierd.trace")
+        + ("tierd.warm",),
     ),
     ("handlers", ("tierd.handlers", "tierd.jobs")),
     ("second tier", ("tierd.tier2",)),
-    ("state", ("tierd.registry", "tierd.tenants")),
+    ("state", ("tierd.registry", "tierd.records", "tierd.tenants")),
     ("planner", ("tierd.planner",)),
     ("pool", ("tierd.pool",)),
     ("transfer", ("tierd.transfer",)),

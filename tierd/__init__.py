@@ -34,6 +34,7 @@ Second tier.
                           in a process of its own (mooncake, link, agent)
 State.
     tierd/registry.py     sessions, registered ranks, namespaces, leases: one owner
+    tierd/records.py      what it holds: Session, Instance, Lease, and its Limits
     tierd/tenants.py      who a session acts as, and what it may touch
 Planning: pure functions of (request, geometry, pool).
     tierd/planner.py      STORE and RETRIEVE: per-chunk results, objects, copy items, failures
@@ -52,6 +53,7 @@ Operators.
     tierd/warm.py         warm restart: what must be unchanged, what is reported
     tierd/bench/          tierd bench
     tierd/replay.py       tierd replay: a request trace through the pool, to size it
+    tierd/trace.py        the traces it reads, and what a pool that never evicts would hit
 
 The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
 the vLLM connector (client/vllm_connector/).

@@ -27,32 +27,14 @@ from dataclasses import dataclass, field
 
 import click
 
-MOONCAKE_BLOCK_TOKENS = 512
-KEYS_CHUNK_TOKENS = 256  # the connector's default tierd.chunk_tokens
+from tierd.trace import Trace, TraceError, _count_infinite, read_trace  # noqa: F401 (tierd.replay's API)
+
 BLOCK_BYTES = 64  # what one block takes in the replay's pool (any size: one object a block)
 LLAMA3_8B_BYTES_PER_TOKEN = 131072  # 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes (bf16)
 DEFAULT_SHARES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # of the distinct blocks, without capacities
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _TOKENS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _BYTES = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-class TraceError(ValueError):
-    """A trace that cannot be replayed (the message names the file and line)."""
-
-
-@dataclass
-class Trace:
-    name: str
-    requests: list[tuple[bytes, list[bytes]]]  # (namespace, keys) per request
-    block_tokens: int
-    blocks: int = 0
-    distinct: int = 0
-    infinite_hits: int = 0
-
-    @property
-    def infinite_hit_ratio(self) -> float:
-        return self.infinite_hits / self.blocks if self.blocks else 0.0
 
 
 @dataclass
@@ -72,74 +54,6 @@ class Run:
 
     def share(self, trace: Trace) -> float:
         return self.hits / trace.infinite_hits if trace.infinite_hits else 0.0
-
-
-# ---- reading ---------------------------------------------------------------------------------
-def read_trace(path: str) -> Trace:
-    """Every request of the JSONL file ``path``; TraceError for a file or line it cannot read."""
-    try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace: {exc.strerror or exc}") from None
-    requests, tokens = [], set()
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ns, keys, block_tokens = _request(json.loads(line))
-            except (ValueError, TypeError) as exc:
-                raise TraceError(f"{path}, line {n}: {exc}") from None
-            requests.append((ns, keys))
-            tokens.add(block_tokens)
-    if not requests:
-        raise TraceError(f"{path}: no requests in the trace")
-    if len(tokens) > 1:
-        raise TraceError(f"{path}: lines of different block sizes ({sorted(tokens)} tokens)")
-    trace = Trace(path, requests, tokens.pop())
-    _count_infinite(trace)
-    return trace
-
-
-def _request(obj) -> tuple[bytes, list[bytes], int]:
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    if "hash_ids" in obj:
-        ids = obj["hash_ids"]
-        if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-            raise ValueError("hash_ids must be a list of integers >= 0")
-        return (
-            b"",
-            [i.to_bytes(8, "little") if i < 1 << 64 else str(i).encode() for i in ids],
-            (MOONCAKE_BLOCK_TOKENS),
-        )
-    if "keys" in obj:
-        keys, ns = obj["keys"], obj.get("namespace", "")
-        if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError("keys must be a list of non-empty strings")
-        if not isinstance(ns, str):
-            raise ValueError("namespace must be a string")
-        chunk = obj.get("chunk_tokens", KEYS_CHUNK_TOKENS)
-        if type(chunk) is not int or chunk < 1:
-            raise ValueError("chunk_tokens must be an integer >= 1")
-        return ns.encode(), [k.encode() for k in keys], chunk
-    raise ValueError('a request needs "hash_ids" (Mooncake) or "keys" (a chunk key list)')
-
-
-def _count_infinite(trace: Trace) -> None:
-    """What a pool that never evicts hits: each request's longest prefix seen before."""
-    seen: set[tuple[bytes, bytes]] = set()
-    blocks = hits = 0
-    for ns, keys in trace.requests:
-        blocks += len(keys)
-        hit = 0
-        for k in keys:
-            if (ns, k) not in seen:
-                break
-            hit += 1
-        hits += hit
-        seen.update((ns, k) for k in keys)
-    trace.blocks, trace.distinct, trace.infinite_hits = blocks, len(seen), hits
 
 
 # ---- replaying -------------------------------------------------------------------------------
