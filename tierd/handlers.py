@@ -253,17 +253,18 @@ def retrieve(tier: Tier, call: Call, msg: m.Retrieve, fetch: bool = True):
     blocks = geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
-    need = RetrieveNeeds(msg, inst, geo, blocks)
     if fetch and tier.l2 is not None:
-        return need
-    return retrieve_planned(tier, call, need)
+        return RetrieveNeeds(msg, inst, geo, blocks)
+    return _plan_retrieve(tier, call, msg, inst, geo, blocks)
 
 
 def retrieve_planned(tier: Tier, call: Call, need: RetrieveNeeds):
     """A checked RETRIEVE, planned now from what L1 holds."""
-    msg, inst = need.msg, need.instance
-    geo, pool = need.geometry, tier.pool
-    plan = plan_retrieve(geo, msg.chunks, pool, inst.ns, inst.rank_key, msg.staged_at, need.blocks)
+    return _plan_retrieve(tier, call, need.msg, need.instance, need.geometry, need.blocks)
+
+
+def _plan_retrieve(tier: Tier, call: Call, msg: m.Retrieve, inst, geo, blocks):
+    plan = plan_retrieve(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at, blocks)
     if not plan.objs:
         return retrieved(tier, inst, plan, msg.lease, None)
     tier.pool.pin(plan.objs)  # no eviction while the bytes are read
