@@ -60,7 +60,7 @@ def limits_rows(doc: str) -> list[tuple[str, str]]:
 
 
 # not where limits live (L2's imports need the mooncake extra); __main__ would run the CLI
-SKIP = ("tierd.tier2.", "tierd.tier2.", "tierd.bench.")
+SKIP = ("tierd.tier2.", "tierd.bench.")
 
 
 def resolve(name: str):
