@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierd.protocol.layout import GroupLayout
-from tierd.transfer.items import CopyItem
+from tierd.protocol.copies import CopyItem
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""Handing shared memory to the daemon as file descriptors (the daemon side: tierd.fdinbox).
+"""Handing shared memory to the daemon as file descriptors (the daemon side: tierd.fdinbox; the
+socket's path and message format: tierd.protocol.sockets).
 
 Memory this process holds open but has no name for (torch's unlinked /dev/shm storages, memfds)
 cannot be named by a path the daemon may follow; its descriptors are sent instead, over the Unix
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 
-from tierd.fdinbox import MAGIC, MAX_FDS_PER_MESSAGE, TICKET_BYTES, inbox_path
+from tierd.protocol.sockets import MAGIC, MAX_FDS_PER_MESSAGE, TICKET_BYTES, inbox_path
 
 
 def socket_file(url: str) -> str | None:

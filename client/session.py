@@ -32,9 +32,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tierd.config import default_socket
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode
+from tierd.protocol.sockets import default_socket
 from tierd_client.errors import DaemonUnavailable, TierdError
 from tierd_client.transport import SPIN_S, Pending, Reply, Transport
 

@@ -570,9 +570,9 @@ class DirectRank:
 
 def direct_layout(layout, tensors) -> bool:
     """Whether a cuda ``layout`` (a PageLayout over ``tensors``, in its order) can be registered
-    without a staging buffer: every group tierd.transfer.items.Pitched (module doc of
+    without a staging buffer: every group tierd.protocol.copies.Pitched (module doc of
     tierd.transfer.cuda), each in one tensor."""
-    from tierd.transfer.items import pitched
+    from tierd.protocol.copies import pitched
 
     for group in layout.groups:
         if len({s.tensor for s in group.layers}) != 1:

@@ -55,9 +55,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from tierd.channel import CHANNEL_OPS, channel_path
 from tierd.protocol import codec
 from tierd.protocol.errors import ProtocolError
+from tierd.protocol.sockets import CHANNEL_OPS, channel_path
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 from tierd_client.fdpass import socket_file
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tierd.config import default_socket
+from tierd.protocol.sockets import default_socket
 from tierd_client.vllm_connector.config import ConnectorConfig
 
 

@@ -19,7 +19,8 @@ from kv import keys
 from users import make_user, run_as, shared_socket_dir  # noqa: F401 - fixture
 from wire import Raw, wait_for
 
-from tierd.fdinbox import MAGIC, FdInbox
+from tierd.fdinbox import FdInbox
+from tierd.protocol.sockets import MAGIC
 from tierd_client import fdpass
 from tierd_client.layouts import block_span, group, layout, namespace
 

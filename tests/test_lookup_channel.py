@@ -17,7 +17,8 @@ from users import make_user, run_as  # noqa: F401 - fixture
 from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import request, wait_for
 
-from tierd.channel import CHANNEL_SUFFIX, MAX_BYTES
+from tierd.channel import MAX_BYTES
+from tierd.protocol.sockets import CHANNEL_SUFFIX
 from tierd_client import DaemonUnavailable, TierdError
 
 GEOM = GroupGeom("full", layers=2, block_bytes=1024, block_tokens=4)

@@ -19,8 +19,8 @@ import zmq
 from util import raw  # noqa: F401 - fixture
 from wire import request
 
-from tierd.channel import CHANNEL_SUFFIX, MAX_BYTES
-from tierd.fdinbox import MAGIC
+from tierd.channel import MAX_BYTES
+from tierd.protocol.sockets import CHANNEL_SUFFIX, MAGIC
 
 MIB = 1 << 20
 CAP = 2 * 16 * MIB  # the message cap of a default daemon (--max-frame-mb 16)

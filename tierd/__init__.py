@@ -19,8 +19,10 @@ Edge: bytes in, typed requests out; outcomes in, replies out.
     tierd/outcomes.py     a handler's outcome on the loop: reply, submit a copy, ask the second tier
     tierd/respond.py      respond(): every reply and typed error goes out here
     tierd/assemble.py     what a daemon is built of, from its settings
-    tierd/protocol/       frames (codec), typed requests with every limit (messages), page
-                          layouts (layout), key hashing (keys), error codes (errors)
+    tierd/protocol/       the wire contract both sides import: frames (codec), typed requests
+                          with every limit (messages), page layouts and their arithmetic
+                          (layout), key hashing (keys), error codes (errors), the socket paths
+                          and side-socket constants (sockets), what one copy touches (copies)
     tierd/channel.py      the lookup channel: LOOKUP and PING without ZeroMQ
     tierd/endpoint.py     one daemon per socket path
     tierd/fdinbox.py      engine memory handed over as file descriptors
@@ -56,7 +58,8 @@ Operators.
     tierd/trace.py        the traces it reads, and what a pool that never evicts would hit
 
 The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
-the vLLM connector (client/vllm_connector/).
+the vLLM connector (client/vllm_connector/). It imports nothing of tierd but tierd.protocol
+(tests/test_client_imports_only_protocol.py).
 """
 
 __version__ = "0.1.0"

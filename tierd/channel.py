@@ -31,18 +31,13 @@ from tierd.endpoint import listen_seqpacket, unlink_socket
 from tierd.peer import Peer, socket_peer
 from tierd.protocol import codec
 from tierd.protocol.errors import ErrorCode, ProtocolError
+from tierd.protocol.sockets import CHANNEL_OPS, channel_path  # noqa: F401 - channel_path: re-exported
 
 log = logging.getLogger("tierd")
 
-CHANNEL_OPS = ("LOOKUP", "PING")
-CHANNEL_SUFFIX = ".lookup"
 MAX_BYTES = 256 << 10  # a 2048-key LOOKUP is ~40 KiB; clients send larger frames on the ROUTER
 MAX_IDENTITY = 255  # ZeroMQ's limit for a routing identity
 ATTACHED = codec.encode_reply(0, {})
-
-
-def channel_path(socket_file: str) -> str:
-    return socket_file + CHANNEL_SUFFIX
 
 
 class Channel:

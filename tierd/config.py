@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 
+from tierd.protocol.sockets import default_socket
+
 GIB = 1 << 30
-
-
-def default_socket() -> str:
-    """ipc:// under $XDG_RUNTIME_DIR/tierd (systemd's RuntimeDirectory), else /tmp/tierd-<uid>."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    folder = os.path.join(base, "tierd") if base else f"/tmp/tierd-{os.getuid()}"
-    return f"ipc://{folder}/tierd.sock"
 
 
 def _opt(default, help: str, **extra):

@@ -29,17 +29,9 @@ import time
 
 from tierd.endpoint import listen_seqpacket, unlink_socket
 from tierd.peer import socket_peer
+from tierd.protocol.sockets import MAGIC, MAX_FDS_PER_MESSAGE, TICKET_BYTES, inbox_path  # noqa: F401
 
 log = logging.getLogger("tierd")
-
-MAGIC = b"TDF1"
-TICKET_BYTES = 16
-MAX_FDS_PER_MESSAGE = 250  # the kernel's SCM_MAX_FD is 253
-
-
-def inbox_path(socket_file: str) -> str:
-    return socket_file + ".fds"
-
 
 class FdInbox:
     def __init__(

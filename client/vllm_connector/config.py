@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tierd.config import default_socket
+from tierd.protocol.sockets import default_socket
 
 DEFAULT_CHUNK_TOKENS = 256
 STAGING_AUTO_CHUNKS = 8  # tierd.staging_mb=0: chunks of room each way ...
