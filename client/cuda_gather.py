@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierd.protocol.layout import GroupLayout
 from tierd.protocol.copies import CopyItem
+from tierd.protocol.layout import GroupLayout
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ from tierd.protocol.sockets import MAGIC, MAX_FDS_PER_MESSAGE, TICKET_BYTES, inb
 
 log = logging.getLogger("tierd")
 
+
 class FdInbox:
     def __init__(
         self,
