@@ -9,7 +9,7 @@ objects, build the copy items). In-process, no socket, no copy; p50/p90 over man
 
 ``--lookup-keys``: instead, one LOOKUP of that many keys (the largest the bound allows: 32768 for
 one group and one rank) against a sliding-window group of ``--window`` tokens with the first
-``--held`` chunks stored, with a lease (issue 10's attack, at the bound).
+``--held`` chunks stored, with a lease (a hostile client's LOOKUP, at the bound).
 
 ``--index-objects``: instead, where a full-attention LOOKUP's daemon time goes once the index
 holds that many one-block objects: a hit of the first ``--prompt-keys`` keys, without a lease,

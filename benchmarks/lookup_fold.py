@@ -2,7 +2,7 @@
 
     python benchmarks/lookup_fold.py [--repeats 7] [--old-limit-s 120] [--json]
 
-The attack of issue 10: a sliding-window group with window_tokens 2^30 and 3k / 20k / 65k keys
+A hostile client's LOOKUP: a sliding-window group with window_tokens 2^30 and 3k / 20k / 65k keys
 (65536 = MAX_CHUNKS), every chunk held or only the first 200; and the same with a full-attention
 group in front (a hybrid model). One rank, 16-token chunks of 4 blocks, fresh key objects per
 LOOKUP (as decoded from the wire), the garbage collector frozen as in the daemon. The old fold is

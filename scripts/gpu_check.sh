@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine (the `device` tool's H200): install the carried wheels, build the engine-side
+# On a CUDA machine (an H200 host): install the carried wheels, build the engine-side
 # native kernels, run the gpu-marked tests, and benchmark through a real daemon (this shell's
 # python is the engine). Logs and JSON go to $OUT (default ./gpu-out); steps are time-boxed.
 #   TESTS   gpu test files ("none" skips them)     BENCHES  layouts: llama 8k 16k mla (see below), each

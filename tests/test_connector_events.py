@@ -119,7 +119,7 @@ def test_a_router_receives_block_stored_on_cpu_for_each_chunk_the_tier_stored(wo
     }
     assert set(hashes[: 3 * per]) <= gpu_hashes
     record = os.environ.get("TIERD_RECORD_EVENTS")
-    if record:  # figures for the issue: what the router got for this one request
+    if record:  # TIERD_RECORD_EVENTS=FILE: what the router got for this one request, as JSON rows
         rows = [
             {
                 "type": type(ev).__name__,

@@ -1,4 +1,4 @@
-"""No import circles in tierd/ or client/ (issue 8): the graph of every import statement, at module
+"""No import circles in tierd/ or client/: the graph of every import statement, at module
 level or inside a function (a lazy import that only hides a circle is still one), between the
 project's own modules, has no cycle; and no module reads another's private attributes (``x._name``
 where the module defines no ``_name`` itself). Static: read with ast, nothing imported."""

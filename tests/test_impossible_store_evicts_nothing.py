@@ -1,5 +1,5 @@
-"""A store that cannot fit even after eviction is rejected before anything is evicted (issue 10,
-item 4: a 128 MiB object into a 64 MiB pool was answered "rejected" after evicting all 3000
+"""A store that cannot fit even after eviction is rejected before anything is evicted (a hostile
+client's impossible store: a 128 MiB object into a 64 MiB pool was answered "rejected" after evicting all 3000
 other objects). What eviction could free is judged first: free slots and memory, unpinned
 objects of the class, windows of other classes' slabs whose objects are all unpinned, unbacked
 room under the ceiling; an object larger than any segment the ceiling allows never fits."""

@@ -1,6 +1,6 @@
-"""One small store never evicts a slab's worth of unrelated objects (issue 10, item 6: in a full
-128 MiB pool of 4 KiB objects one 8 KiB store of a new size evicted 16,384 objects, a whole
-64 MiB slab). Slabs are sized to their class, so a new class takes one small window: at most
+"""One small store never evicts a slab's worth of unrelated objects (a hostile client's store of
+a new size: in a full 128 MiB pool of 4 KiB objects one 8 KiB store of a new size evicted 16,384
+objects, a whole 64 MiB slab). Slabs are sized to their class, so a new class takes one small window: at most
 window / victim size objects, here 64 KiB / 4 KiB = 16. Memory then follows use: a class whose
 objects are newer than another's takes that class's coldest windows, one slab at a time."""
 

@@ -1,10 +1,10 @@
 """The lookup channel (docs/protocol.md section 2.1): a Unix seqpacket socket ``PATH.lookup`` next to
 the ipc:// endpoint ``PATH`` that carries LOOKUP and PING round trips without ZeroMQ.
 
-Why: a ZeroMQ ipc:// message crosses a libzmq I/O thread on each side, each way. On a 2-core
-host a bare pyzmq echo of a 128-key LOOKUP's frame takes p50 0.17 / p99 0.28-0.37 ms, the same
-frame over a seqpacket socket 0.07 / 0.14 ms (``benchmarks/lookup_latency.py`` prints both
-floors). The engine's scheduler waits on LOOKUP; everything else stays on the ROUTER.
+Why: a ZeroMQ ipc:// message crosses a libzmq I/O thread on each side, each way, so a bare pyzmq
+echo of a LOOKUP's frame takes longer at p50 and at p99 than the same frame over a seqpacket socket
+(``benchmarks/lookup_latency.py`` prints both floors, ``floor_echo_*`` and ``floor_channel_echo_*``).
+The engine's scheduler waits on LOOKUP; everything else stays on the ROUTER.
 
 Wire: a connection's first message is the ZeroMQ routing identity of the client's session
 (1..255 bytes), answered with the reply frame ``[0, true, {}]`` once accepted. Every later

@@ -94,8 +94,8 @@ class Settings:
         0,
         "After a request, poll without sleeping for this many microseconds before the main loop "
         "sleeps: a request that comes meanwhile (the next LOOKUP of a scheduler step) skips the "
-        "wakeup of a sleeping process (30-40 us on a VM). Costs at most this much CPU per burst "
-        "of requests; 0: sleep at once.",
+        "wakeup of a sleeping process (benchmarks/lookup_latency.py --busy-poll-us). Costs at most "
+        "this much CPU per burst of requests; 0: sleep at once.",
         min=0,
         max=10000,
     )

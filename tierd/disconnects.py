@@ -21,7 +21,7 @@ closed, keeps its session), and only if the ended connection was the session's o
 connection of another uid that took the identity over and was refused ``FORBIDDEN`` does not
 drop it). A disconnect the monitor missed leaves the session to the heartbeat timeout, as before.
 
-Cost: one ``SRCFD`` read per message (~0.4 us) and a dict look-up; a dict update only when an
+Cost: one ``SRCFD`` read per message (a getsockopt) and a dict look-up; a dict update only when an
 identity changes connection; one monitor drain per batch.
 
 Connection caps (always on): every connection costs the daemon a file descriptor before it says

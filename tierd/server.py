@@ -38,8 +38,9 @@ from tierd.transfer.engine import TransferEngine
 log = logging.getLogger("tierd")
 
 HOUSEKEEPING_S = 0.2
-# Python's cyclic GC rescans every tracked object on a full collection: 0.4 s per million index
-# objects, triggered by index churn. Long-lived objects are moved out of its sight periodically
+# Python's cyclic GC rescans every tracked object on a full collection, a pause that grows with
+# the index (``benchmarks/lookup_latency.py --no-freeze-gc`` shows it in LOOKUP's p99), triggered
+# by index churn. Long-lived objects are moved out of its sight periodically
 # (gc.freeze); they are still freed by reference counting, which the index relies on (it builds
 # no reference cycles).
 GC_FREEZE_S = 5.0

@@ -1,10 +1,10 @@
 """The Mooncake client's own process: ``python -m tierd.tier2.agent FD``, started by ``link.AgentLink``.
 
 Why a process and not a thread: Mooncake's ``setup`` and ``close`` hold the GIL while they block
-(measured: setup 30 s against a stopped master, close 45 s, interpreter exit 75 s; 4.3 s per
-setup try against an absent one), a client whose setup failed crashed its process when called,
-and no call can be cancelled. Here none of that reaches the daemon: it waits on a socket with the
-GIL released, and a wedged agent is killed and replaced.
+(seconds to minutes against an absent or stopped master: tierd.l2.client's hazards), a client
+whose setup failed crashed its process when called, and no call can be cancelled. Here none of
+that reaches the daemon: it waits on a socket with the GIL released, and a wedged agent is killed
+and replaced.
 
 Zero copy: the daemon sends each registered buffer's file descriptor (its memfd or pool file) with
 SCM_RIGHTS; the agent maps the same pages (MAP_SHARED) and registers that mapping with Mooncake,

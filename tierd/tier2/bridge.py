@@ -37,7 +37,7 @@ from tierd.tier2.spill import Spill
 
 log = logging.getLogger("tierd.l2")
 PRUNE_S = 10.0
-CLOSE_S = 4.0  # leaving the store takes ~2 s with a segment (unmounting it); then the agent is killed
+CLOSE_S = 4.0  # leaving the store takes seconds with a segment (unmounting it); then the agent is killed
 
 # The daemon's own L2 counters: name -> meaning (/status "l2" and /metrics tierd_l2_<name>_total).
 COUNTERS = {

@@ -4,15 +4,15 @@ Hazards, observed with mooncake-transfer-engine-non-cuda 0.3.13.post1 on this ho
 
 - After a failed ``setup`` the client object is half-built: a ``batch_put_from`` on it crashed the
   process (SIGSEGV). Such a client is dropped, never called again; a retry builds a fresh one.
-- ``setup`` and ``close`` block *holding the GIL*: setup 4.3 s per try against an absent master
-  (20 tries, about 90 s, with an automatic local port), 30 s against a stopped one; close 6 s
-  against a dead master, 45 s against a stopped one; the interpreter's exit with a live client
-  11 s and 75 s. Hence the client runs in its own process (:mod:`tierd.tier2.agent`). The batch
-  calls release the GIL.
+- ``setup`` and ``close`` block *holding the GIL*: setup for seconds per try against an absent
+  master (it tries many times with an automatic local port), for Mooncake's RPC timeout against a
+  stopped one; close against a dead or stopped master, and the interpreter's exit with a live
+  client, likewise for seconds to minutes. Hence the client runs in its own process
+  (:mod:`tierd.tier2.agent`). The batch calls release the GIL.
 - ``health_check()`` answered 0 (healthy) with the master killed; ``batch_is_exist`` tells, so the
   tier probes with that.
 - A stopped (SIGSTOP) master holds every call for Mooncake's 30 s RPC timeout (RPC_TIMEOUT, -901);
-  a killed one fails reads at once (RPC_FAIL, -900) but a put took 4.3 s.
+  a killed one fails reads at once (RPC_FAIL, -900) but a put still blocks for seconds.
 - A restarted master: the same client works again within about a second (it mounts its segment
   again), but every object the old master knew is gone (its metadata lives in its memory only,
   unless HA or snapshots are configured).

@@ -3,8 +3,9 @@ on its own GPU (tierd_client.cuda_stage), in its own CUDA context and on its own
 daemon moves whole objects between that staging buffer (opened over CUDA IPC) and its pinned
 host pool with cudaMemcpyAsync on two copy streams per rank (one each way), and never launches a
 kernel. Kernels of different processes time-slice on a GPU (no MPS): a gather launched from the
-daemon's context held a co-running engine's matmul off by 1.12-1.49x, where DMA from another
-process costs it 1.005-1.015x (H200, docs/protocol.md section 20).
+daemon's context holds a co-running engine's matmul off, where DMA from another process barely
+slows it (docs/findings.md; ``tierd bench --device cuda --interference`` measures it; docs/protocol.md
+section 20).
 
 Staging layout: the chunks of one request lie back to back from the request's ``staged_at``
 offset, each chunk its groups' parts in layout order (``[group][layer][block][run]``, the

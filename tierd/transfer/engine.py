@@ -11,8 +11,9 @@ replies, and woken through a pipe.
 An *inline* lane (a rank whose copies only queue device work, the CUDA path: a few driver calls,
 no blocking copy) runs a job on the thread that submits it, the main loop, whenever the lane is
 idle, and queues it only behind a job of its own still running: each thread hand-off costs a
-wake-up (0.1-0.2 ms on a virtualised host), and a queued job waited for two of them (to a copy
-thread and back to the main loop) before its reply or its wait could start. A job the lane
+wake-up (``benchmarks/lookup_latency.py``'s ``no_spin`` figures show one), and a queued job
+waited for two of them (to a copy thread and back to the main loop) before its reply or its wait
+could start. A job the lane
 answers early (QUEUED) is then answered in the same turn of the main loop that received it."""
 
 from __future__ import annotations
