@@ -1,10 +1,11 @@
 """Engine-side GPU copies: the engine's own CUDA context does the SM work of the tier.
 
 Kernels of different processes time-slice on a GPU (no MPS): a gather launched from the daemon's
-context holds the engine's kernels off (a co-running matmul 1.12-1.49x slower on an H200), while
-the same gather in the engine's context on a side stream, or DMA from any process, costs about
-1.02x. So the engine gathers the blocks of a STORE into its *staging buffer* on its own stream,
-and scatters a RETRIEVE's bytes out of it; the daemon only DMAs whole objects between that
+context holds the engine's kernels off (a co-running matmul runs markedly slower), while the same
+gather in the engine's context on a side stream, or DMA from any process, costs it little
+(docs/findings.md; ``tierd bench --device cuda --interference`` measures it). So the engine
+gathers the blocks of a STORE into its *staging buffer* on its own stream, and scatters a
+RETRIEVE's bytes out of it; the daemon only DMAs whole objects between that
 buffer (opened over CUDA IPC at REGISTER) and its pinned pool.
 
 Staging layout of a request: its chunks back to back from ``staged_at``, each chunk its groups'
@@ -29,7 +30,7 @@ import time
 
 import numpy as np
 
-from tierd.protocol.layout import GroupKind, PageLayout
+from tierd.protocol.layout import PageLayout
 from tierd_client import cuda_gather, native
 from tierd_client.cuda_ipc import StoreFence, share_cuda_tensors
 
@@ -69,9 +70,7 @@ class Stager:
         if impl != "torch":
             native.start()
         chunk = layout.chunk_tokens
-        self.blocks_per_chunk = [
-            1 if g.kind is GroupKind.STATE else chunk // g.block_tokens for g in layout.groups
-        ]
+        self.blocks_per_chunk = [g.spec.blocks_per_chunk(chunk) for g in layout.groups]
         part = [len(g.layers) * n * g.block_bytes for g, n in zip(layout.groups, self.blocks_per_chunk)]
         self.part_bytes = part
         self.group_offsets = [sum(part[:g]) for g in range(len(part))]
@@ -289,7 +288,8 @@ class _DescRing:
     """Block descriptors to the device on one stream without allocating: a pinned host ring and a
     device ring of the same size. A region of the host ring is written again only once the upload
     that last read it is complete (its event); the device region is safe by stream order (every
-    reader of it ran earlier on the same stream). torch's pin_memory() per call cost 0.3 ms."""
+    reader of it ran earlier on the same stream). torch's pin_memory() per call costs more than a
+    small request's whole gather."""
 
     def __init__(self, torch, device, words: int = DESC_RING_WORDS):
         self.torch = torch

@@ -32,11 +32,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from tierd.protocol import PROTOCOL_VERSION
+import msgspec
+
+from tierd.protocol import PROTOCOL_VERSION, messages
 from tierd.protocol.errors import ErrorCode
 from tierd.protocol.sockets import default_socket
 from tierd_client.errors import DaemonUnavailable, TierdError
-from tierd_client.transport import SPIN_S, Pending, Reply, Transport
+from tierd_client.pending import Pending, Reply
+from tierd_client.transport import SPIN_S, Transport
 
 log = logging.getLogger("tierd_client")
 
@@ -51,7 +54,7 @@ class _Registration:
     publish: object | None = None
 
 
-class Session(Transport):
+class Connection(Transport):
     def __init__(
         self,
         url: str | None = None,
@@ -87,19 +90,25 @@ class Session(Transport):
 
     # ---- requests -------------------------------------------------------------------------------
     def call_async(
-        self, op: str, body: dict | None = None, timeout: float | None = None, wait: bool = False
+        self,
+        op: str,
+        body: messages.Message | dict | None = None,
+        timeout: float | None = None,
+        wait: bool = False,
     ) -> Future:
-        """``wait``: the caller asks for the result at once; its thread then reads the reply itself
-        (tierd_client.transport: one wake-up of another thread less each way)."""
+        """``body``: the op's typed request (tierd.protocol.messages); a plain map is sent as it is
+        (tools, and tests of the daemon's own checks). STORE and RETRIEVE get their ``deadline``
+        here. ``wait``: the caller asks for the result at once; its thread then reads the reply
+        itself (tierd_client.transport: one wake-up of another thread less each way)."""
         timeout = self.timeout_s if timeout is None else timeout
         fut: Future = Reply(self)
-        body = dict(body or {})
-        if op in _DEADLINE_OPS:
-            body["deadline"] = time.time() + timeout
+        body = with_deadline(op, {} if body is None else body, timeout)
         self._submit(self._request(op, body, timeout, future=fut, wait=wait))
         return fut
 
-    def call(self, op: str, body: dict | None = None, timeout: float | None = None) -> dict:
+    def call(
+        self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None
+    ) -> dict:
         return self.call_async(op, body, timeout, wait=True).result()
 
     def wait_ready(self, timeout: float | None = None) -> dict:
@@ -141,7 +150,7 @@ class Session(Transport):
         fut.add_done_callback(finish)
         self._submit(
             self._request(
-                "REGISTER", {"instance": instance, "layout": layout}, timeout, future=fut, publish=publish
+                "REGISTER", messages.Register(instance, layout), timeout, future=fut, publish=publish
             )
         )
         return done
@@ -159,8 +168,10 @@ class Session(Transport):
             return
         self._leaving = self._bye_queued = True
         for instance in unregister:
-            self._outbox.put(self._request("UNREGISTER", {"instance": instance}, 1.0, callback=_ignore))
-        self._outbox.put(self._request("BYE", {}, 1.0, callback=_ignore))
+            self._outbox.put(
+                self._request("UNREGISTER", messages.Unregister(instance), 1.0, callback=_ignore)
+            )
+        self._outbox.put(self._request("BYE", messages.Bye(), 1.0, callback=_ignore))
         self._wake()
 
     def close(self, bye_timeout: float = 0.5) -> None:
@@ -174,17 +185,15 @@ class Session(Transport):
         elif self._hello is not None and self._connected:
             self._leaving = True
             try:
-                self.call("BYE", {}, timeout=bye_timeout)
+                self.call("BYE", messages.Bye(), timeout=bye_timeout)
             except TierdError:
                 pass  # UNKNOWN_OP (older daemon), gone, or slow: the heartbeat timeout reaps us
         self._stop()
 
     # ---- I/O thread -----------------------------------------------------------------------------
-    def _hello_body(self) -> dict:
-        body = {"protocol": PROTOCOL_VERSION, "client": self.name, "pid": os.getpid()}
-        if self._token:
-            body["token"] = self._token
-        return body
+    def _hello_body(self) -> messages.Hello:
+        # tcp://: the tenant token (--tcp-token-file); left out of the frame when empty
+        return messages.Hello(PROTOCOL_VERSION, self.name, os.getpid(), self._token)
 
     def _resync(self, then: Pending | None = None) -> None:
         """HELLO, every accepted REGISTER, then ``then``: ahead of anything else waiting."""
@@ -197,7 +206,7 @@ class Session(Transport):
     def _reregister(self, reg: _Registration) -> Pending:
         return self._request(
             "REGISTER",
-            {"instance": reg.instance, "layout": reg.layout},
+            messages.Register(reg.instance, reg.layout),
             callback=self._on_reregister,
             publish=reg.publish,
         )
@@ -225,11 +234,7 @@ class Session(Transport):
                     log.info("tierd at %s lost this session; saying HELLO and re-registering", self.url)
                     self._resync(then=p)  # STORE/RETRIEVE keep their wall-clock deadline
                 return
-            reg = (
-                self._registrations.get(p.body.get("instance"))
-                if code == ErrorCode.UNKNOWN_INSTANCE.name
-                else None
-            )
+            reg = self._registrations.get(p.instance) if code == ErrorCode.UNKNOWN_INSTANCE.name else None
             if reg is not None:  # the daemon dropped this rank only (e.g. UNREGISTER elsewhere)
                 p.retried = True
                 self._front += [self._reregister(reg), p]
@@ -270,7 +275,19 @@ class Session(Transport):
         now = time.monotonic()
         if now >= self._next_ping:
             self._next_ping = now + self._heartbeat
-            self._front.append(self._request("PING", {}, max(self._heartbeat * 2, 1.0), callback=_ignore))
+            self._front.append(
+                self._request("PING", messages.Ping(), max(self._heartbeat * 2, 1.0), callback=_ignore)
+            )
+
+
+def with_deadline(op: str, body: messages.Message | dict, timeout: float) -> messages.Message | dict:
+    """``body`` with the wall-clock ``deadline`` STORE and RETRIEVE carry (``timeout`` from now)."""
+    if op not in _DEADLINE_OPS:
+        return body
+    deadline = time.time() + timeout
+    if isinstance(body, messages.Message):
+        return msgspec.structs.replace(body, deadline=deadline)
+    return {**body, "deadline": deadline}
 
 
 def _ignore(ok: bool, body: dict) -> None:

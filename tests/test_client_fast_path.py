@@ -12,8 +12,9 @@ import zmq
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
-from tierd_client import TierdError, transport
-from tierd_client.transport import FAST_WAIT_S
+from tierd_client import TierdError, fast_path, transport
+from tierd_client.fast_path import FAST_WAIT_S
+from tierd_client.pending import decode_reply
 
 
 def _resolved_on(fut) -> list[int]:
@@ -122,7 +123,7 @@ def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
     """Another caller read this request's error reply and left it for the I/O thread (which may
     retry errors): the waiting caller hands it on at once instead of waiting out its read of the
     socket. Claims and waits are stretched to 2 s, so waiting them out shows."""
-    monkeypatch.setattr(transport, "FAST_WAIT_S", 2.0)
+    monkeypatch.setattr(fast_path, "FAST_WAIT_S", 2.0)
     c = client_factory(daemon)
     c.ping()
     checked = 0
@@ -131,7 +132,7 @@ def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
         with c._lock:  # as another pumping caller: read the reply and stash it for the I/O thread
             if fut.done() or not c._sock.poll(5000, zmq.POLLIN):
                 continue  # the I/O thread read it first (a heartbeat had it watching): try again
-            c._stash.append(transport._decode(c._sock.recv()))
+            c._stash.append(decode_reply(c._sock.recv()))
         t0 = time.monotonic()
         with pytest.raises(TierdError, match="UNKNOWN_LEASE"):
             fut.result(timeout=10)

@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 from conftest import ROOT, DaemonProcess
 
-from tierd.protocol import codec
+from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode
 from tierd_client import DaemonUnavailable, TierdClient, TierdError
 
@@ -22,8 +23,8 @@ from tierd_client import DaemonUnavailable, TierdClient, TierdError
 class FutureClient(TierdClient):
     """A client from a later release: it speaks a protocol version this daemon does not."""
 
-    def _hello_body(self) -> dict:
-        return {**super()._hello_body(), "protocol": 999}
+    def _hello_body(self) -> messages.Hello:
+        return msgspec.structs.replace(super()._hello_body(), protocol=999)
 
 
 def wait_for(pred, timeout: float = 5.0, every: float = 0.02):

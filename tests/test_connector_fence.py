@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm_sim import make_vllm_config  # noqa: E402
 
 from tierd_client.vllm_connector import TierdConnector  # noqa: E402
-from tierd_client.vllm_connector.metadata import ChunkIO, StoreJob, TierdMetadata  # noqa: E402
+from tierd_client.vllm_connector.metadata import ChunkIO, StoreOrder, TierdMetadata  # noqa: E402
 
 NUM_BLOCKS, BLOCK, CHUNK = 32, 16, 64
 PAUSE = 1.0
@@ -47,7 +47,7 @@ def paused_store(daemon, w, blocks):
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     threading.Timer(PAUSE, os.kill, (daemon.proc.pid, signal.SIGCONT)).start()
     w.bind_connector_metadata(
-        TierdMetadata(stores=[StoreJob("r", [ChunkIO(uuid.uuid4().bytes, [blocks])], [])])
+        TierdMetadata(stores=[StoreOrder("r", [ChunkIO(uuid.uuid4().bytes, [blocks])], [])])
     )
     w.wait_for_save()
     w.clear_connector_metadata()
@@ -113,7 +113,7 @@ def test_forward_into_a_block_another_group_store_reads_waits(tiny_model, daemon
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         threading.Timer(PAUSE, os.kill, (daemon.proc.pid, signal.SIGCONT)).start()
         chunk = ChunkIO(uuid.uuid4().bytes, [[-1] * (CHUNK // BLOCK), [4, 5, 6, 7]])
-        w.bind_connector_metadata(TierdMetadata(stores=[StoreJob("r", [chunk], [])]))
+        w.bind_connector_metadata(TierdMetadata(stores=[StoreOrder("r", [chunk], [])]))
         w.wait_for_save()
         w.clear_connector_metadata()
         ((fut, _),) = w.worker.stores

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm_sim import make_vllm_config  # noqa: E402
 
 from tierd_client.vllm_connector import TierdConnector  # noqa: E402
-from tierd_client.vllm_connector.metadata import ChunkIO, LoadJob, StoreJob, TierdMetadata  # noqa: E402
+from tierd_client.vllm_connector.metadata import ChunkIO, LoadOrder, StoreOrder, TierdMetadata  # noqa: E402
 
 NUM_BLOCKS, LAYERS, BLOCK, CHUNK = 24, 3, 16, 32
 
@@ -70,13 +70,13 @@ def round_trip(model, url, spec, layout, kernel_block_size=None):
         src = [[1 + c * bpc + i for i in range(bpc)] for c in range(3)]
         dst = [[12 + c * bpc + i for i in range(bpc)] for c in range(3)]
         a.bind_connector_metadata(
-            TierdMetadata(stores=[StoreJob("r", [ChunkIO(k, [ids]) for k, ids in zip(keys, src)], [])])
+            TierdMetadata(stores=[StoreOrder("r", [ChunkIO(k, [ids]) for k, ids in zip(keys, src)], [])])
         )
         a.wait_for_save()
         a.clear_connector_metadata()
         a.worker.flush()
         b.bind_connector_metadata(
-            TierdMetadata(loads=[LoadJob("r", 0, [ChunkIO(k, [ids]) for k, ids in zip(keys, dst)])])
+            TierdMetadata(loads=[LoadOrder("r", 0, [ChunkIO(k, [ids]) for k, ids in zip(keys, dst)])])
         )
         b.start_load_kv(None)
         b.worker.loads["r"][0].result(10)

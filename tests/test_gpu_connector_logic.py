@@ -16,8 +16,8 @@ from tierd_client.futures import join, merge_stores
 from tierd_client.layouts import block_span, group, layout, namespace
 from tierd_client.staged_rank import StagedRank
 from tierd_client.vllm_connector.config import STAGING_AUTO_CAP_MB, STAGING_AUTO_CHUNKS, ConnectorConfig
-from tierd_client.vllm_connector.geometry import Geometry, Group
-from tierd_client.vllm_connector.registration import chunk_bytes, staging_bytes
+from tierd_client.vllm_connector.geometry import EngineGeometry, Group
+from tierd_client.vllm_connector.registration import staging_bytes
 from tierd_client.vllm_connector.worker import WorkerSide
 
 MiB = 1 << 20
@@ -50,7 +50,7 @@ def two_group_layout() -> PageLayout:
 def test_a_chunk_in_staging_is_every_groups_part():
     lay = two_group_layout()
     assert [g.kind for g in lay.groups] == [GroupKind.FULL, GroupKind.STATE]
-    assert chunk_bytes(lay) == 3 * 4 * 256 + 2 * 1 * 96
+    assert lay.chunk_bytes == 3 * 4 * 256 + 2 * 1 * 96
 
 
 @pytest.mark.parametrize(
@@ -109,7 +109,7 @@ class Staged:
 
 def cuda_worker() -> WorkerSide:
     g = Group(0, GroupKind.FULL, 16, 0, "FullAttentionSpec", ("l0",), 512, False)
-    geo = Geometry((g,), 64, "m", 1, "fp")
+    geo = EngineGeometry((g,), 64, "m", 1, "fp")
     client = SimpleNamespace(server={"null_block_id": -1})
     w = WorkerSide(ConnectorConfig(url="ipc:///nowhere"), geo, client, "e/0", num_blocks=64)
     w.staged = Staged()

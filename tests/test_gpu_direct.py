@@ -1,6 +1,6 @@
 """The direct CUDA data path through a real daemon: a rank registered without a staging buffer,
 whose blocks the ``tierd serve`` subprocess copies straight to and from its pool as pitched
-copies (tierd.transfer.cuda, direct ranks; tierd_client.staged_rank.DirectRank). Round trips in
+copies (tierd.transfer.cuda, direct ranks; tierd_client.direct_rank.DirectRank). Round trips in
 vLLM 0.33's layer-outermost and block-outermost orders with shuffled block ids, typed errors for
 a layout the copy engines cannot take, and the two fences, each with its negative control: a
 store is sent only once the forward's writes are done, and restored blocks are read only once
@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 from tierd.protocol.layout import PageLayout  # noqa: E402
 from tierd_client import TierdError  # noqa: E402
 from tierd_client.cuda_ipc import share_cuda_tensors  # noqa: E402
+from tierd_client.direct_rank import DirectRank, direct_layout  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
-from tierd_client.staged_rank import DirectRank, direct_layout  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = 0

@@ -4,14 +4,17 @@ CPU: which layouts are pitched, the exact copies a chunk becomes, and where a jo
 import threading
 from concurrent.futures import Future
 
+import msgspec
 import numpy as np
 import pytest
 
 from tierd.protocol.layout import GroupLayout
 from tierd.transfer.engine import INLINE_MAX_BYTES, DeviceWork, TransferEngine
 from tierd.transfer.items import Pitched, pitched, pitched_copies
+from tierd_client.direct_rank import DirectRank
 from tierd_client.layouts import block_span, group
-from tierd_client.staged_rank import DirectRank, StagedRank, _Job
+from tierd_client.rank_jobs import RankJob
+from tierd_client.staged_rank import StagedRank
 
 BB = 1024  # bytes per block per layer
 
@@ -196,7 +199,8 @@ class Client:
         self.futs: list[Future] = []
 
     def call_async(self, op, body, timeout=None):
-        self.calls.append((op, body, threading.current_thread()))
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(body))  # the body as the daemon reads it
+        self.calls.append((op, wire, threading.current_thread()))
         self.futs.append(Future())
         return self.futs[-1]
 
@@ -323,7 +327,7 @@ class CountingReply(Future):
 def test_a_waiting_caller_reads_the_answer_itself_only_for_a_job_alone_in_flight(alone):
     """Reading the socket on the caller's thread holds it for milliseconds: only worth it (and
     harmless) when no other request of the rank needs it meanwhile."""
-    job = _Job()
+    job = RankJob()
     job.reply = CountingReply()
     job.alone = lambda: alone
     with pytest.raises(TimeoutError):

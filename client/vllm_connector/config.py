@@ -39,7 +39,7 @@ class ConnectorConfig:
     staging_mb: float = 0.0
     # CUDA ranks: "host" (default): each STORE/RETRIEVE is sent once its staging bytes are ready, so
     # the daemon's DMAs never wait on the GPU for the engine's events; "device": they do (interprocess
-    # events), which slowed a co-running matmul 1.072x against 1.019x (tierd_client.staged_rank)
+    # events), which slows a co-running matmul more (tierd_client.staged_rank; docs/findings.md)
     gpu_order: str = "host"
 
     @classmethod

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVConnectorKVEvents
 
+from tierd.protocol import messages
 from tierd.protocol.layout import GroupKind
 from tierd_client.vllm_connector.log import get_logger
 
@@ -190,9 +191,8 @@ class RouterEvents:
                 self.evictions = False
         if self._poll is None and self.evictions and time.monotonic() >= self._poll_at:
             self._poll_at = time.monotonic() + EVICTION_POLL_S
-            body = {"namespace": self.geo.namespace, "since": self._cursor}
-            if self._boot:
-                body["boot_id"] = self._boot  # a cursor of another boot: missed, read from this boot's start
+            # boot_id: a cursor of another boot is missed, read from this boot's start
+            body = messages.Evicted(self.geo.namespace, since=self._cursor, boot_id=self._boot or "")
             try:
                 self._poll = self.client.call_async("EVICTED", body, timeout=EVICTION_POLL_S)
             except Exception:  # noqa: BLE001 - closed client: no more events

@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from tierd.protocol.layout import GroupKind
+from tierd.protocol.layout import GroupKind, GroupSpec
 
 
 class ChunkSizeError(ValueError):
@@ -28,18 +28,19 @@ class Group:
     replicated: bool  # identical on every TP rank (MLA latent, tp_replicated state)
 
     def blocks_per_chunk(self, chunk_tokens: int) -> int:
-        return 1 if self.kind is GroupKind.STATE else chunk_tokens // self.block_tokens
+        return self.wire_spec.blocks_per_chunk(chunk_tokens)
+
+    @property
+    def wire_spec(self) -> GroupSpec:
+        """What LOOKUP and the daemon's layout arithmetic know of this group."""
+        return GroupSpec(self.kind, self.block_tokens, self.window_tokens)
 
     def spec(self) -> dict:
-        return {
-            "kind": self.kind.value,
-            "block_tokens": self.block_tokens,
-            "window_tokens": self.window_tokens,
-        }
+        return self.wire_spec.to_wire()
 
 
 @dataclass(frozen=True)
-class Geometry:
+class EngineGeometry:
     groups: tuple[Group, ...]
     chunk_tokens: int
     model: str
@@ -83,7 +84,7 @@ def _classify(spec) -> tuple[GroupKind, int, bool]:
     )
 
 
-def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
+def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> EngineGeometry:
     groups = []
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         if getattr(group, "enable_kv_transfer", True) is False:
@@ -117,7 +118,7 @@ def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> Geometry:
         ],
     }
     fingerprint = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).hexdigest()
-    return Geometry(tuple(groups), chunk_tokens, model, world, fingerprint)
+    return EngineGeometry(tuple(groups), chunk_tokens, model, world, fingerprint)
 
 
 def kv_cache_layout(vllm_config, kv_cache_config) -> str:

@@ -4,8 +4,8 @@
   connector's ``shutdown`` (scheduler in the engine core, ``ensure_kv_transfer_shutdown`` in
   workers): stores get a short grace, then the client says BYE.
 - vLLM's default (``shutdown_timeout`` 0, "abort"): the API server sends SIGTERM to the engine
-  core and kills its process tree right away (measured on vLLM 0.32: the kill follows the
-  SIGTERM within milliseconds), so ``Scheduler.shutdown`` seldom runs. For that mode the
+  core and kills its process tree right away (on vLLM 0.32 the kill follows the SIGTERM at
+  once), so ``Scheduler.shutdown`` seldom runs. For that mode the
   connector chains vLLM's own SIGTERM/SIGINT handlers in its process (engine core, workers) and
   queues a BYE before handing the signal on: queueing is a lock-free put and a pipe write (safe
   in a signal handler), and the I/O thread sends it at once. Workers get no signal before

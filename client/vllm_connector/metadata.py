@@ -27,14 +27,14 @@ class ChunkIO:
 
 
 @dataclass
-class LoadJob:
+class LoadOrder:
     req_id: str
     lease: int
     chunks: list[ChunkIO]
 
 
 @dataclass
-class StoreJob:
+class StoreOrder:
     req_id: str
     chunks: list[ChunkIO]
     touch: list[bytes]  # keys of the chunks before these, so the prefix head stays most recent
@@ -42,8 +42,8 @@ class StoreJob:
 
 @dataclass
 class TierdMetadata(KVConnectorMetadata):
-    loads: list[LoadJob] = field(default_factory=list)
-    stores: list[StoreJob] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
+    stores: list[StoreOrder] = field(default_factory=list)
     # block ids handed out this step, in any KV cache group: a pending store reading one must
     # finish first. One set for all groups: vLLM's groups draw ids from one block pool, and its
     # hybrid allocator backs block b of every group with the same page of shared tensors.

@@ -122,14 +122,14 @@ class RankRegistration:
                 flat = torch.empty(0, dtype=torch.uint8, device=t.device)
                 flats[ref] = flat.set_(st, 0, (st.nbytes(),), (1,))
         layout = PageLayout.from_wire(self.layout)
-        size = staging_bytes(self.cfg.staging_mb, chunk_bytes(layout))
+        size = staging_bytes(self.cfg.staging_mb, layout.chunk_bytes)
         stager = Stager(layout, [flats[i] for i in range(len(flats))], size)
         log.info(
             "tierd: rank %d stages its copies through %.1f MiB on %s (%d chunks each way)",
             self.rank,
             size / 2**20,
             tensors[0].device,
-            size // 2 // chunk_bytes(layout),
+            size // 2 // layout.chunk_bytes,
         )
         return stager
 
@@ -195,18 +195,6 @@ class RankRegistration:
                 self.client.unregister(self.instance, timeout=0.5)
             except Exception:  # noqa: BLE001 - BYE or the heartbeat timeout reaps us anyway
                 pass
-
-
-def chunk_bytes(layout) -> int:
-    """Bytes of one chunk in staging: every group's part (layers x blocks of the chunk x block bytes;
-    a recurrent group holds one state block per chunk)."""
-    from tierd.protocol.layout import GroupKind
-
-    total = 0
-    for g in layout.groups:
-        blocks = 1 if g.kind is GroupKind.STATE else layout.chunk_tokens // g.block_tokens
-        total += len(g.layers) * blocks * g.block_bytes
-    return total
 
 
 def staging_bytes(staging_mb: float, chunk: int) -> int:

@@ -27,13 +27,13 @@ SKIP_KEY = "tierd.skip"
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestCaps:
     max_load_tokens: int | None = None  # None: no cap
     max_offload_tokens: int | None = None
     skip: bool = False
 
     @classmethod
-    def of(cls, request) -> Limits:
+    def of(cls, request) -> RequestCaps:
         params = getattr(request, "kv_transfer_params", None) or {}
         if not isinstance(params, dict) or not params:
             return cls()
@@ -100,7 +100,7 @@ def _flag(raw, request) -> bool:
 @dataclass
 class ReqState:
     request: object
-    limits: Limits = field(default_factory=Limits)
+    caps: RequestCaps = field(default_factory=RequestCaps)
     keys: list[bytes] = field(default_factory=list)
     lookup: object = None  # Future of the LOOKUP reply
     lookup_at: float = 0.0

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import time
 
+from tierd.protocol import messages
 from tierd.protocol.layout import GroupKind, GroupSpec
 from tierd_client.vllm_connector.config import ConnectorConfig
-from tierd_client.vllm_connector.geometry import Geometry
+from tierd_client.vllm_connector.geometry import EngineGeometry
 from tierd_client.vllm_connector.keys import extend_keys
 from tierd_client.vllm_connector.keys import unkeyable as _unkeyable
 from tierd_client.vllm_connector.log import get_logger
-from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, LoadJob, TierdMetadata
-from tierd_client.vllm_connector.requests import Limits, ReqState
+from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, LoadOrder, TierdMetadata
+from tierd_client.vllm_connector.requests import ReqState, RequestCaps
 from tierd_client.vllm_connector.store_plan import (
     block_resolver,
     new_block_ids,
@@ -37,14 +38,14 @@ __all__ = ["SKIP", "SchedulerSide", "new_block_ids"]
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, geo: Geometry, client, events=None):
+    def __init__(self, cfg: ConnectorConfig, geo: EngineGeometry, client, events=None):
         self.cfg = cfg
         self.geo = geo
         self.client = client
         self.events = events  # RouterEvents, when vLLM publishes KV cache events
         self._online: bool | None = None  # last seen: the client has a session with the daemon
         self.reqs: dict[str, ReqState] = {}
-        self.pending_loads: list[LoadJob] = []
+        self.pending_loads: list[LoadOrder] = []
         self.kv_cache_manager = None
         self.specs = [GroupSpec.from_wire(g, f"groups[{i}]") for i, g in enumerate(geo.specs())]
         # With recurrent or sliding groups a hit must end on a chunk boundary short of the last
@@ -62,13 +63,13 @@ class SchedulerSide:
         req_id = request.request_id
         st = self.reqs.get(req_id)
         if st is None:
-            st = self.reqs[req_id] = ReqState(request, Limits.of(request))
+            st = self.reqs[req_id] = ReqState(request, RequestCaps.of(request))
         st.local_tokens = num_computed_tokens
         if st.bypass or _unkeyable(request) or not self._session_up():
             return 0, False
         C = self.geo.chunk_tokens
         usable = request.num_tokens - 1 if self.need_spare_token else request.num_tokens
-        cap = st.limits.load_cap(num_computed_tokens, C)
+        cap = st.caps.load_cap(num_computed_tokens, C)
         if cap is not None:
             usable = min(usable, cap)
         max_chunks = max(0, usable) // C
@@ -132,7 +133,7 @@ class SchedulerSide:
                 need = spec.needed_mask(j, hit, C)
                 per_group.append(self._chunk_blocks(g, spec, block_ids[g.index], j, need, local))
             chunks.append(ChunkIO(st.keys[j], per_group))
-        self.pending_loads.append(LoadJob(request.request_id, st.lease, chunks))
+        self.pending_loads.append(LoadOrder(request.request_id, st.lease, chunks))
         st.loading = True
         st.stored_chunks = max(st.stored_chunks, hit)
 
@@ -209,7 +210,7 @@ class SchedulerSide:
         if st.lease:
             lease, st.lease = st.lease, 0
             try:
-                self.client.call_async("RELEASE", {"lease": lease}, timeout=self.cfg.lookup_timeout_s)
+                self.client.call_async("RELEASE", messages.Release(lease), timeout=self.cfg.lookup_timeout_s)
             except Exception:  # noqa: BLE001 - a lease left behind expires by TTL
                 pass
 

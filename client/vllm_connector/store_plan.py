@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from tierd.protocol.layout import GroupKind
 from tierd_client.vllm_connector.keys import extend_keys
-from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, StoreJob
+from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, StoreOrder
 
 
-def plan_state_store(geo, st, states: list[tuple[int, int, int]]) -> StoreJob | None:
+def plan_state_store(geo, st, states: list[tuple[int, int, int]]) -> StoreOrder | None:
     """Recurrent states vLLM hands off with their exact blocks (mamba "align" mode): one
     state-only chunk per offered ``(group, block, boundary)`` whose boundary ends a chunk."""
     C = geo.chunk_tokens
@@ -30,7 +30,7 @@ def plan_state_store(geo, st, states: list[tuple[int, int, int]]) -> StoreJob | 
         ):
             continue
         j = boundary // C - 1
-        cap = st.limits.store_cap()
+        cap = st.caps.store_cap()
         if cap is not None and boundary > cap:
             continue
         extend_keys(st.request, st.keys, j + 1, C)
@@ -38,10 +38,12 @@ def plan_state_store(geo, st, states: list[tuple[int, int, int]]) -> StoreJob | 
             [block_id] if other.index == gid else [SKIP] * other.blocks_per_chunk(C) for other in geo.groups
         ]
         chunks.append(ChunkIO(st.keys[j], blocks))
-    return StoreJob(st.request.request_id, chunks, []) if chunks else None
+    return StoreOrder(st.request.request_id, chunks, []) if chunks else None
 
 
-def plan_store(geo, cfg, st, n_sched: int, resolve, positional_states: bool, events=None) -> StoreJob | None:
+def plan_store(
+    geo, cfg, st, n_sched: int, resolve, positional_states: bool, events=None
+) -> StoreOrder | None:
     """The chunks of ``st``'s request completed by this step's ``n_sched`` tokens and not yet in
     the tier; advances ``st.stored_chunks``. ``resolve(req_id)`` gives the request's block ids
     per group; ``events`` (RouterEvents) records each planned chunk for the router."""
@@ -50,7 +52,7 @@ def plan_store(geo, cfg, st, n_sched: int, resolve, positional_states: bool, eve
     written = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
     if not cfg.store_decode:
         written = min(written, req.num_prompt_tokens)
-    cap = st.limits.store_cap()
+    cap = st.caps.store_cap()
     if cap is not None:
         written = min(written, cap)
     done = written // C
@@ -76,7 +78,7 @@ def plan_store(geo, cfg, st, n_sched: int, resolve, positional_states: bool, eve
         chunks.append(ChunkIO(st.keys[j], per_group))
         if events is not None:
             events.record(req, j, st.keys[j])
-    job = StoreJob(req.request_id, chunks, st.keys[: st.stored_chunks])
+    job = StoreOrder(req.request_id, chunks, st.keys[: st.stored_chunks])
     st.stored_chunks = done
     return job
 

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import time
 
+from tierd.protocol import messages
 from tierd_client.errors import TierdError
 from tierd_client.vllm_connector.config import ConnectorConfig
-from tierd_client.vllm_connector.geometry import Geometry
+from tierd_client.vllm_connector.geometry import EngineGeometry
 from tierd_client.vllm_connector.log import get_logger
 from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, TierdMetadata, TierdWorkerMeta
 from tierd_client.vllm_connector.registration import RankRegistration
@@ -44,7 +45,7 @@ class WorkerSide:
     def __init__(
         self,
         cfg: ConnectorConfig,
-        geo: Geometry,
+        geo: EngineGeometry,
         client,
         instance_id: str,
         num_blocks: int,
@@ -104,7 +105,7 @@ class WorkerSide:
                 self._fail_load(job.req_id, self._flat(ids))
                 continue
             self._fence(self._block_set(ids))
-            chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
+            chunks = [messages.Chunk(c.key, blocks) for c, blocks in zip(job.chunks, ids)]
             try:
                 if self.staged is not None:
                     if ready is None:
@@ -131,7 +132,7 @@ class WorkerSide:
         after = self._forward_event() if self.staged is not None and self._store_fence else None
         for job in meta.stores:
             ids = [self._ids(c) for c in job.chunks]
-            chunks = [{"key": c.key, "blocks": blocks} for c, blocks in zip(job.chunks, ids)]
+            chunks = [messages.Chunk(c.key, blocks) for c, blocks in zip(job.chunks, ids)]
             keys = [c.key for c in job.chunks]
             try:
                 if self.staged is not None:

@@ -4,7 +4,7 @@ block-outermost; per-layer ``[B, H, N, C]`` views; MLA ``[B, 1, N, 576]``), regi
 real daemon, and stores and retrieves through the path ``--path`` names: ``staged`` (what the
 vLLM connector uses: tierd_client.staged_rank, gather/scatter in this process's context, the
 daemon DMAs through the staging buffer) or ``direct`` (no staging: the daemon's pitched copies
-straight between the blocks and its pool, tierd_client.staged_rank.DirectRank). Block ids are
+straight between the blocks and its pool, tierd_client.direct_rank.DirectRank). Block ids are
 shuffled within each region, as an engine's free list hands them out after a while. It times
 STORE, RETRIEVE and both at once, every byte verified, next to same-run baselines on the same
 bytes: raw pinned cudaMemcpyAsync (one copy per direction, and both directions on two streams)
@@ -134,8 +134,9 @@ def run_cuda_bench(
     from tierd_client import TierdClient, native
     from tierd_client.cuda_ipc import share_cuda_tensors
     from tierd_client.cuda_stage import Stager
+    from tierd_client.direct_rank import DirectRank, direct_layout
     from tierd_client.layouts import block_span, group, group_specs, layout, namespace
-    from tierd_client.staged_rank import DirectRank, StagedRank, direct_layout
+    from tierd_client.staged_rank import StagedRank
 
     if sorted(kv_layout) != sorted("LBNHC") or kv_layout[-1] != "C":
         raise BenchError(f"--kv-layout {kv_layout}: a physical order of L, B, N, H ending in C (e.g. BLNHC)")

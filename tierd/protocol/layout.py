@@ -276,6 +276,11 @@ class PageLayout(Wire, frozen=True):
     def specs(self) -> tuple[GroupSpec, ...]:
         return tuple(g.spec for g in self.groups)
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk's object: every group's part (the engine's staging holds chunks so)."""
+        return sum(g.object_bytes(self.chunk_tokens) for g in self.groups)
+
     def to_wire(self) -> dict:
         return {
             "namespace": self.namespace.to_wire(),

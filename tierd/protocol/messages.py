@@ -38,8 +38,9 @@ Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Deadline = Annotated[float, Meta(ge=0.0)]
 
 
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """Base of every request body. Unknown fields are ignored (newer clients, older daemons)."""
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """Base of every request body. Unknown fields are ignored (newer clients, older daemons). The
+    client encodes its requests as these too; a field at its default is left out of the frame."""
 
 
 # ---- requests ------------------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""A request on its way to the daemon (``Pending``) and the future its caller holds (``Reply``);
+tierd_client.transport sends them and resolves them with the daemon's replies."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from tierd.protocol import codec
+from tierd.protocol.errors import ProtocolError
+
+log = logging.getLogger("tierd_client")
+
+
+class Reply(Future):
+    """A request's future whose ``result()``/``exception()`` first read the socket on the waiting
+    thread (``Transport.pump``), then wait for the I/O thread as a plain future does."""
+
+    def __init__(self, transport):  # the tierd_client.transport.Transport it pumps
+        super().__init__()
+        self._transport = transport
+        self.pending: Pending | None = None  # set by Transport._request
+
+    def result(self, timeout: float | None = None):
+        return super().result(self._pumped(timeout))
+
+    def exception(self, timeout: float | None = None):
+        return super().exception(self._pumped(timeout))
+
+    def _pumped(self, timeout: float | None) -> float | None:
+        """Pump, and return what is left of ``timeout``."""
+        if self.done() or timeout == 0:
+            return timeout
+        t0 = time.monotonic()
+        self._transport.pump(self, timeout)
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+
+
+@dataclass(eq=False)
+class Pending:
+    op: str
+    body: Any  # the op's typed request (tierd.protocol.messages), or a plain map
+    deadline: float  # monotonic
+    timeout: float
+    future: Future | None = None
+    callback: Callable[[bool, dict], None] | None = None
+    retried: bool = False
+    publish: object | None = None  # .open() before it is sent, .close() once it ends
+    claimed_until: float = 0.0  # monotonic: its caller reads its reply until then (module doc)
+    channel: bool = False  # sent on the lookup channel (module doc), not on the DEALER
+
+    @property
+    def instance(self) -> str | None:
+        """The instance the request names, if any."""
+        body = self.body
+        return body.get("instance") if isinstance(body, dict) else getattr(body, "instance", None)
+
+
+def release(p: Pending) -> None:
+    """An answered request's Reply lets go of it: the two refer to each other, and a cycle is freed
+    only by Python's cyclic GC, whose collections then walk every answered request's body (a
+    LOOKUP's list of keys) on the caller's thread, a pause in LOOKUP's tail
+    (``benchmarks/lookup_latency.py``'s p99)."""
+    if isinstance(p.future, Reply):
+        p.future.pending = None
+
+
+def decode_reply(frame: bytes) -> tuple[int, bool, dict] | None:
+    """A reply's (req_id, ok, body); None (logged) if it cannot be decoded."""
+    try:
+        return codec.decode_reply(frame, 1 << 31)
+    except ProtocolError as exc:
+        log.warning("undecodable reply from tierd: %s", exc)
+        return None

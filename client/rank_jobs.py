@@ -1,0 +1,60 @@
+"""What both kinds of GPU rank (tierd_client.staged_rank.StagedRank, with a staging buffer, and
+tierd_client.direct_rank.DirectRank, without) hand their caller: a job's future that reads its own
+answer on the waiting thread, and the small helpers their sending threads share."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+
+
+class RankJob(Future):
+    """A job's future. A thread that waits on it first reads the daemon's answer to the job's
+    request itself (a Reply pumps the client's socket: tierd_client.transport), one wake-up of
+    another thread less before the caller sees it; only a job of one request that is alone in
+    flight for its rank (``alone()``): pumping holds the client's socket for up to a few
+    milliseconds, which would hold back the other requests' sends and answers."""
+
+    reply: Future | None = None
+    alone = None  # () -> bool, set by the rank
+
+    def result(self, timeout: float | None = None):
+        return super().result(self._pump(timeout))
+
+    def exception(self, timeout: float | None = None):
+        return super().exception(self._pump(timeout))
+
+    def _pump(self, timeout: float | None) -> float | None:
+        reply = self.reply
+        if reply is None or self.done() or reply.done() or timeout == 0 or not (self.alone and self.alone()):
+            return timeout
+        t0 = time.monotonic()
+        try:
+            reply.exception(timeout)
+        except Exception:  # noqa: BLE001 - timed out: the wait below says so
+            pass
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+
+
+def spin(event, seconds: float) -> bool:
+    """Whether ``event`` completes within ``seconds``, polled (a yield between polls)."""
+    end = time.perf_counter() + seconds
+    while not event.query():
+        if time.perf_counter() >= end:
+            return False
+        os.sched_yield()
+    return True
+
+
+def stamp(rec: dict | None, stage: str) -> None:
+    if rec is not None:
+        rec[stage] = time.perf_counter()
+
+
+def chain(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
