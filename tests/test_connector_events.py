@@ -23,6 +23,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_sim import GroupDef, SimEngine  # noqa: E402
 
+from tierd.protocol import messages  # noqa: E402
+
 CHUNK = 64
 BLOCK = 16
 
@@ -294,7 +296,7 @@ def test_evicted_chunks_this_engine_announced_become_block_removed(world):
     ev.client, ev.evictions, ev._poll, ev._poll_at, ev._cursor, ev._boot = stub, True, None, 0.0, -1, None
     assert ev.take() == []  # the poll goes out ...
     out = ev.take()  # ... and its answer is translated
-    assert stub.calls[0] == ("EVICTED", {"namespace": e.connector.geo.namespace, "since": -1})
+    assert stub.calls[0] == ("EVICTED", messages.Evicted(e.connector.geo.namespace, since=-1))
     assert [type(x) for x in out] == [BlockRemoved]
     assert out[0].block_hashes == stored[1].block_hashes and out[0].medium == "CPU" and out[0].group_idx == 0
     assert ev._cursor == 7 and announced[1] not in ev.announced
