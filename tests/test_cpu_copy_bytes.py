@@ -1,12 +1,17 @@
-"""The CPU copy (preadv/pwritev, coalesced) moves exactly the bytes the old mmap + numpy gather
-moved, for every layout geometry a layout can describe: block-contiguous, head-outer runs, K/V
-halves far apart, block-outer (layers inside a block), several tensors in one file, partial
-chunks, repeated block ids (last write wins) and chunk runs that merge across items. The
-reference below is the old code's gather, kept verbatim."""
+"""The CPU copy, both ways it copies (memcpy over a guarded mapping, and coalesced preadv/pwritev
+where that guard is unavailable), moves exactly the bytes the old mmap + numpy gather moved, for
+every layout geometry a layout can describe: block-contiguous, head-outer runs, K/V halves far
+apart, block-outer (layers inside a block), several tensors in one file, partial chunks, repeated
+block ids (last write wins) and chunk runs that merge across items. The reference below is the old
+code's gather, kept verbatim. A file cut short under either copy is a ShmCopyError, never SIGBUS."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import uuid
 
 import numpy as np
@@ -14,7 +19,7 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from tierd.protocol.layout import PageLayout
-from tierd.transfer import cpu
+from tierd.transfer import cpu, mapcopy
 from tierd.transfer.cpu import CpuRankMemory
 from tierd.transfer.items import CopyItem
 
@@ -34,6 +39,20 @@ class ShmFile:
     def write(self, data: np.ndarray) -> None:
         with open(self.path, "r+b") as f:
             f.write(data.tobytes())
+
+
+@pytest.fixture(params=["mapped", "syscalls"])
+def copy_path(request, monkeypatch):
+    """Which way CpuRankMemory copies: memcpy over the guarded mapping, or preadv/pwritev."""
+    if request.param == "mapped":
+        assert mapcopy.load() is not None, "the guarded copy did not build (is there a C compiler?)"
+    else:
+        monkeypatch.setattr(cpu.mapcopy, "armed", lambda: False)
+    return request.param
+
+
+def syscalls_only(monkeypatch) -> None:
+    monkeypatch.setattr(cpu.mapcopy, "armed", lambda: False)
 
 
 @pytest.fixture
@@ -171,8 +190,12 @@ def chunks(rng, n_blocks: int, bpc: int, case: str) -> list[tuple[np.ndarray, np
 @pytest.mark.parametrize("batch", [cpu.BATCH_SEGMENTS, 5], ids=["one-batch", "batches-of-5-ranges"])
 @pytest.mark.parametrize("case", ["consecutive", "random", "partial", "repeated"])
 @pytest.mark.parametrize("geometry", list(geometries()))
-def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch, monkeypatch):
+def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch, copy_path, monkeypatch):
     monkeypatch.setattr(cpu, "BATCH_SEGMENTS", batch)
+    syscalls = []
+    for name in ("preadv", "pwritev"):
+        real = getattr(os, name)
+        monkeypatch.setattr(cpu.os, name, lambda *a, real=real: syscalls.append(1) or real(*a))
     nbytes, tensors, spans = geometries()[geometry]
     f = shm(nbytes)
     files = [f] * len(tensors)
@@ -202,13 +225,43 @@ def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch,
             [CopyItem(ids.astype(np.int64), pos, bpc, o) for (ids, pos), o in zip(picks, objs)],
         )
         assert np.array_equal(f.read(), expect)
+        assert bool(syscalls) == (copy_path == "syscalls"), "the copy did not go the way asked"
     finally:
         mem.close()
+
+
+def test_consecutive_blocks_of_a_request_are_one_memcpy_per_layer_and_chunk(shm, monkeypatch):
+    """The mapped copy: three chunks of consecutive blocks, block-contiguous layers, one memcpy
+    per layer and chunk (a range contiguous in both the file and the object), in file order."""
+    assert mapcopy.load() is not None
+    nbytes, tensors, spans = geometries()["block-contiguous"]
+    f = shm(nbytes)
+    lay = PageLayout.from_wire(make_layout([f], tensors, spans))
+    real = mapcopy.copy
+    mem = CpuRankMemory(lay)
+    try:
+        base = mem.groups[0][0].file.addr
+        items = [
+            CopyItem(np.arange(i * 4, i * 4 + 4), np.arange(4), 4, np.zeros(3 * 4 * 96, np.uint8))
+            for i in range(3)
+        ]
+        seen = []
+        monkeypatch.setattr(
+            cpu.mapcopy, "copy", lambda d, s, n: seen.append((d - base).tolist()) or real(d, s, n)
+        )
+        mem.store(0, items[:1])  # store: the file is the source
+        seen.clear()
+        mem.retrieve(0, items)
+    finally:
+        mem.close()
+    layer, chunk = 16 * 96, 4 * 96
+    assert seen == [[l * layer + c * chunk for l in range(3) for c in range(3)]]
 
 
 def test_consecutive_blocks_of_a_request_are_one_syscall_per_layer(shm, monkeypatch):
     """Three chunks of consecutive blocks, block-contiguous layers: one preadv per layer with one
     iovec per chunk, and the same for pwritev (all 16 blocks would make the whole file one range)."""
+    syscalls_only(monkeypatch)
     nbytes, tensors, spans = geometries()["block-contiguous"]
     f = shm(nbytes)
     lay = PageLayout.from_wire(make_layout([f], tensors, spans))
@@ -242,6 +295,7 @@ def test_consecutive_blocks_of_a_request_are_one_syscall_per_layer(shm, monkeypa
 
 
 def test_iovecs_per_syscall_stay_within_iov_max(shm, monkeypatch):
+    syscalls_only(monkeypatch)
     monkeypatch.setattr(cpu, "IOV_MAX", 3)
     nbytes, tensors, spans = geometries()["head-outer"]
     f = shm(nbytes)
@@ -267,6 +321,7 @@ def test_a_partial_transfer_goes_on_and_a_shrunk_file_is_an_error(shm, monkeypat
     """preadv/pwritev may move fewer bytes than asked: the copy goes on from there while the file
     is long enough; once it is shorter than the copy needs, ShmCopyError names the tensor and the
     sizes, and a retrieve never grows the file."""
+    syscalls_only(monkeypatch)
     nbytes, tensors, spans = geometries()["kv halves"]
     f = shm(nbytes)
     engine = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8)
@@ -316,3 +371,75 @@ def test_a_partial_transfer_goes_on_and_a_shrunk_file_is_an_error(shm, monkeypat
                 assert os.stat(f.path).st_size == nbytes // 2 + grown
     finally:
         mem.close()
+
+
+def test_a_file_cut_short_during_a_mapped_copy_is_a_copy_error_not_sigbus(shm, monkeypatch):
+    """The client truncates its file after the size check, while the daemon copies through its
+    mapping: the guard catches the SIGBUS of the first range past the new end, the copy raises
+    ShmCopyError naming the tensor and both sizes, the file is not grown, and the thread copies
+    again once the file is whole (the guard was re-armed)."""
+    assert mapcopy.load() is not None
+    bb, layer = 1024, 16 * 1024  # layers of four pages: a cut at one page leaves layers 1 and 2 unmapped
+    nbytes = 3 * layer
+    spans = [dict(tensor=0, offset=l * layer, block_stride=bb, num_blocks=16, run_bytes=bb) for l in range(3)]
+    f = shm(nbytes)
+    engine = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+    f.write(engine)
+    lay = PageLayout.from_wire(make_layout([f], [(0, nbytes)], spans))
+    monkeypatch.setattr(CpuRankMemory, "_check_size", lambda *a: None)  # the race: cut after the check
+    mem = CpuRankMemory(lay)
+    try:
+        assert mem.groups[0][0].file.addr, "the file was not mapped"
+        item = CopyItem(np.arange(0, 4), np.arange(4), 4, np.zeros(3 * 4 * bb, np.uint8))
+        for op in (mem.store, mem.retrieve):
+            os.truncate(f.path, 4096)
+            with pytest.raises(
+                cpu.ShmCopyError,
+                match=rf"layout.tensors\[0\] .*has 4096 bytes, the copy needs {layer + 4 * bb} ",
+            ):
+                op(0, [item])
+            assert os.stat(f.path).st_size == 4096, "the copy grew the client's file"
+        os.truncate(f.path, nbytes)
+        f.write(engine)
+        mem.store(0, [item])
+        want = CopyItem(np.arange(0, 4), np.arange(4), 4, np.zeros(3 * 4 * bb, np.uint8))
+        ref_store(ref_views([engine], lay, 0), [want])
+        assert np.array_equal(item.view, want.view)
+    finally:
+        mem.close()
+
+
+_SIGBUS_CHILD = """
+import ctypes, os, sys
+from tierd.transfer import mapcopy
+path = sys.argv[1]
+fd = os.open(path, os.O_RDWR)
+os.ftruncate(fd, 1 << 16)
+assert mapcopy.load() is not None
+addr = mapcopy.map_file(fd, 1 << 16)
+os.ftruncate(fd, 4096)
+buf = ctypes.create_string_buffer(8192)
+print("copied", {copy}, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "copy, guarded",
+    [
+        ("mapcopy.copy(*(np.array([x], np.uint64) for x in (ctypes.addressof(buf), addr, 8192)))", True),
+        ("ctypes.memmove(buf, addr, 8192)", False),
+    ],
+    ids=["guarded-copy", "unguarded-memmove"],
+)
+def test_only_a_guarded_copy_survives_a_mapping_past_the_end_of_its_file(shm, copy, guarded):
+    """In a process of its own: the guarded copy of a range past the end of a truncated file
+    reports it (0 ranges copied) and the process goes on; a plain memmove of the same range, with
+    the guard's handler installed, still dies of SIGBUS (the handler passes on faults that are not
+    a guarded copy's, and shows the hazard the guard exists for)."""
+    f = shm(1 << 16)
+    code = "import numpy as np\n" + _SIGBUS_CHILD.format(copy=copy)
+    out = subprocess.run([sys.executable, "-c", code, f.path], capture_output=True, text=True, timeout=60)
+    if guarded:
+        assert out.returncode == 0 and out.stdout.strip() == "copied 0", out.stderr
+    else:
+        assert out.returncode == -signal.SIGBUS and "copied" not in out.stdout, (out.returncode, out.stderr)

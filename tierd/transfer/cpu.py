@@ -1,22 +1,24 @@
 """CPU data path: the engine's KV tensors live in shared-memory files; the daemon copies blocks
-between them and its pool with preadv/pwritev on the rank's transfer thread (GIL released in
-the syscall).
+between them and its pool on the rank's transfer thread (GIL released): memcpy over a mapping of
+the file, guarded against SIGBUS (tierd.transfer.mapcopy), or preadv/pwritev where that guard
+cannot be built (no C compiler) or is not the process's SIGBUS handler any more.
 
-Hazards, and why it is not an mmap of the engine's file: the file belongs to the client, which
-can truncate it at any time; a mapping of a truncated file raises SIGBUS in the daemon at the
-next copy and every client loses every object. A read past the end of a file is only a short
-read: the copy fails with ShmCopyError (naming the tensor and the sizes), the request is
-answered DEVICE_ERROR and the daemon goes on. A write past the end would grow the client's file,
-so before a write the file's size is checked (a file truncated between that check and the write
-is grown back, at most to what it had at REGISTER: it is the client's own race, and costs the
-daemon nothing it did not already hold).
+Hazards: the file belongs to the client, which can truncate it at any time. A bare mapping of a
+truncated file raises SIGBUS in the daemon at the next copy and every client loses every object:
+the guarded copy stops at the range that faulted instead. A read past the end of a file is only a
+short read. Either way the copy fails with ShmCopyError (naming the tensor and the sizes), the
+request is answered DEVICE_ERROR and the daemon goes on. Before a copy the file's size is checked.
+A store through the mapping can never grow the file; a pwritev past the end would, so a file
+truncated between that check and a pwritev is grown back, at most to what it had at REGISTER: it
+is the client's own race, and costs the daemon nothing it did not already hold.
 
 Files are opened as the client may (tierd.transfer.shm), each distinct file (st_dev, st_ino)
 once per rank however many tensors name it (``files``: the count the daemon caps per client).
 
-Syscalls are coalesced: a layer's blocks are described as file ranges ``(file offset, object
-offset, run_bytes)``, ordered by file offset, and each contiguous file range is one
-preadv/pwritev with one iovec per contiguous object range (at most IOV_MAX). Consecutive block
+Copies are coalesced: a layer's blocks are described as file ranges ``(file offset, object
+offset, run_bytes)``, ordered by file offset; each range contiguous in both the file and the object
+is one memcpy (one iovec), and each contiguous file range is one preadv/pwritev (at most IOV_MAX
+iovecs). Consecutive block
 ids of a layer (and the chunks of one request) are usually one range, so a typical call costs
 one syscall per layer per run. Overlapping file ranges in a retrieve (repeated block ids) are
 written in the old order (item, layer, block, run), so the last one wins as before.
@@ -31,6 +33,7 @@ import numpy as np
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import FdHandle, GroupLayout, PageLayout, ShmHandle
+from tierd.transfer import mapcopy
 from tierd.transfer.items import CopyItem
 from tierd.transfer.shm import Opener, Refused
 
@@ -45,12 +48,31 @@ class ShmCopyError(RuntimeError):
 
 
 class SharedFile:
-    """One open engine file, shared by every tensor that names it."""
+    """One open engine file, shared by every tensor that names it; ``addr``: its first ``mapped``
+    bytes mapped for the guarded copy (0: not mapped, copied with preadv/pwritev)."""
 
-    __slots__ = ("fd", "path", "tensors")
+    __slots__ = ("fd", "path", "tensors", "addr", "mapped")
 
     def __init__(self, fd: int, path: str):
         self.fd, self.path, self.tensors = fd, path, []
+        self.addr = self.mapped = 0
+
+    def map(self) -> None:
+        """Map the file as long as it is now, if the guarded copy is available (module doc)."""
+        if mapcopy.load() is None:
+            return
+        size = os.fstat(self.fd).st_size
+        try:
+            self.addr, self.mapped = mapcopy.map_file(self.fd, size), size
+        except OSError:  # e.g. a memory map limit: this file's copies go through the syscalls
+            self.addr = self.mapped = 0
+
+    def close(self) -> None:
+        if self.addr:
+            mapcopy.unmap(self.addr, self.mapped)
+            self.addr = self.mapped = 0
+        os.close(self.fd)
+        self.fd = -1
 
 
 class _Layers:
@@ -101,6 +123,8 @@ class CpuRankMemory:
                     if fd not in self._adopted:
                         os.close(fd)
             self._tickets.clear()
+        for file in self._files.values():
+            file.map()
         self.groups = [self._layers(g) for g in layout.groups]
 
     @property
@@ -198,6 +222,7 @@ class CpuRankMemory:
         pos = np.concatenate([it.pos for it in items])
         which = np.repeat(np.arange(len(items)), [len(it.ids) for it in items])
         views = [memoryview(it.view) for it in items]
+        bases = np.array([it.view.ctypes.data for it in items], dtype=np.int64)  # for the mapped copy
         for part in self.groups[group]:
             # in batches of blocks (and layers) of at most BATCH_SEGMENTS ranges, in block order
             nl = max(1, min(len(part.index), BATCH_SEGMENTS // part.runs))
@@ -212,11 +237,11 @@ class CpuRankMemory:
                         which[b : b + nb],
                         items[0].bpc,
                         block_bytes,
-                        views,
+                        (views, bases),
                         write,
                     )
 
-    def _copy_part(self, part: _Layers, li: slice, ids, pos, which, bpc, block_bytes, views, write: bool):
+    def _copy_part(self, part: _Layers, li: slice, ids, pos, which, bpc, block_bytes, bufs, write: bool):
         rb, runs = part.run_bytes, part.runs
         r = np.arange(runs, dtype=np.int64)
         index, base = part.index[li], part.base[li]
@@ -234,7 +259,7 @@ class CpuRankMemory:
         for axes in _ORDERS:
             f = file_at.transpose(axes).ravel()
             if len(f) < 2 or bool(np.all(f[1:] >= f[:-1] + rb)):  # disjoint and ascending in this order
-                self._io(part, f, obj_at.transpose(axes).ravel(), item.transpose(axes).ravel(), views, write)
+                self._io(part, f, obj_at.transpose(axes).ravel(), item.transpose(axes).ravel(), bufs, write)
                 return
         f, o, w = file_at.ravel(), obj_at.ravel(), item.ravel()
         order = np.argsort(f, kind="stable")
@@ -243,7 +268,7 @@ class CpuRankMemory:
             layer = np.broadcast_to(np.arange(shape[0])[:, None, None], shape).ravel()
             block = np.broadcast_to(np.arange(shape[1])[None, :, None], shape).ravel()
             order = np.lexsort((np.broadcast_to(r, shape).ravel(), block, layer, w))
-        self._io(part, f[order], o[order], w[order], views, write)
+        self._io(part, f[order], o[order], w[order], bufs, write)
 
     def _check_size(self, part: _Layers, tensors: np.ndarray, file_at: np.ndarray, rb: int) -> None:
         need = int(file_at.max()) + rb
@@ -259,14 +284,19 @@ class CpuRankMemory:
             f"(the tensor ends at {ref.handle.offset + ref.nbytes}): it shrank after REGISTER"
         )
 
-    def _io(self, part: _Layers, f: np.ndarray, o: np.ndarray, w: np.ndarray, views, write: bool) -> None:
+    def _io(self, part: _Layers, f: np.ndarray, o: np.ndarray, w: np.ndarray, bufs, write: bool) -> None:
+        views, bases = bufs  # each item's memoryview, for the syscalls, and its address, for memcpy
         rb, n = part.run_bytes, len(f)
         fcont = np.zeros(n, dtype=bool)
         fcont[1:] = f[1:] == f[:-1] + rb  # continues the previous file range
         ocont = fcont.copy()
         ocont[1:] &= (w[1:] == w[:-1]) & (o[1:] == o[:-1] + rb)  # ... and the previous object range
-        starts = np.flatnonzero(~ocont)  # one iovec each
+        starts = np.flatnonzero(~ocont)  # one iovec (one memcpy) each
         lengths = np.diff(starts, append=n) * rb
+        if part.file.addr and mapcopy.armed():
+            at = f[starts]
+            self._mapped(part, at, bases[w[starts]] + o[starts], lengths, write)
+            return
         first = ~fcont[starts]  # an iovec that starts a file range starts a syscall, as does every IOV_MAX-th
         call_of = np.cumsum(first) - 1
         nth = np.arange(len(starts)) - np.flatnonzero(first)[call_of]
@@ -296,6 +326,23 @@ class CpuRankMemory:
                 f"{part.file.path} (tensors {part.file.tensors[:8]}): {exc.strerror}"
             ) from None
 
+    def _mapped(self, part: _Layers, at: np.ndarray, obj: np.ndarray, lengths: np.ndarray, write: bool):
+        """memcpy of the ranges ``[at, +lengths)`` of the mapped file to or from the object addresses
+        ``obj``, in order (so the last of overlapping writes wins)."""
+        file_addr = (at + part.file.addr).astype(np.uint64)
+        obj, lengths = obj.astype(np.uint64), lengths.astype(np.uint64)
+        dst, src = (file_addr, obj) if write else (obj, file_addr)
+        done = mapcopy.copy(dst, src, lengths)
+        if done != len(dst):  # SIGBUS: the file no longer holds that range
+            need = int(at[done] + lengths[done])
+            size = os.fstat(part.file.fd).st_size
+            if size < need:
+                self._shrunk(part, int(part.tensor[0]), size, need)
+            raise ShmCopyError(
+                f"{part.file.path} (tensors {part.file.tensors[:8]}): a copy {'into' if write else 'from'} "
+                f"the file faulted at byte {int(at[done])} though it has {size} bytes (is its tmpfs full?)"
+            )
+
     def _finish(self, call, part: _Layers, fd: int, bufs: list, at: int, want: int, done: int) -> None:
         """A transfer at ``at`` moved ``done`` of ``want`` bytes: the file shrank (ShmCopyError), or
         (a partial transfer of a file still long enough) go on with the rest."""
@@ -313,7 +360,6 @@ class CpuRankMemory:
     def close(self) -> None:
         self.groups = []
         for file in self._files.values():
-            os.close(file.fd)
-            file.fd = -1
+            file.close()
         self._files.clear()
         self.tensors = []

@@ -1,0 +1,81 @@
+/* Copies between the daemon's pool and an engine file it has mapped, without dying when the
+ * engine cuts that file short: a load or store past the end of a shared file mapping raises SIGBUS,
+ * which would kill the daemon and every client's objects with it. tierd.transfer.mapcopy builds and
+ * loads this file; see its docstring for why a copy is not a preadv/pwritev.
+ *
+ * A copy arms a guard for its own thread only (a thread-local jump buffer); the SIGBUS handler
+ * jumps back to the copy when the faulting thread holds an armed guard, and otherwise hands the
+ * signal to the disposition it replaced (or the default one, which ends the process as before).
+ */
+#define _GNU_SOURCE
+#include <setjmp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+
+/* initial-exec: reading it in the handler never allocates (a dlopen'd library's TLS otherwise may);
+ * volatile: the compiler knows memcpy reads no global, and would otherwise drop the stores around it */
+static __thread sigjmp_buf *volatile guard __attribute__((tls_model("initial-exec")));
+static struct sigaction previous;
+static int installed;
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *g = guard;
+    if (g != NULL) {
+        guard = NULL;
+        siglongjmp(*g, 1);
+    }
+    if (previous.sa_flags & SA_SIGINFO) {
+        if (previous.sa_sigaction != NULL) {
+            previous.sa_sigaction(sig, info, ctx);
+            return;
+        }
+    } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+        previous.sa_handler(sig);
+        return;
+    }
+    /* not a guarded copy's fault and nobody else's handler: returning repeats the access, which
+     * the default disposition now ends as it would have without this handler */
+    signal(SIGBUS, SIG_DFL);
+}
+
+/* Install the SIGBUS handler once per process; 0 on success, -1 (errno) otherwise. */
+int tierd_mapcopy_install(void) {
+    if (installed) return 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &previous) != 0) return -1;
+    installed = 1;
+    return 0;
+}
+
+/* 1 while this library's handler is the process's SIGBUS disposition. */
+int tierd_mapcopy_armed(void) {
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0) return 0;
+    return (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus;
+}
+
+/* Copy n ranges in order: len[i] bytes from src[i] to dst[i]. Returns n, or the index of the range
+ * a SIGBUS stopped (its bytes and those after it not, or not all, copied). */
+int64_t tierd_mapcopy(const uint64_t *dst, const uint64_t *src, const uint64_t *len, int64_t n) {
+    sigjmp_buf jb;
+    volatile int64_t i = 0;
+    if (sigsetjmp(jb, 1) != 0) return i; /* the handler disarmed the guard before it jumped */
+    guard = &jb;
+    for (; i < n; i++) memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)len[i]);
+    guard = NULL;
+    return n;
+}
+
+/* A shared read-write mapping of the first size bytes of fd, or NULL (errno). */
+void *tierd_mapcopy_map(int fd, uint64_t size) {
+    void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+int tierd_mapcopy_unmap(void *p, uint64_t size) { return munmap(p, (size_t)size); }
