@@ -201,7 +201,20 @@ def _appears(path: str, wait_s: float) -> bool:
 @click.option("--mla", is_flag=True, help="MLA layout: [blocks, block_tokens, 576], one latent per token.")
 @click.option("--chunks", default=64, show_default=True, help="Chunks stored and retrieved per round.")
 @click.option("--batch", default=8, show_default=True, help="Chunks per STORE/RETRIEVE request.")
-@click.option("--rounds", default=3, show_default=True, help="Timed rounds (best is reported).")
+@click.option(
+    "--rounds",
+    default=3,
+    show_default=True,
+    help="Timed rounds (CPU: the best after the first is reported, the first apart).",
+)
+@click.option(
+    "--runs",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="CPU: each block's bytes in this many runs, each run of a layer's blocks a region of its own "
+    "(2: K and V halves apart, vLLM's CPU layout): a chunk is that many contiguous ranges per layer.",
+)
 @click.option(
     "--pool-gb", default=None, type=float, help="Pool ceiling of the private daemon. [default: sized to fit]"
 )

@@ -157,6 +157,14 @@ def bench_table(r: dict) -> str:
         ("store", f"{r['store_gbps']:.2f} GB/s  ({r['store_ratio']:.2f}x baseline)"),
         ("retrieve", f"{r['retrieve_gbps']:.2f} GB/s  ({r['retrieve_ratio']:.2f}x baseline)"),
     ]
+    if "store_first_gbps" in r:
+        rows.append(
+            (
+                "first round",
+                f"store {r['store_first_gbps']:.2f} GB/s, retrieve {r['retrieve_first_gbps']:.2f} GB/s "
+                f"(memory no round touched before)",
+            )
+        )
     if "both_gbps" in r:
         ratio = (
             f"  ({r['both_ratio']:.2f}x both-ways baseline {r['baseline_both_gbps']:.2f} GB/s)"

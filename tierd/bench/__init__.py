@@ -35,9 +35,12 @@ def run_bench(
     step_burst: int = 0,
     kv_layout: str = "LBNHC",
     path: str = "staged",
+    runs: int = 1,
 ) -> dict:
     if chunk_tokens % block_tokens:
         raise BenchError(f"--chunk-tokens {chunk_tokens} is not a multiple of --block-tokens {block_tokens}")
+    if runs != 1 and (device != "cpu" or ranks > 1):
+        raise BenchError("--runs lays out the one-rank CPU bench (--device cpu, no --ranks)")
     if ranks < 1 or seconds <= 0:
         raise BenchError(f"--ranks {ranks} --seconds {seconds:g}: need at least 1 rank and a positive window")
     kw = dict(
@@ -93,4 +96,4 @@ def run_bench(
         raise BenchError("--interference measures GPU steps: it needs --device cuda")
     from tierd.bench.cpu import run_cpu_bench
 
-    return run_cpu_bench(**kw)
+    return run_cpu_bench(**kw, runs=runs)

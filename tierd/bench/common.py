@@ -69,16 +69,24 @@ def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def fill_pattern(a: np.ndarray, seed: int = 0x9E3779B1) -> None:
-    """Fill ``a`` (uint8, C-contiguous rows) with distinct, position-dependent bytes, at memory speed
-    (a random generator would take seconds per GiB: the bench would look stuck before it starts)."""
+def fill_pattern(a: np.ndarray, seed: int = 0x9E3779B1, start: int = 0) -> int:
+    """Fill ``a`` (uint8) with distinct, position-dependent bytes, at memory speed (a random
+    generator would take seconds per GiB: the bench would look stuck before it starts). ``a`` may
+    be a strided view (the first half of each layer's blocks): each C-contiguous piece is filled in
+    place, its words numbered on from ``start``. Returns the next number."""
+    if not a.flags.c_contiguous:  # reshape(-1) would fill a copy and leave ``a`` as it was
+        for row in a:
+            start = fill_pattern(row, seed, start)
+        return start
     flat = a.reshape(-1)
     n = len(flat) // 4 * 4
     words = flat[:n].view(np.uint32)
     words[:] = np.arange(len(words), dtype=np.uint32)
+    words += np.uint32(start % 2**32)
     words *= np.uint32(seed)
     words ^= words >> np.uint32(13)
     flat[n:] = 7
+    return start + len(words)
 
 
 class Progress:
