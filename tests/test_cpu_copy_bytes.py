@@ -443,3 +443,35 @@ def test_only_a_guarded_copy_survives_a_mapping_past_the_end_of_its_file(shm, co
         assert out.returncode == 0 and out.stdout.strip() == "copied 0", out.stderr
     else:
         assert out.returncode == -signal.SIGBUS and "copied" not in out.stdout, (out.returncode, out.stderr)
+
+
+def test_without_a_c_compiler_the_copies_go_through_preadv_and_pwritev(shm):
+    """In a process of its own with no compiler to be found: the guarded copy is not built, no
+    file is mapped, and a store and a retrieve still move the right bytes."""
+    f = shm(3 * 16 * 96)
+    code = textwrap.dedent(
+        """
+        import sys, numpy as np
+        from tierd.protocol.layout import PageLayout
+        from tierd.transfer import mapcopy
+        from tierd.transfer.cpu import CpuRankMemory
+        from tierd.transfer.items import CopyItem
+        lay = PageLayout.from_wire({"namespace": {"model": "m", "fingerprint": "f", "world_size": 1},
+            "rank": 0, "chunk_tokens": 16,
+            "tensors": [{"handle": {"kind": "shm", "path": sys.argv[1], "offset": 0}, "nbytes": 4608}],
+            "groups": [{"kind": "full", "block_tokens": 4, "layers": [dict(tensor=0, offset=l * 1536,
+                block_stride=96, num_blocks=16, run_bytes=96) for l in range(3)]}]})
+        mem = CpuRankMemory(lay)
+        src = np.arange(3 * 4 * 96, dtype=np.uint32).astype(np.uint8)
+        mem.retrieve(0, [CopyItem(np.arange(4, 8), np.arange(4), 4, src)])
+        back = CopyItem(np.arange(4, 8), np.arange(4), 4, np.zeros_like(src))
+        mem.store(0, [back])
+        print(mapcopy.load() is None, mem.groups[0][0].file.addr, np.array_equal(back.view, src))
+        """
+    )
+    env = {**os.environ, "CC": "/nonexistent/cc"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, f.path], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.stdout.split() == ["True", "0", "True"], out.stderr
+    assert "preadv/pwritev" in out.stderr  # the fallback is logged

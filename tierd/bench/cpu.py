@@ -71,7 +71,12 @@ def run_cpu_bench(
         pool_bytes = int(pool_gb * 2**30) if pool_gb else int(total * 1.25) + (256 << 20)
         progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
         ctx = private_daemon(pool_bytes) if socket is None else contextlib.nullcontext(socket)
-        with ctx as endpoint, TierdClient(endpoint, timeout_s=120, name="tierd-bench") as client:
+        with (
+            ctx as endpoint,
+            # a private daemon just started can take seconds to bind on a loaded host: the HELLO
+            # waits for it longer than a client's default
+            TierdClient(endpoint, timeout_s=120, name="tierd-bench", connect_timeout_s=30) as client,
+        ):
             client.wait_ready(30)
             client.register("bench-0", lay)
             progress.phase("memcpy baseline")
