@@ -29,6 +29,7 @@ sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "tests")]
 from test_cpu_copy_bytes import ref_retrieve, ref_store  # noqa: E402
 
 from tierd.protocol.layout import PageLayout  # noqa: E402
+from tierd.transfer import mapcopy  # noqa: E402
 from tierd.transfer.cpu import CpuRankMemory  # noqa: E402
 from tierd.transfer.items import CopyItem  # noqa: E402
 
@@ -157,7 +158,11 @@ def run(
             for c, b in enumerate(blocks)
         ]
         out = {"run_bytes": block_bytes, "ids": ids_kind}
-        for name, mem in (("old", OldGather(path, nbytes, lay)), ("new", CpuRankMemory(lay))):
+        armed = mapcopy.armed
+        sides = (("old", lambda: OldGather(path, nbytes, lay)), ("mapped", None), ("syscalls", None))
+        for name, make in sides:
+            mapcopy.armed = (lambda: False) if name == "syscalls" else armed
+            mem = make() if make else CpuRankMemory(lay)
             try:
                 for op in ("store", "retrieve"):
 
@@ -168,8 +173,10 @@ def run(
                     out[f"{name}_{op}"] = best_gbps(go, chunks * obj, repeats)
             finally:
                 mem.close()
-        for op in ("store", "retrieve"):
-            out[f"{op}_ratio"] = round(out[f"new_{op}"] / out[f"old_{op}"], 2)
+                mapcopy.armed = armed
+        for name in ("mapped", "syscalls"):
+            for op in ("store", "retrieve"):
+                out[f"{name}_{op}_ratio"] = round(out[f"{name}_{op}"] / out[f"old_{op}"], 2)
         return out
     finally:
         os.unlink(path)
@@ -199,10 +206,14 @@ def main() -> None:
             )
         else:
             print(
-                f"{row['run_bytes'] >> 10:>3} KiB {row['ids']:<11}  store old {row['old_store']:>5} "
-                f"new {row['new_store']:>5} ({row['store_ratio']:.2f}x)   retrieve old "
-                f"{row['old_retrieve']:>5} new {row['new_retrieve']:>5} "
-                f"({row['retrieve_ratio']:.2f}x) GB/s"
+                f"{row['run_bytes'] >> 10:>3} KiB {row['ids']:<11}"
+                + "".join(
+                    f"  {op} old {row[f'old_{op}']:>5} mapped {row[f'mapped_{op}']:>5} "
+                    f"({row[f'mapped_{op}_ratio']:.2f}x) syscalls {row[f'syscalls_{op}']:>5} "
+                    f"({row[f'syscalls_{op}_ratio']:.2f}x)"
+                    for op in ("store", "retrieve")
+                )
+                + " GB/s"
             )
 
 
