@@ -40,7 +40,9 @@ def test_the_cpu_bench_restores_every_byte_in_each_layout(runs):
     r = json.loads(out.stdout)
     assert r["verified"] is True and r["runs"] == runs and r["block_bytes"] == 16 * 2 * 2 * 64 * 2
     assert r["bytes_per_round"] == 4 * 2 * 4 * r["block_bytes"]
-    assert all(r[k] > 0 for k in ("store_gbps", "retrieve_gbps", "store_first_gbps", "retrieve_first_gbps"))
+    assert r["store_gbps"] > 0 and r["retrieve_gbps"] > 0
+    # the first round, reported apart (a loaded host can round a tiny first round down to 0.0)
+    assert all(isinstance(r[k], float) and r[k] >= 0 for k in ("store_first_gbps", "retrieve_first_gbps"))
 
 
 def test_runs_lay_out_only_the_one_rank_cpu_bench():
