@@ -240,7 +240,9 @@ def test_consecutive_blocks_of_a_request_are_one_memcpy_per_layer_and_chunk(shm,
     real = mapcopy.copy
     mem = CpuRankMemory(lay)
     try:
-        base = mem.groups[0][0].file.addr
+        mem.store(0, [CopyItem(np.arange(1), np.arange(1), 4, np.zeros(3 * 4 * 96, np.uint8))])
+        base = mem.groups[0][0].file.addr  # mapped at the first copy
+        assert base
         items = [
             CopyItem(np.arange(i * 4, i * 4 + 4), np.arange(4), 4, np.zeros(3 * 4 * 96, np.uint8))
             for i in range(3)
@@ -389,7 +391,6 @@ def test_a_file_cut_short_during_a_mapped_copy_is_a_copy_error_not_sigbus(shm, m
     monkeypatch.setattr(CpuRankMemory, "_check_size", lambda *a: None)  # the race: cut after the check
     mem = CpuRankMemory(lay)
     try:
-        assert mem.groups[0][0].file.addr, "the file was not mapped"
         item = CopyItem(np.arange(0, 4), np.arange(4), 4, np.zeros(3 * 4 * bb, np.uint8))
         for op in (mem.store, mem.retrieve):
             os.truncate(f.path, 4096)
@@ -399,6 +400,7 @@ def test_a_file_cut_short_during_a_mapped_copy_is_a_copy_error_not_sigbus(shm, m
             ):
                 op(0, [item])
             assert os.stat(f.path).st_size == 4096, "the copy grew the client's file"
+        assert mem.groups[0][0].file.mapped == nbytes, "not mapped, or mapped as long as the cut file"
         os.truncate(f.path, nbytes)
         f.write(engine)
         mem.store(0, [item])

@@ -48,22 +48,25 @@ class ShmCopyError(RuntimeError):
 
 
 class SharedFile:
-    """One open engine file, shared by every tensor that names it; ``addr``: its first ``mapped``
-    bytes mapped for the guarded copy (0: not mapped, copied with preadv/pwritev)."""
+    """One open engine file, shared by every tensor that names it; ``end``: where the last of them
+    ends; ``addr``: its first ``end`` bytes mapped for the guarded copy (0: not mapped, copied with
+    preadv/pwritev)."""
 
-    __slots__ = ("fd", "path", "tensors", "addr", "mapped")
+    __slots__ = ("fd", "path", "tensors", "end", "addr", "mapped")
 
     def __init__(self, fd: int, path: str):
         self.fd, self.path, self.tensors = fd, path, []
-        self.addr = self.mapped = 0
+        self.end = self.addr = self.mapped = 0
 
     def map(self) -> None:
-        """Map the file as long as it is now, if the guarded copy is available (module doc)."""
+        """Map every byte a tensor names, if the guarded copy is available (module doc). As long as
+        the layout says, not as long as the file is now: a file cut short and grown again must not
+        leave a copy the layout allows outside the mapping (past the file's end is SIGBUS, guarded;
+        past a mapping's end would be SIGSEGV)."""
         if mapcopy.load() is None:
             return
-        size = os.fstat(self.fd).st_size
         try:
-            self.addr, self.mapped = mapcopy.map_file(self.fd, size), size
+            self.addr, self.mapped = mapcopy.map_file(self.fd, self.end), self.end
         except OSError:  # e.g. a memory map limit: this file's copies go through the syscalls
             self.addr = self.mapped = 0
 
@@ -123,8 +126,7 @@ class CpuRankMemory:
                     if fd not in self._adopted:
                         os.close(fd)
             self._tickets.clear()
-        for file in self._files.values():
-            file.map()
+        self._map_tried = False  # files mapped at the first copy, on the copy thread (_copy)
         self.groups = [self._layers(g) for g in layout.groups]
 
     @property
@@ -155,6 +157,7 @@ class CpuRankMemory:
         except Refused as exc:
             raise ProtocolError(ErrorCode.LAYOUT_INVALID, f"{where} {path!r}: {exc}") from None
         file.tensors.append(i)
+        file.end = max(file.end, offset + ref.nbytes)
         return file, offset
 
     def _open_fd(self, opener: Opener, where: str, ref) -> tuple[SharedFile, int]:
@@ -186,6 +189,7 @@ class CpuRankMemory:
             file = self._files[(st.st_dev, st.st_ino)] = SharedFile(fd, f"descriptor {h.index}")
             self._adopted.add(fd)
         file.tensors.append(int(where.rsplit("[", 1)[1].rstrip("]")))
+        file.end = max(file.end, h.offset + ref.nbytes)
         return file, h.offset
 
     def _layers(self, group: GroupLayout) -> list[_Layers]:
@@ -217,6 +221,10 @@ class CpuRankMemory:
         items = [it for it in items if len(it.ids)]
         if not items:
             return
+        if not self._map_tried:  # here, not at REGISTER: building the guarded copy (once) takes a compiler
+            self._map_tried = True  # run, which must not hold up the main loop
+            for file in self._files.values():
+                file.map()
         block_bytes = self.layout.groups[group].block_bytes
         ids = np.concatenate([it.ids for it in items])
         pos = np.concatenate([it.pos for it in items])
@@ -293,8 +301,8 @@ class CpuRankMemory:
         ocont[1:] &= (w[1:] == w[:-1]) & (o[1:] == o[:-1] + rb)  # ... and the previous object range
         starts = np.flatnonzero(~ocont)  # one iovec (one memcpy) each
         lengths = np.diff(starts, append=n) * rb
-        if part.file.addr and mapcopy.armed():
-            at = f[starts]
+        at = f[starts]
+        if part.file.addr and int((at + lengths).max()) <= part.file.mapped and mapcopy.armed():
             self._mapped(part, at, bases[w[starts]] + o[starts], lengths, write)
             return
         first = ~fcont[starts]  # an iovec that starts a file range starts a syscall, as does every IOV_MAX-th

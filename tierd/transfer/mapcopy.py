@@ -11,8 +11,9 @@ thread-local guard, and its SIGBUS handler jumps back out of a guarded copy (any
 to the handler it replaced, or ends the process as before): the copy reports the range it stopped
 at, and the caller raises ShmCopyError as for a short read.
 
-The C file is compiled on first use with the system's C compiler (``$CC``, else ``cc``) into a
-private temporary folder, loaded with ctypes and the file removed. No compiler, or a build or
+The C file is compiled on first use (a rank's first copy, on its copy thread) with the system's C
+compiler (``$CC``, else ``cc``) into a private temporary folder, loaded with ctypes and the file
+removed. No compiler, or a build or
 load that fails: ``load()`` answers None, once logged, and the copies stay preadv/pwritev.
 ctypes releases the GIL for the length of each call.
 """
