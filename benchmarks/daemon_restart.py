@@ -18,17 +18,15 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from tierd.testing import ServeProcess  # noqa: E402
 from tierd_client import TierdClient  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402
@@ -37,49 +35,22 @@ MIB, GIB = 1 << 20, 1 << 30
 LAYERS, BLOCKS_PER_CHUNK, BATCH, SAMPLE = 32, 16, 8, 8
 
 
-class Daemon:
+class Daemon(ServeProcess):
+    """``tierd serve --pool-dir`` (tierd/testing.py's launcher); ``start`` returns its exec time."""
+
     def __init__(self, folder: str, pool_gib: float, tmp: str):
-        self.endpoint = f"ipc://{tmp}/tierd.sock"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "tierd",
-            "serve",
-            "--socket",
-            self.endpoint,
-            "--http-port",
-            str(self.port),
-            "--l1-size-gb",
-            str(pool_gib),
-            "--pool-dir",
-            folder,
-            "--cuda",
-            "off",
-        ]
-        self.log = open(os.path.join(tmp, "daemon.log"), "ab")
-        self.proc = None
-
-    def start(self) -> float:
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+        super().__init__(
+            tmp, "--pool-dir", folder, "--cuda", "off", pool_mb=pool_gib * 1024, log_level=None, start=False
         )
-        return t0
 
-    def status(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=10) as r:
-            return json.load(r)
+    def start(self, wait: bool = False) -> float:
+        t0 = time.perf_counter()
+        super().start(wait=wait)
+        return t0
 
     def stop(self, sig: int) -> float:
         t0 = time.perf_counter()
-        self.proc.send_signal(sig)
-        self.proc.wait(600)
+        super().stop(sig, timeout=600)
         return time.perf_counter() - t0
 
 

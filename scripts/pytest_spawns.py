@@ -36,6 +36,15 @@ def _init(self, args, *a, **kw):
 subprocess.Popen.__init__ = _init
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """The record lives in this process: run the tests here, not on xdist workers (pyproject's
+    addopts start two)."""
+    if hasattr(config.option, "numprocesses"):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _current["test"] = item.nodeid

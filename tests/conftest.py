@@ -2,96 +2,35 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tierd.testing import ROOT, DaemonExited, ServeProcess, free_port  # noqa: F401 - tests import these
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DaemonProcess:
-    """A ``tierd serve`` subprocess on a private ipc socket, with its HTTP port."""
+class DaemonProcess(ServeProcess):
+    """``tierd serve`` (tierd/testing.py's launcher) on ``ipc://<tmp>/tierd.sock``, with an HTTP
+    port on loopback and debug logs in ``<tmp>/daemon.log``; ready when it returns."""
 
     def __init__(self, tmp: Path, *args: str, pool_mb: int = 256):
+        super().__init__(tmp, *args, pool_mb=pool_mb)
         self.tmp = tmp
-        self.endpoint = f"ipc://{tmp}/tierd.sock"
-        self.socket_file = tmp / "tierd.sock"
-        self.http_port = free_port()
-        self.args = ["--l1-size-gb", f"{pool_mb / 1024:.6f}", *args]
-        self.log = tmp / "daemon.log"
-        self.proc: subprocess.Popen | None = None
-        self.start()
 
-    def start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tierd",
-            "serve",
-            "--socket",
-            self.endpoint,
-            "--http-port",
-            str(self.http_port),
-            "--log-level",
-            "debug",
-            *self.args,
-        ]
-        self._log = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tierd exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                self.status()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"tierd did not come up:\n{self.log.read_text()}")
 
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        with urllib.request.urlopen(self.http + path, timeout=5) as resp:
-            return resp.status, resp.read()
-
-    def status(self) -> dict:
-        return json.loads(self.get("/status")[1])
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The suite runs on pytest-xdist workers (pyproject's addopts). Two things keep that fast:
+    the real-engine runs (marked ``slow``) are handed out first, so the short tests fill the
+    other workers while they run instead of waiting behind them at the end; and the tests that
+    share a module-scoped fixture (one daemon, one engine) go to one worker (an ``xdist_group``),
+    so it is set up once, not once per worker. Both are no-ops without xdist."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].scope in ("module", "package", "class") for d in defs if d):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture

@@ -23,53 +23,36 @@ import numpy as np
 from kv import FakeRank, GroupGeom
 from l2_harness import ROOT, Master, _die_with_parent, tail
 
+from tierd.testing import ServeProcess
 from tierd_client import TierdClient
 
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
 URL = "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=2000&retry_s=0.5&fail_after=1"
 
 
-class Daemon:
-    """A real ``python -m tierd serve`` with --l2-url, on an ipc socket in the work dir."""
+class Daemon(ServeProcess):
+    """A real ``python -m tierd serve`` with --l2-url (tierd/testing.py's launcher), on an ipc socket
+    in the work dir, with a client bound to it."""
 
     def __init__(self, workdir: Path, name: str, *args: str, url: str = URL, pool_mb: int = 64):
         self.name, self.workdir = name, workdir
-        self.endpoint = f"ipc://{workdir}/{name}.sock"
-        self.port = 19800 + ord(name[0])  # inside the namespace every port is ours
-        self.log = workdir / f"daemon-{name}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "tierd",
-            "serve",
-            "--socket",
-            self.endpoint,
-            "--http-port",
-            str(self.port),
-            "--l1-size-gb",
-            f"{pool_mb / 1024:.6f}",
+        super().__init__(
+            workdir,
             "--l1-segment-mb",
             str(min(pool_mb, 64)),
-            "--log-level",
-            "debug",
             "--l2-url",
             url,
             *args,
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_die_with_parent
+            name=name,
+            http_port=19800 + ord(name[0]),  # inside the namespace every port is ours
+            pool_mb=pool_mb,
+            log=workdir / f"daemon-{name}.log",
+            cwd=ROOT,
+            preexec_fn=_die_with_parent,
         )
-        self.wait(lambda s: True, 30, "HTTP")
+        self.port = self.http_port
         self.client = TierdClient(self.endpoint, timeout_s=20, name=f"test-{name}")
         self.client.wait_ready(20)
-
-    def status(self) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/status", timeout=5) as r:
-            return json.load(r)
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-            return r.read().decode()
 
     def wait(self, ok, timeout: float, what: str) -> dict:
         end = time.monotonic() + timeout
@@ -102,13 +85,10 @@ class Daemon:
             self.client.close()
         except Exception:  # noqa: BLE001
             pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc.wait(10)
+        try:
+            super().stop(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
 
 class Rank:

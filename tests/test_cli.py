@@ -12,6 +12,8 @@ from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
+from tierd.testing import serve_argv
+
 
 def tierd(*args, timeout=60):
     return subprocess.run(
@@ -135,9 +137,8 @@ def test_status_with_no_socket_file_fails_within_the_start_grace_saying_how_to_s
 def test_status_finds_a_daemon_started_in_the_same_breath(tmp_path):
     """README step 2: ``tierd serve &`` then ``tierd status`` at once (the socket file is not there yet)."""
     sock = f"ipc://{tmp_path}/tierd.sock"
-    cmd = ["serve", "--socket", sock, "--http-port", "-1", "--l1-size-gb", "0.01"]
     serve = subprocess.Popen(
-        [sys.executable, "-m", "tierd", *cmd],
+        serve_argv(endpoint=sock, http_port=-1, pool_mb=10.24),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=ROOT,
@@ -174,20 +175,7 @@ def test_serve_with_http_port_0_logs_the_port_it_picked(tmp_path):
     import urllib.request
 
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tierd",
-            "serve",
-            "--socket",
-            f"ipc://{tmp_path}/t.sock",
-            "--http-port",
-            "0",
-            "--l1-size-gb",
-            "0.01",
-            "--log-level",
-            "warning",
-        ],
+        serve_argv(endpoint=f"ipc://{tmp_path}/t.sock", http_port=0, pool_mb=10.24, log_level="warning"),
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,

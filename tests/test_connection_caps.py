@@ -15,6 +15,7 @@ import zmq
 from conftest import ROOT, DaemonProcess
 from wire import wait_for
 
+from tierd.testing import serve_argv
 from tierd_client import TierdClient
 
 
@@ -84,16 +85,7 @@ def test_a_flood_of_silent_connections_does_not_kill_a_daemon_with_few_descripto
         [
             "prlimit",
             "--nofile=256:256",
-            sys.executable,
-            "-m",
-            "tierd",
-            "serve",
-            "--socket",
-            endpoint,
-            "--http-port",
-            "-1",
-            "--l1-size-gb",
-            "0.05",
+            *serve_argv(endpoint=endpoint, http_port=-1, pool_mb=51.2),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

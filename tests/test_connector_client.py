@@ -17,6 +17,7 @@ from conftest import ROOT, DaemonProcess
 
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode
+from tierd.testing import serve_argv
 from tierd_client import DaemonUnavailable, TierdClient, TierdError
 
 
@@ -145,8 +146,9 @@ def test_a_client_that_connects_while_the_daemon_backs_its_pool_gets_a_session(t
     GiBs. A HELLO sent in between expires on a live connection; the client must ask again, and
     wait_ready wait for that answer, instead of reporting no daemon (and never having a session)."""
     sock = tmp_path / "tierd.sock"
-    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", f"ipc://{sock}", "--http-port", "-1"]
-    cmd += ["--l1-size-gb", "2", "--l1-init-size-gb", "1.5"]  # backing 1.5 GiB: 0.15 s at 10 GB/s
+    cmd = serve_argv(
+        "--l1-size-gb", "2", "--l1-init-size-gb", "1.5", endpoint=f"ipc://{sock}", http_port=-1
+    )  # backing 1.5 GiB: 0.15 s at 10 GB/s
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_for(sock.exists, timeout=30), "the daemon never bound its socket"

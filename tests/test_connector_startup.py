@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tierd.testing import serve_argv
+
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
@@ -42,7 +44,7 @@ def test_the_default_url_is_where_the_daemons_default_socket_is(tmp_path, monkey
     assert url == f"ipc://{tmp_path}/tierd/tierd.sock"
     log = open(tmp_path / "daemon.log", "wb")
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "tierd", "serve", "--http-port", str(free_port()), "--l1-size-gb", "0.25"],
+        serve_argv(http_port=free_port(), pool_mb=256),
         cwd=ROOT,
         env=dict(os.environ),
         stdout=log,

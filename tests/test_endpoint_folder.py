@@ -29,6 +29,7 @@ from conftest import ROOT, DaemonProcess
 
 from tierd.endpoint import EndpointError, check_folder
 from tierd.protocol import codec
+from tierd.testing import serve_argv
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown and setuid to other users need root")
 
@@ -70,19 +71,7 @@ def base():
 
 def serve(endpoint: str, *args: str) -> subprocess.CompletedProcess:
     """``tierd serve`` expected to refuse at start-up."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierd",
-        "serve",
-        "--socket",
-        endpoint,
-        "--http-port",
-        "-1",
-        "--l1-size-gb",
-        "0.01",
-        *args,
-    ]
+    cmd = serve_argv(*args, endpoint=endpoint, http_port=-1, pool_mb=10.24)
     try:
         return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=20)
     except subprocess.TimeoutExpired:

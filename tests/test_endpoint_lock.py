@@ -20,25 +20,14 @@ import zmq
 from conftest import ROOT, DaemonProcess, free_port
 
 from tierd.endpoint import EndpointError, bind
+from tierd.testing import serve_argv
 
 REFUSE_WAIT_S = 20  # a second daemon that refuses exits long before; one that serves never does
 
 
 def second_serve(endpoint: str, *args: str) -> subprocess.CompletedProcess:
     """``tierd serve`` on ``endpoint``, expected to refuse; fails the test if it serves instead."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierd",
-        "serve",
-        "--socket",
-        endpoint,
-        "--http-port",
-        "-1",
-        "--l1-size-gb",
-        "0.01",
-        *args,
-    ]
+    cmd = serve_argv(*args, endpoint=endpoint, http_port=-1, pool_mb=10.24)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         out, err = proc.communicate(timeout=REFUSE_WAIT_S)

@@ -11,6 +11,7 @@ from test_eviction import GEOM, OBJ, src
 from util import chunk, ranks  # noqa: F401 - fixtures
 
 from tierd.report import status_table
+from tierd.testing import serve_argv
 
 
 def fill_past_capacity(d, c, rank) -> int:
@@ -57,7 +58,7 @@ def test_an_unknown_policy_is_refused_at_start(daemon_factory):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "tierd", "serve", "--eviction-policy", "arc", "--http-port", "-1"],
+        serve_argv("--eviction-policy", "arc", http_port=-1),
         capture_output=True,
         text=True,
         timeout=60,

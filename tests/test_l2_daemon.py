@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from test_l2_mooncake import run
 
+from tierd.testing import serve_argv
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 MIB = 1 << 20
@@ -114,18 +116,7 @@ def test_l2_url_without_mooncake_exits_2_saying_what_to_pip_install(tmp_path):
     (fake / "__init__.py").write_text("raise ImportError(\"No module named 'mooncake.store'\")\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tierd",
-            "serve",
-            "--socket",
-            f"ipc://{tmp_path}/t.sock",
-            "--http-port",
-            "-1",
-            "--l2-url",
-            "mooncake://127.0.0.1",
-        ],
+        serve_argv("--l2-url", "mooncake://127.0.0.1", endpoint=f"ipc://{tmp_path}/t.sock", http_port=-1),
         capture_output=True,
         text=True,
         timeout=60,
@@ -148,7 +139,7 @@ def test_l2_url_without_mooncake_exits_2_saying_what_to_pip_install(tmp_path):
 )
 def test_a_bad_l2_url_is_a_usage_error_naming_the_part(url, says):
     r = subprocess.run(
-        [sys.executable, "-m", "tierd", "serve", "--http-port", "-1", "--l2-url", url],
+        serve_argv("--l2-url", url, http_port=-1),
         capture_output=True,
         text=True,
         timeout=60,

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, free_port
 
+from tierd.testing import serve_argv
+
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```sh\n(.*?)```", README, re.S)
 
@@ -65,7 +67,7 @@ def test_the_readme_hit_example_shows_a_hit_in_a_second_process(tmp_path, tiny_m
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # as a user runs it
     log = open(tmp_path / "daemon.log", "wb")
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "tierd", "serve", "--http-port", str(http), "--l1-size-gb", "0.5"],
+        serve_argv(http_port=http, pool_mb=512),
         cwd=ROOT,
         env=env,
         stdout=log,

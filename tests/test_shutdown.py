@@ -12,6 +12,8 @@ from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks, raw  # noqa: F401 - fixtures
 
+from tierd.testing import serve_argv
+
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_cleanly(daemon, client_factory, ranks, sig):
@@ -29,7 +31,7 @@ def test_signal_stops_cleanly(daemon, client_factory, ranks, sig):
 
 def serve(endpoint, *extra):
     return subprocess.run(
-        [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", "-1", *extra],
+        serve_argv(*extra, endpoint=endpoint, http_port=-1),
         capture_output=True,
         text=True,
         timeout=30,

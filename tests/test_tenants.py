@@ -19,6 +19,8 @@ from users import UserProcess, make_user, shared_socket_dir  # noqa: F401 - fixt
 from util import chunk
 from wire import Raw
 
+from tierd.testing import serve_argv
+
 GEOM = GroupGeom("full", layers=2, block_bytes=512, block_tokens=4)
 NS_FP = "shared-fingerprint"
 
@@ -271,7 +273,7 @@ def test_tcp_clients_are_told_apart_by_token(daemon_factory, tmp_path):
 
 def test_a_tcp_socket_needs_tokens_or_insecure_tcp_and_a_private_token_file(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "tierd", "serve", "--socket", f"tcp://127.0.0.1:{port}", "--http-port", "-1"]
+    cmd = serve_argv(endpoint=f"tcp://127.0.0.1:{port}", http_port=-1)
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert out.returncode == 2 and "--tcp-token-file" in out.stderr and "--insecure-tcp" in out.stderr
     out = subprocess.run(

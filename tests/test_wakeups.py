@@ -14,6 +14,7 @@ import pytest
 from wire import wait_for
 
 import tierd_client.transport as transport
+from tierd.testing import serve_argv
 from tierd_client import TierdClient
 
 
@@ -94,7 +95,7 @@ def test_busy_poll_keeps_the_daemon_polling_after_each_request_and_sleeping_with
 @pytest.mark.parametrize("value", ["-1", "10001"])
 def test_busy_poll_out_of_range_is_refused_at_start(value, tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "tierd", "serve", "--busy-poll-us", value, "--socket", f"ipc://{tmp_path}/s"],
+        serve_argv("--busy-poll-us", value, endpoint=f"ipc://{tmp_path}/s"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -17,6 +17,7 @@ from wire import wait_for
 
 from tierd import warm
 from tierd.config import Settings
+from tierd.testing import serve_argv
 
 N = NULL
 GROUPS = (GroupGeom("full", layers=2, block_bytes=1024, block_tokens=4), GroupGeom("state", block_tokens=16))
@@ -143,7 +144,7 @@ def test_pool_meta_names_what_shapes_objects_and_keys():
 def serve(tmp_path, *args, timeout=60):
     sock = f"ipc://{tmp_path}/never.sock"
     return subprocess.run(
-        [sys.executable, "-m", "tierd", "serve", "--http-port", "-1", "--socket", sock, *args],
+        serve_argv(*args, endpoint=sock, http_port=-1),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -107,19 +107,7 @@ def lookups_are_servable(client, rank: FakeRank, rnd: random.Random) -> list[str
 
 def launch_and_kill(d, delay: float) -> None:
     """Start the daemon and SIGKILL it after ``delay`` s, ready or not (imports, recovery, serving)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierd",
-        "serve",
-        "--socket",
-        d.endpoint,
-        "--http-port",
-        str(d.http_port),
-        "--log-level",
-        "info",
-        *d.args,
-    ]
+    cmd = d.argv(log_level="info")
     with open(d.log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         time.sleep(delay)

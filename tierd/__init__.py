@@ -56,6 +56,7 @@ Operators.
     tierd/bench/          tierd bench
     tierd/replay.py       tierd replay: a request trace through the pool, to size it
     tierd/trace.py        the traces it reads, and what a pool that never evicts would hit
+    tierd/testing.py      a private tierd serve in a subprocess, for tests and benches
 
 The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
 the vLLM connector (client/vllm_connector/). It imports nothing of tierd but tierd.protocol

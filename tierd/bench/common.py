@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from tierd.testing import ServeProcess
 
 
 class BenchError(Exception):
@@ -20,40 +23,32 @@ class BenchError(Exception):
 
 @contextlib.contextmanager
 def private_daemon(pool_bytes: int, extra: tuple[str, ...] = (), source: str | None = None):
-    """A ``tierd serve`` subprocess on a private socket; yields its endpoint. ``source``: a folder
-    holding another copy of the ``tierd`` package to run instead (an older revision, for A/B)."""
+    """A ``tierd serve`` subprocess on a private socket (tierd/testing.py's launcher); yields its
+    endpoint once the socket is bound. ``source``: a folder holding another copy of the ``tierd``
+    package to run instead (an older revision, for A/B)."""
     folder = tempfile.mkdtemp(prefix="tierd-bench-")
-    endpoint = f"ipc://{folder}/tierd.sock"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierd",
-        "serve",
-        "--socket",
-        endpoint,
-        "--http-port",
-        "-1",
-        "--l1-size-gb",
-        f"{pool_bytes / 2**30:.6f}",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
     env = None
     if source is not None:
         path = [source, os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [source]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.Popen(cmd, env=env, cwd=source)
+    daemon = ServeProcess(
+        folder,
+        *extra,
+        http_port=-1,
+        pool_mb=pool_bytes / 2**20,
+        log_level="warning",
+        log=False,
+        env=env,
+        cwd=source,
+    )
     try:
-        yield endpoint
+        yield daemon.endpoint
     finally:
-        proc.terminate()
         try:
-            proc.wait(15)
+            daemon.stop(timeout=15)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)
+            daemon.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
