@@ -33,8 +33,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 HEARTBEAT_S = 3.0
 
 
-def shm_files() -> list[str]:
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "tierd-kv-")))
+def shm_files(pids=()) -> list[str]:
+    """Named /dev/shm files of these processes: torch and tierd_client name theirs torch_<pid>_...
+    and tierd-kv-<pid>-...; files of other processes (tests running beside this one) are not the
+    engine's."""
+    prefixes = tuple(p for pid in pids for p in (f"torch_{pid}_", f"tierd-kv-{pid}-"))
+    return sorted(n for n in os.listdir("/dev/shm") if prefixes and n.startswith(prefixes))
 
 
 def vllm_shm_files() -> set[str]:
@@ -69,10 +73,10 @@ def daemon_shm_fds(d: DaemonProcess) -> int:
     return held
 
 
-def figures(d: DaemonProcess) -> dict:
+def figures(d: DaemonProcess, pids=()) -> dict:
     s = d.status()
     return {
-        "shm_files": shm_files(),
+        "shm_files": shm_files(pids),
         "sessions": s["sessions"],
         "daemon_shm_fds": daemon_shm_fds(d),
         "shmem_mib": shmem_mib(),
@@ -177,8 +181,9 @@ def test_no_file_session_or_mapping_outlives_an_engine_process(daemon, tmp_path,
 def stop_and_check(daemon, proc, log, stop, before, vllm_before) -> None:
     helpers = psutil.Process(proc.pid).children(recursive=True)
     core = [p for p in helpers if "EngineCore" in p.name()]
+    pids = [proc.pid, *(p.pid for p in helpers)]
     time.sleep(0.5)
-    during = figures(daemon)
+    during = figures(daemon, pids)
     assert during["shm_files"] == before["shm_files"], "the running engine has named /dev/shm files"
     assert during["sessions"] == before["sessions"] + 2
     assert during["daemon_shm_fds"] == before["daemon_shm_fds"] + 1
@@ -195,11 +200,11 @@ def stop_and_check(daemon, proc, log, stop, before, vllm_before) -> None:
     exit_s = time.monotonic() - t0
     time.sleep(0.3)
     alive = [p for p in helpers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    at_exit = figures(daemon)
+    at_exit = figures(daemon, pids)
     # sessions of dead processes: gone at once when they could say BYE, else after the heartbeat timeout
     settle = HEARTBEAT_S + 2.0
     assert wait_for(lambda: daemon.status()["sessions"] <= before["sessions"] + 2 * bool(alive), settle)
-    settled = figures(daemon)
+    settled = figures(daemon, pids)
     orphans = [(p.pid, p.name()) for p in alive]
     for p in (
         alive
@@ -208,7 +213,7 @@ def stop_and_check(daemon, proc, log, stop, before, vllm_before) -> None:
     psutil.wait_procs(alive, timeout=30)
     assert wait_for(lambda: daemon.status()["sessions"] == before["sessions"], settle)
     assert wait_for(lambda: daemon_shm_fds(daemon) == before["daemon_shm_fds"], 2.0)
-    final = figures(daemon)
+    final = figures(daemon, pids)
     vllm_left = sorted(unmapped(vllm_shm_files() - vllm_before))
     assert final["shm_files"] == before["shm_files"] and at_exit["shm_files"] == before["shm_files"]
     if stop == "SIGINT-group":  # every process saw the signal: every session said BYE

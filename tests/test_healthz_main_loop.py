@@ -20,6 +20,7 @@ from conftest import ROOT, free_port
 from wire import Raw, wait_for
 
 from tierd.status import STALL_S
+from tierd.testing import serve_argv
 
 SENT = 200
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+ on Linux; spelled out for older builds)
@@ -59,8 +60,7 @@ def test_healthz_fails_with_the_reason_while_the_main_loop_is_stuck_and_recovers
     port = free_port()
     endpoint = f"ipc://{tmp_path}/tierd.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tierd", "serve", "--socket", endpoint, "--http-port", str(port)]
-        + ["--l1-size-gb", "0.0625", "--log-level", "debug"],
+        serve_argv(endpoint=endpoint, http_port=port, pool_mb=64, log_level="debug"),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
