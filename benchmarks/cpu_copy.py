@@ -7,7 +7,7 @@ ceiling (one big preadv/pwritev vs one memcpy) on the same tmpfs.
 The layout is ``tierd bench``'s (block-contiguous layers, 16 blocks per chunk), at block (= run)
 sizes 2, 16 and 64 KiB, with consecutive block ids (what a fresh engine hands out: a layer's
 blocks of a request are one file range) and random ones (a fragmented block pool: one syscall
-per block). The old gather is tests/test_cpu_copy_bytes.py's reference (the replaced code).
+per block). The old gather is tests/unit/test_cpu_copy_bytes.py's reference (the replaced code).
 ``--dir`` on a tmpfs mounted with huge=always shows what 2 MiB pages change.
 """
 

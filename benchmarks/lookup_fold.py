@@ -6,7 +6,7 @@ A hostile client's LOOKUP: a sliding-window group with window_tokens 2^30 and 3k
 (65536 = MAX_CHUNKS), every chunk held or only the first 200; and the same with a full-attention
 group in front (a hybrid model). One rank, 16-token chunks of 4 blocks, fresh key objects per
 LOOKUP (as decoded from the wire), the garbage collector frozen as in the daemon. The old fold is
-tests/test_lookup_fold.py's ``old_lookup`` (the code this replaced); it runs once where it takes
+tests/unit/test_lookup_fold.py's ``old_lookup`` (the code this replaced); it runs once where it takes
 seconds, and is skipped where its estimate passes --old-limit-s.
 """
 

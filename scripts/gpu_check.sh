@@ -36,7 +36,7 @@ native.load(); print(native.state(), f'{time.time() - t:.1f} s')" 2>&1 | tail -3
 if [ "${TESTS:-}" != none ]; then
   echo "== tests"
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pt -o addopts="" \
-    ${TESTS:-tests/test_gpu_kernels.py tests/test_gpu_daemon.py tests/test_gpu_direct.py} > "$OUT/gpu_tests.log" 2>&1
+    ${TESTS:-tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py tests/daemon/test_gpu_direct.py} > "$OUT/gpu_tests.log" 2>&1
   echo "pytest exit $?" >> "$OUT/gpu_tests.log"
   grep -E "passed|failed|error|Error|assert" "$OUT/gpu_tests.log" | tail -25
   for f in $(ls -t /tmp/pt/*/*/daemon.log 2>/dev/null | head -20); do echo "== $f"; tail -30 "$f"; done > "$OUT/daemons.log" 2>&1

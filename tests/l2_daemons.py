@@ -7,7 +7,7 @@ the daemons, their clients and the master die with the harness (PR_SET_PDEATHSIG
 Daemons A and B stand in for two nodes: separate processes, separate pools, separate Mooncake
 clients, each contributing a segment. Ranks are tests/kv.py FakeRanks (real shared memory): A's
 rank holds random bytes, B's rank other random bytes, so a block B did not receive cannot match.
-Each scenario returns a JSON-able dict that tests/test_l2_daemon.py asserts on.
+Each scenario returns a JSON-able dict that tests/e2e/test_l2_daemon.py asserts on.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """tierd: a node-local KV-cache tier for LLM serving.
 
 Reading the code, in the order a request meets it (each module says what it owns and its hazards;
-tests/test_docs_paths.py fails when this map misses a module or names one that is gone).
+tests/unit/test_docs_paths.py fails when this map misses a module or names one that is gone).
 
 Layers, top first: the main loop, its setup and the operators' tools; handlers; the second tier;
 state (registry, tenants); the planner; the pool; transfer; the wire and settings (protocol,
 config, stats, channel, endpoint, peer). A module imports only its own layer and those below it
-(tests/test_import_graph.py LAYERS: it fails on an import, or a callback held at run time, that
+(tests/unit/test_import_graph.py LAYERS: it fails on an import, or a callback held at run time, that
 reaches up), so a request goes down and its answer comes back as returned values. A STORE's block ids go
 edge (server: decode) -> handler (handlers.store: check them against the layout) -> planner
 (plan_store: per chunk, its objects and the copies of its blocks) -> pool (room for each object,
@@ -60,7 +60,7 @@ Operators.
 
 The engine side is tierd_client (client/): TierdClient, the shared-memory and CUDA layouts, and
 the vLLM connector (client/vllm_connector/). It imports nothing of tierd but tierd.protocol
-(tests/test_client_imports_only_protocol.py).
+(tests/unit/test_client_imports_only_protocol.py).
 """
 
 __version__ = "0.1.0"

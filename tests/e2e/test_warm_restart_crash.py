@@ -18,7 +18,7 @@ from pool_dirs import shm_dir, small_slabs  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.usefixtures("small_slabs")  # several size classes in a few MiB
 
-WRITER = str(Path(__file__).with_name("pool_writer.py"))
+WRITER = str(Path(__file__).resolve().parents[1] / "pool_writer.py")
 TRIALS = int(os.environ.get("TIERD_CRASH_TRIALS", "36"))  # soak: more trials, other seeds
 SEED = int(os.environ.get("TIERD_CRASH_SEED", "1234"))
 

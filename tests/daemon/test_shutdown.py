@@ -43,7 +43,7 @@ def test_second_daemon_on_a_live_socket_is_refused(daemon, client):
     res = serve(daemon.endpoint)
     assert res.returncode != 0
     assert f"another tierd (pid {daemon.proc.pid}) serves {daemon.endpoint}" in res.stderr, res.stderr
-    assert res.returncode == 2, "a usage error (tests/test_endpoint_lock.py has the busy case)"
+    assert res.returncode == 2, "a usage error (tests/daemon/test_endpoint_lock.py has the busy case)"
     assert "Traceback" not in res.stderr
     # the first one still serves on its (untouched) socket
     assert daemon.socket_file.exists()

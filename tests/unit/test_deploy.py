@@ -18,7 +18,7 @@ from tierd.cli import serve
 from tierd.config import Settings
 from tierd.server import SHUTDOWN_GRACE_S
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "tierd.service"
 ENV = DEPLOY / "tierd.env"
 LAUNCH = DEPLOY / "vllm-launch.sh"

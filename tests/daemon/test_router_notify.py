@@ -24,7 +24,7 @@ from wire import Raw, pack, wait_for
 
 from tierd.disconnects import ConnectionWatch
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # A client process: registers a rank, stores two chunks, holds a lease on them, then idles (its
 # heartbeats keep it alive) until it is killed. ``identity``: its DEALER's routing identity.

@@ -17,7 +17,7 @@ import pytest
 import tierd
 from tierd.protocol.errors import ErrorCode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PATH = re.compile(r"`((?:tierd|client|benchmarks|scripts|tests|deploy|native|docs)/[\w./-]*)`")
 

@@ -16,7 +16,7 @@ from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode
 from tierd.stats import COUNTERS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "protocol.md"
 MAX_COLUMNS = 100
 

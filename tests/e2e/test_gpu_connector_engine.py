@@ -1,6 +1,6 @@
-"""An engine process for the GPU connector tests (tests/test_gpu_connector.py); no tests of its own.
+"""An engine process for the GPU connector tests (tests/e2e/test_gpu_connector.py); no tests of its own.
 
-    python tests/test_gpu_connector_engine.py SPEC.json   (prints one JSON line per run)
+    python tests/e2e/test_gpu_connector_engine.py SPEC.json   (prints one JSON line per run)
 
 Each run is a fresh engine in this process: vLLM's real ``Scheduler`` with TierdConnector's
 scheduler role, and the worker role over KV tensors that vLLM's own code lays out
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 VOCAB = 1024
 GPU_HZ = 1.98e9  # torch.cuda._sleep counts cycles
 

@@ -15,7 +15,7 @@ from util import chunk, ranks, raw  # noqa: F401 - fixtures
 from wire import wait_for
 
 HB = ("--heartbeat-timeout-s", "1")
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def reaped(d):
@@ -74,7 +74,7 @@ CHILD = textwrap.dedent("""
 
 def test_sigkilled_client_is_reaped(daemon_factory, client_factory):
     # the heartbeat path: with --drop-on-disconnect (the default) the closed connection would drop
-    # the session first (tests/test_router_notify.py)
+    # the session first (tests/daemon/test_router_notify.py)
     d = daemon_factory(*HB, "--no-drop-on-disconnect")
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD.format(tests=str(TESTS), endpoint=d.endpoint)],

@@ -23,7 +23,7 @@ from conftest import ROOT, DaemonProcess, free_port  # noqa: E402
 from vllm_sim import GroupDef, SimEngine, make_vllm_config  # noqa: E402
 
 CHUNK = 64
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tiny_model import MARKER, RECIPE, build_tiny_llama
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 def _digests(folder: str | Path) -> dict:

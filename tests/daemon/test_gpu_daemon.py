@@ -201,7 +201,7 @@ def test_bad_handles_are_layout_invalid(daemon_factory, client_factory):
         "not visible",
     )
     bad(lambda lay: lay["staging"]["handle"]["ipc"].pop(), "ipc")
-    # without staging the daemon copies straight to and from the KV blocks (tests/test_gpu_direct.py),
+    # without staging the daemon copies straight to and from the KV blocks (tests/daemon/test_gpu_direct.py),
     # which a layout keeping a layer's block in several runs (one per head) does not allow
     runs = copy.deepcopy(Engine("LHBNC").layout)
     runs.pop("staging")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CLIENT = Path(__file__).resolve().parent.parent / "client"
+CLIENT = Path(__file__).resolve().parents[2] / "client"
 # What the client may import of tierd: the wire contract, and the package that carries the CUDA
 # kernels' source (native/, installed as ``tierd.native``: data both sides build, no daemon code).
 ALLOWED = (("tierd", "protocol"), ("tierd", "native"))

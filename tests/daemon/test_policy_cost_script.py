@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = str(Path(__file__).resolve().parent.parent / "benchmarks/policy_cost.py")
+SCRIPT = str(Path(__file__).resolve().parents[2] / "benchmarks/policy_cost.py")
 
 
 def test_it_prints_both_policies_and_their_ratio_per_op():

@@ -23,7 +23,7 @@ from tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 CHUNK = 256
 PROMPT_TOKENS = 1100  # 4 full chunks (1024 tokens) + a 76-token tail per prompt
 

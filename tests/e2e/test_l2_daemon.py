@@ -18,7 +18,7 @@ from test_l2_mooncake import run
 
 from tierd.testing import serve_argv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 MIB = 1 << 20
 

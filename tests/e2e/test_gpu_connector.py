@@ -2,7 +2,7 @@
 Scheduler with the connector's scheduler role and its worker role over CUDA KV tensors that
 vLLM's own code sizes and lays out (``get_kv_cache_configs``, ``allocate_kv_cache``, for three of
 vLLM 0.33's KVCacheLayouts), a simulated forward on its own stream writing token-derived bytes
-(tests/test_gpu_connector_engine.py). One engine process stores; a fresh engine process restores
+(tests/e2e/test_gpu_connector_engine.py). One engine process stores; a fresh engine process restores
 and its forward reads every restored position byte for byte.
 
 The two fences, each with its negative control (the worker's private test switches):
@@ -39,8 +39,8 @@ if importlib.util.find_spec("vllm") is None:
 from conftest import DaemonProcess  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-HERE = Path(__file__).resolve().parent
-ENGINE = HERE / "test_gpu_connector_engine.py"
+HERE = Path(__file__).resolve().parents[1]  # tests/
+ENGINE = Path(__file__).with_name("test_gpu_connector_engine.py")
 CHUNK = 64
 LAYOUTS = ("LBNHC", "LHBNC", "BLNHC")  # token-major; head-outer (a run per head); block-outer (layers inside)
 LENGTHS = [200, 330, 150, 260]  # none a multiple of the chunk: the tails stay local

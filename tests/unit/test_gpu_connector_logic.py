@@ -1,4 +1,4 @@
-"""The CUDA worker path's logic that needs no GPU (tests/test_gpu_connector.py runs it on one): the
+"""The CUDA worker path's logic that needs no GPU (tests/e2e/test_gpu_connector.py runs it on one): the
 staging buffer's size, the knob that sets it, when a load may be reported (only once its scatter
 is complete, a failed one once every scatter queued for it is), and a staged job that fails
 part-way failing only after the requests it already sent are done."""
