@@ -18,19 +18,12 @@ class DaemonProcess(ServeProcess):
         self.tmp = tmp
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The suite runs on pytest-xdist workers (pyproject's addopts). Two things keep that fast:
-    the real-engine runs (marked ``slow``) are handed out first, so the short tests fill the
-    other workers while they run instead of waiting behind them at the end; and the tests that
-    share a module-scoped fixture (one daemon, one engine) go to one worker (an ``xdist_group``),
-    so it is set up once, not once per worker. Both are no-ops without xdist."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order kept
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d[-1].scope in ("module", "package", "class") for d in defs if d):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """The suite runs on pytest-xdist workers, a test module to a worker (pyproject's addopts:
+    a module-scoped daemon or engine is set up once). The modules of real-engine runs (marked
+    ``slow``) are handed out first, so the short modules fill the other worker while they run
+    instead of waiting behind them at the end. Stable: file order kept otherwise."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture
