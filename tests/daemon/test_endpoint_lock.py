@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -130,8 +131,20 @@ def test_a_start_refused_on_a_busy_http_port_leaves_no_file(tmp_path):
     assert list(folder.iterdir()) == []
 
 
-def test_tierd_bench_leaves_no_folder_behind(tmp_path):
-    """Regression: every ``tierd bench`` left /tmp/tierd-bench-*/tierd.sock.lock (and so its folder)."""
+def test_tierd_bench_leaves_no_folder_behind():
+    """Regression: every ``tierd bench`` left /tmp/tierd-bench-*/tierd.sock.lock (and so its folder).
+    Its TMPDIR is a short folder of its own: the bench's socket path, under a pytest-xdist worker's
+    tmp_path, is longer than AF_UNIX takes."""
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="tierd-t-"))
+    try:
+        bench_leaves_nothing_in(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def bench_leaves_nothing_in(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "tierd", "bench", "--json", "--chunks", "2", "--rounds", "1", "--layers", "2"],
         capture_output=True,
