@@ -139,9 +139,8 @@ def register(tier: Tier, call: Call, msg: m.Register) -> m.RegisterReply:
 
 
 def unregister(tier: Tier, call: Call, msg: m.Unregister) -> m.Empty:
-    """Idempotent: an engine's goodbye names its ranks twice by design (the scheduler side drops
-    every rank at SIGTERM, as its workers may be killed before they speak; a worker that exits
-    cleanly drops its own), so an instance already gone is the goodbye done, not an error."""
+    """Idempotent: an instance already gone (its session's BYE or end dropped it, or an older
+    connector that named its ranks from both sides) is the goodbye done, not an error."""
     if not tier.registry.unregister(instance_key(call.tenant, msg.instance)):
         log.info("UNREGISTER %r: not registered (already unregistered, or its session ended)", msg.instance)
     return m.Empty()
