@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
-from serving import ApiServer, bench_serve, prefix_workload  # noqa: E402 - sys.path above
+from serving import ApiServer, bench_serve, prefix_workload, tierd_kv_config  # noqa: E402 - sys.path above
 from vllm_ttft import LMCache, Tierd, ensure_lmcache_venv, log  # noqa: E402
 
 PHASES = ("none", "nothing", "cold", "warm", "lmcache-cold", "lmcache-warm")
@@ -142,9 +142,7 @@ def phase_setup(phase: str, workdir: Path, args, state: dict) -> tuple[str, dict
                 state.pop("tierd").close()
             state["tierd"] = Tierd(workdir, sys.executable, args.pool_gb)
         tier = state["tierd"]
-        kv = tier.kv_transfer_config()
-        kv["kv_connector_extra_config"]["tierd.chunk_tokens"] = CHUNK_TOKENS
-        return sys.executable, kv, [], tier
+        return sys.executable, tierd_kv_config(tier.endpoint, CHUNK_TOKENS), [], tier
     venv = Path(args.lmcache_venv)
     if "lmcache_venv" not in state:
         state["lmcache_venv"] = ensure_lmcache_venv(venv, args.skip_lmcache_install)
@@ -273,13 +271,7 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     files_before = tier_files()
     base = daemon.status()
     conc = args.fault_concurrency
-    kv = {
-        "kv_connector": "TierdConnector",
-        "kv_connector_module_path": "tierd_client.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"tierd.url": daemon.endpoint, "tierd.chunk_tokens": CHUNK_TOKENS},
-    }
+    kv = tierd_kv_config(daemon.endpoint, CHUNK_TOKENS)
 
     def serve():
         return ApiServer(model, folder / f"server-{fault}.log", kv, max_model_len=args.max_model_len)

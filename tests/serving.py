@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tierd.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,10 +57,15 @@ SERVER_ENV = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def tierd_kv_config(url: str, chunk_tokens: int = 256) -> dict:
+    """``--kv-transfer-config`` for TierdConnector against the daemon at ``url``."""
+    return {
+        "kv_connector": "TierdConnector",
+        "kv_connector_module_path": "tierd_client.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"tierd.url": url, "tierd.chunk_tokens": chunk_tokens},
+    }
 
 
 def tail(path: Path, n: int = 40) -> str:

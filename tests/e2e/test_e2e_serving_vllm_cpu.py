@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from conftest import DaemonProcess  # noqa: E402
 from conftest_vllm import tiny_model  # noqa: E402,F401 - fixture
-from serving import ApiServer, bench_serve, prefix_workload  # noqa: E402
+from serving import ApiServer, bench_serve, prefix_workload, tierd_kv_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,13 +43,7 @@ def test_a_restarted_server_under_load_gets_its_prefixes_from_the_tier_with_the_
     tmp_path, tiny_model
 ):
     daemon = DaemonProcess(tmp_path, pool_mb=512)
-    kv = {
-        "kv_connector": "TierdConnector",
-        "kv_connector_module_path": "tierd_client.vllm_connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"tierd.url": daemon.endpoint, "tierd.chunk_tokens": CHUNK},
-    }
+    kv = tierd_kv_config(daemon.endpoint, CHUNK)
     workload = prefix_workload(PREFIX_LEN, SUFFIX_LEN, PROMPTS, OUTPUT_LEN, PER_PREFIX)
     base = daemon.status()
     runs = {}
