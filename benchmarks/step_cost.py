@@ -13,7 +13,9 @@ per phase: engine step time (median over rounds, ms) and its ratio to the baseli
 connector's own CPU time per step in each hook (µs, both roles: scheduler and worker run in the
 engine's process here). Steps are timed (wall clock) around vLLM's ``EngineCore.step``; hooks by
 the calling thread's CPU time (``time.thread_time``), so time the OS gave other processes is not
-counted against them on a loaded machine. The connector's client threads are not in these figures.
+counted against them on a loaded machine. Also per step: the CPU time of every thread of the engine
+process, grouped by thread name (the forward's compute threads, the connector's client I/O threads,
+ZeroMQ's), and of the daemon process: what a 2-core host's compute threads lose to the tier.
 """
 
 from __future__ import annotations
@@ -49,6 +51,28 @@ HOOKS = (
     "get_kv_connector_kv_cache_events",
 )
 PHASES = ("cold", "warm", "skip")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(stat_path: str) -> float:
+    """utime + stime of a /proc/.../stat, in seconds (0 when it is gone)."""
+    try:
+        fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads, summed by name (digits dropped: one row per pool)."""
+    out: dict[str, float] = defaultdict(float)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip().rstrip("0123456789-_")
+        except OSError:
+            continue
+        out[name or "?"] += cpu_s(str(task / "stat"))
+    return out
 
 
 def _timed(cls, totals):
@@ -124,14 +148,18 @@ def engine_main(args) -> None:
         llm.reset_prefix_cache()
         hooks.clear()
         steps.update(n=0, s=0.0)
+        before, daemon0 = threads_cpu(), cpu_s(f"/proc/{args.daemon_pid}/stat") if args.daemon_pid else 0.0
         llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        after, daemon1 = threads_cpu(), cpu_s(f"/proc/{args.daemon_pid}/stat") if args.daemon_pid else 0.0
         n = max(1, steps["n"])
         row = {"phase": phase, "steps": steps["n"], "step_ms": steps["s"] / n * 1e3}
         row["hooks_us"] = {k: v / n * 1e6 for k, v in hooks.items()}
+        row["threads_us"] = {k: (after[k] - before.get(k, 0.0)) / n * 1e6 for k in after}
+        row["daemon_us"] = (daemon1 - daemon0) / n * 1e6
         print("ROW " + json.dumps(row), flush=True)
 
 
-def run_engine(args, engine: str, url: str) -> list[dict]:
+def run_engine(args, engine: str, url: str, daemon_pid: int = 0) -> list[dict]:
     cmd = [
         sys.executable,
         __file__,
@@ -149,6 +177,8 @@ def run_engine(args, engine: str, url: str) -> list[dict]:
         str(args.out_tokens),
         "--seed",
         str(args.seed),
+        "--daemon-pid",
+        str(daemon_pid),
     ]
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -168,6 +198,7 @@ def main() -> None:
     ap.add_argument("--engine", choices=("tierd", "nothing"), help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--daemon-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.engine:
         return engine_main(args)
@@ -184,7 +215,8 @@ def main() -> None:
                 d = DaemonProcess(folder, pool_mb=1024) if engine == "tierd" else None
                 try:
                     args.seed = r
-                    results[engine].append(run_engine(args, engine, d.endpoint if d else "ipc:///none"))
+                    url, pid = (d.endpoint, d.proc.pid) if d else ("ipc:///none", 0)
+                    results[engine].append(run_engine(args, engine, url, pid))
                 finally:
                     if d:
                         d.kill()
@@ -205,6 +237,16 @@ def main() -> None:
         total = sum(v for v, _ in top)
         detail = ", ".join(f"{k} {v:.0f}" for v, k in top[:4] if v >= 1)
         print(f"{phase:6} {t:8.2f} {b:10.2f} {t / b:6.2f}  {total:.0f} in all: {detail}")
+    print("CPU us per step by thread (median over rounds; the daemon is a process of its own)")
+    for i, phase in enumerate(PHASES):
+        for engine in ("tierd", "nothing"):
+            per = defaultdict(list)
+            for rs in results[engine]:
+                for k, v in rs[i]["threads_us"].items():
+                    per[k].append(v)
+                per["daemon"].append(rs[i]["daemon_us"])
+            top = sorted(((statistics.median(v), k) for k, v in per.items()), reverse=True)
+            print(f"{phase:6} {engine:8} " + ", ".join(f"{k} {v:.0f}" for v, k in top if v >= 5))
 
 
 if __name__ == "__main__":

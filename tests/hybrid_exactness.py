@@ -95,11 +95,23 @@ def run_case(tmp: Path, url: str, case: Case, boundaries: list[int]) -> list[Row
     name = case.name
     split = ("--max-num-batched-tokens", str(CHUNK))
     control = engine(
-        tmp, f"{name}-control", [[p] for _, p in alone + batched], url, model=model, args=(*args, *split)
+        tmp,
+        f"{name}-control",
+        [[p] for _, p in alone + batched],
+        url,
+        model=model,
+        args=(*args, *split),
+        dtype="bfloat16",
     )
     c_out, c_lp, c_cached = control["outputs"], control["logprobs"], control["cached"]
     tier = engine(
-        tmp, f"{name}-tier", [[p] for _, p in alone] + [[p for _, p in batched]], url, model=model, args=args
+        tmp,
+        f"{name}-tier",
+        [[p] for _, p in alone] + [[p for _, p in batched]],
+        url,
+        model=model,
+        args=args,
+        dtype="bfloat16",
     )
     prompts = [("alone", k) for k, _ in alone] + [("batched", k) for k, _ in batched]
     return [

@@ -36,4 +36,19 @@ def e2e_vllm(workdir: Path, started: list) -> dict:
     out["b_before"] = b.status()
     out["pass2"] = engine(workdir, "pass2", [ps], b.endpoint)
     out["b_after"] = b.status()
+    out["pass2_tierd_log"] = [ln for ln in (workdir / "pass2.log").read_text().splitlines() if "tierd" in ln][
+        -20:
+    ]
+    if out["pass2"]["outputs"] != out["baseline"]["outputs"]:
+        out["split_control"] = split_control(workdir, ps, out["pass2"]["cached"])
     return out
+
+
+def split_control(workdir: Path, ps: list[list[int]], cached: list[int]) -> list[list[int]]:
+    """The outputs of an engine WITHOUT the connector whose prefill is split where pass 2's was:
+    each prompt's first ``cached`` tokens come from vLLM's own prefix cache (a first batch of the
+    prompts cut there), the rest is computed. Run only when pass 2 differs from the baseline: if
+    this control differs the same way, the difference is the prefill split's arithmetic, not
+    the tier's bytes."""
+    cut = [p[: max(1, c)] for p, c in zip(ps, cached)]
+    return engine(workdir, "split-control", [cut, ps])["outputs"][len(ps) :]

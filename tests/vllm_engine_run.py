@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--url")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=32)
@@ -61,7 +62,7 @@ def main() -> None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(
         model=args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_model_len=4096,
         enforce_eager=not args.compile,
         block_size=args.block_size,

@@ -71,7 +71,7 @@ def test_overwritten_stored_bytes_change_the_output(world, tmp_path):
     (ns,) = [n for n in d.status()["namespaces"] if n["model"] == build_tiny_llama()]
     assert ns["salted"] is False  # /status never shows a salt; the connector's namespaces have none
     ns = {**{k: ns[k] for k in ("model", "fingerprint", "world_size")}, "salt": ""}
-    layers, block_tokens, block_bytes = 2, 32, 32 * 2 * 128 * 2  # tiny Llama: 2 KV heads, head 64 (K|V), bf16
+    layers, block_tokens, block_bytes = 2, 32, 32 * 2 * 128 * 4  # tiny Llama: 2 KV heads, head 64 (K|V), fp32
     bpc = CHUNK // block_tokens
     nblocks = len(ps) * 4 * bpc
     buf = SharedBuffer(layers * nblocks * block_bytes)
