@@ -45,15 +45,19 @@ Planning: pure functions of (request, geometry, pool).
                           folder a warm restart reads (persist)
 Copies.
     tierd/transfer/       lanes of copy threads; CPU and CUDA copies between engine and pool
+                          (CUDA: the GPU support and each rank's memory in cuda, its DMA lanes in
+                          dma, the pool's pinning in pinned)
 Operators.
     tierd/status.py       /status, built on the main loop for the HTTP thread
-    tierd/http/           /status, /metrics, /healthz
+    tierd/http/           /status, /metrics, /healthz: what each answers (endpoints), and the
+                          bounded server of connections and threads (server)
     tierd/stats.py        counters and histograms
     tierd/config.py       every setting, its flag and its help
     tierd/cli.py          tierd serve | status | bench | replay
     tierd/report.py       the tables tierd status and tierd bench print
     tierd/warm.py         warm restart: what must be unchanged, what is reported
-    tierd/bench/          tierd bench
+    tierd/bench/          tierd bench: CPU (cpu), CUDA (cuda, with cuda_baselines, cuda_latency,
+                          cuda_interference), TP ranks (ranks, each rank a rank_worker process)
     tierd/replay.py       tierd replay: a request trace through the pool, to size it
     tierd/trace.py        the traces it reads, and what a pool that never evicts would hit
     tierd/testing.py      a private tierd serve in a subprocess, for tests and benches

@@ -127,7 +127,7 @@ class Daemon:
     def start_http(self) -> None:
         if self.settings.http_port < 0:
             return
-        from tierd.http.server import start_http_server
+        from tierd.http.endpoints import start_http_server
 
         self.board.publish(self.status())
         self.http = start_http_server(

@@ -33,28 +33,28 @@ counts devices (no context), and the pool's pinner defers ``cudaHostRegister`` u
 rank registers. cudaHostRegister needs a current context; it runs on the first registered GPU
 with ``cudaHostRegisterPortable``, so the pinned pages count as pinned for every context (all
 64-bit CUDA is UVA), and later segments are pinned on that GPU as the pool grows.
+
+Here: ``detect()`` and the CudaSupport the daemon holds, the engine's buffers opened over CUDA
+IPC, and each rank's memory (staged or direct). Each direction's copy lane is tierd.transfer.dma;
+the pool's pinning, tierd.transfer.pinned.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import glob
 import logging
 import os
-import threading
-import time
 import weakref
-from collections import OrderedDict
 
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import CudaIpcHandle, PageLayout, TensorRef
+from tierd.transfer.dma import DmaLane
 from tierd.transfer.engine import DeviceWork
 from tierd.transfer.items import MAX_PITCH, CopyItem, pitched, pitched_copies
+from tierd.transfer.pinned import HostPinner
 
 log = logging.getLogger("tierd.cuda")
-
-MAX_EVENTS = 256  # engine events opened per rank, least recently used closed first
 
 
 def _driver_present() -> bool:
@@ -76,82 +76,6 @@ def detect(settings=None):
 
 def _invalid(msg: str) -> ProtocolError:
     return ProtocolError(ErrorCode.LAYOUT_INVALID, msg)
-
-
-# ---- pinned pool ----------------------------------------------------------------------------------
-class HostPinner:
-    """cudaHostRegister per pool segment, deferred until a GPU is in use (see module doc)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.device: int | None = None
-        self.pending: dict[int, int] = {}
-        self.ranges: dict[int, int] = {}  # addr -> nbytes, registered
-        self._starts: list[int] = []
-        self.pinned_bytes = 0
-        self.failed_bytes = 0
-
-    def pin(self, addr: int, nbytes: int) -> None:
-        with self.lock:
-            if self.device is None:
-                self.pending[addr] = nbytes
-            else:
-                self._register(addr, nbytes)
-
-    def unpin(self, addr: int) -> None:
-        import torch
-
-        with self.lock:
-            if self.pending.pop(addr, None) is not None:
-                return
-            nbytes = self.ranges.pop(addr, None)
-            if nbytes is None:
-                return
-            self._starts.remove(addr)
-            self.pinned_bytes -= nbytes
-            with torch.cuda.device(self.device):
-                err = torch.cuda.cudart().cudaHostUnregister(addr)
-            if int(err) != 0:
-                log.warning("cudaHostUnregister(%#x) failed: error %d", addr, int(err))
-
-    def activate(self, device: int) -> None:
-        """Pin every deferred segment with ``device`` current; later ones are pinned at once."""
-        with self.lock:
-            if self.device is not None:
-                return
-            self.device = device
-            pending, self.pending = self.pending, {}
-            for addr, nbytes in pending.items():
-                self._register(addr, nbytes)
-
-    def _register(self, addr: int, nbytes: int) -> None:
-        import torch
-
-        with torch.cuda.device(self.device):
-            err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1)  # cudaHostRegisterPortable
-        if int(err) != 0:
-            self.failed_bytes += nbytes
-            log.warning(
-                "cudaHostRegister of %d MiB failed (error %d): copies to it run unpinned",
-                nbytes >> 20,
-                int(err),
-            )
-            return
-        self.ranges[addr] = nbytes
-        bisect.insort(self._starts, addr)
-        self.pinned_bytes += nbytes
-
-    def range_of(self, addr: int) -> int | None:
-        """Start of the pinned registration holding ``addr`` (None: not pinned)."""
-        i = bisect.bisect_right(self._starts, addr) - 1
-        if i >= 0:
-            start = self._starts[i]
-            if addr < start + self.ranges[start]:
-                return start
-        return None
-
-    def same_range(self, a: int, b: int) -> bool:
-        return self.range_of(a) == self.range_of(b)
 
 
 def _primary_contexts(count: int) -> list[int]:
@@ -268,210 +192,6 @@ def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
             f"{where}: the opened storage has {storage.nbytes()} bytes, the layout declares {ref.nbytes}"
         )
     return storage, device
-
-
-class DmaLane:
-    """One direction of one rank: a copy stream, and the engine's events it waits on."""
-
-    def __init__(self, torch, device: int, pinner: HostPinner, d2h: bool):
-        self.torch, self.device, self.pinner, self.d2h = torch, device, pinner, d2h
-        self.stream = torch.cuda.Stream(device=device)
-        self._events: OrderedDict[bytes, object] = OrderedDict()
-        self.stats = {"calls": 0, "bytes": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
-        self._signal = None  # interprocess event the engine's stream waits on (RETRIEVE)
-        self._signal_handle = b""
-
-    def signal(self) -> bytes:
-        """Record an interprocess event after everything queued on this lane; its 64-byte handle."""
-        if self._signal is None:
-            self._signal = self.torch.cuda.Event(interprocess=True)
-        self._signal.record(self.stream)
-        if not self._signal_handle:
-            self._signal_handle = bytes(self._signal.ipc_handle())
-        return self._signal_handle
-
-    def wait(self, handle: bytes) -> None:
-        """The next copies wait (on the GPU) for the engine's interprocess event ``handle``."""
-        torch = self.torch
-        ev = self._events.get(handle)
-        if ev is None:
-            ev = torch.cuda.Event.from_ipc_handle(torch.device("cuda", self.device), handle)
-            self._events[handle] = ev
-            while len(self._events) > MAX_EVENTS:
-                self._events.popitem(last=False)
-        else:
-            self._events.move_to_end(handle)
-        self.stream.wait_event(ev)
-
-    def copy(self, staging, items: list[CopyItem]) -> DeviceWork:
-        """Each item's whole group part between the pool and ``staging`` at ``item.staged``."""
-        torch = self.torch
-        t0 = time.perf_counter()
-        base = staging.data_ptr()
-        hosts = [it.view.ctypes.data for it in items]
-        devs = [base + it.staged for it in items]
-        sizes = [it.view.nbytes for it in items]
-        runs = _coalesce(hosts, devs, sizes, self.pinner.same_range)
-        stream = self.stream.cuda_stream
-        if _DRIVER.ok:
-            _DRIVER.current(self.device)
-            for h, d, n in runs:
-                _DRIVER.copy(h, d, n, self.d2h, stream)
-        else:  # torch's own path: the same DMA, more Python per copy
-            with torch.cuda.stream(self.stream):
-                for h, d, n in runs:
-                    host = torch.from_numpy(_host_bytes(h, n))
-                    dev = staging[d - base : d - base + n]
-                    (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
-        return self._queued(sum(sizes), len(runs), t0)
-
-    def copy_pitched(
-        self, ops: list[tuple[int, int, int]], rows: int, dev_pitch: int, host_pitch: int, tensor
-    ) -> DeviceWork:
-        """Pitched copies ``(device address, host address, row bytes)`` of ``rows`` rows each,
-        device rows ``dev_pitch`` apart, host rows ``host_pitch`` (tierd.transfer.items.Pitched);
-        every device address lies in ``tensor`` (flat uint8)."""
-        t0 = time.perf_counter()
-        stream = self.stream.cuda_stream
-        if _DRIVER.ok:
-            _DRIVER.current(self.device)
-            for d, h, w in ops:
-                _DRIVER.copy2d(h, host_pitch, d, dev_pitch, w, rows, self.d2h, stream)
-        else:  # torch's own path (ROCm, no libcuda): strided views, the same bytes
-            torch = self.torch
-            with torch.cuda.stream(self.stream):
-                for d, h, w in ops:
-                    host = torch.from_numpy(_host_bytes(h, (rows - 1) * host_pitch + w))
-                    host = host.as_strided((rows, w), (host_pitch, 1))
-                    dev = tensor.as_strided((rows, w), (dev_pitch, 1), d - tensor.data_ptr())
-                    (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
-        return self._queued(sum(w for _, _, w in ops) * rows, len(ops), t0)
-
-    def _queued(self, nbytes: int, dmas: int, t0: float) -> DeviceWork:
-        done = self.torch.cuda.Event()
-        done.record(self.stream)
-        st = self.stats
-        st["calls"] += 1
-        st["bytes"] += nbytes
-        st["dmas"] += dmas
-        st["host_s"] += time.perf_counter() - t0
-
-        def wait() -> None:
-            t = time.perf_counter()
-            done.synchronize()
-            st["sync_s"] += time.perf_counter() - t
-
-        return DeviceWork([wait])
-
-    def close(self) -> None:
-        self.stream.synchronize()
-        self._events.clear()
-
-
-_MEM_HOST, _MEM_DEVICE = 1, 2  # CUmemorytype
-
-
-class _Memcpy2D(ctypes.Structure):
-    """The driver's CUDA_MEMCPY2D."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-class _Driver:
-    """cuMemcpyAsync through the driver API (libcuda is there wherever a GPU is): a few
-    microseconds per DMA from Python, where torch's copy_ costs tens. Unified addressing: one call
-    for either direction; the thread's current context is the one torch made current."""
-
-    def __init__(self):
-        self.ok = False
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-            self.fn = self.lib.cuMemcpyAsync
-            self.fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            self.fn.restype = ctypes.c_int
-            self.fn2d = self.lib.cuMemcpy2DAsync_v2
-            self.fn2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
-            self.fn2d.restype = ctypes.c_int
-            self.ok = True
-        except (OSError, AttributeError):
-            pass
-
-    def current(self, device: int) -> None:
-        """Make ``device``'s primary context current on this thread if no context is."""
-        ctx = ctypes.c_void_p()
-        if self.lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
-            return
-        dev = ctypes.c_int()
-        if self.lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
-            raise RuntimeError(f"cuDeviceGet({device}) failed")
-        if (
-            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
-            or self.lib.cuCtxSetCurrent(ctx) != 0
-        ):
-            raise RuntimeError(f"cannot make GPU {device}'s primary context current")
-
-    def copy(self, host: int, dev: int, nbytes: int, d2h: bool, stream: int) -> None:
-        err = self.fn(host, dev, nbytes, stream) if d2h else self.fn(dev, host, nbytes, stream)
-        if err:
-            raise RuntimeError(f"cuMemcpyAsync failed: CUDA driver error {err}")
-
-    def copy2d(
-        self, host: int, host_pitch: int, dev: int, dev_pitch: int, width: int, rows: int, d2h: bool, stream
-    ) -> None:
-        m = _Memcpy2D()
-        m.WidthInBytes, m.Height = width, rows
-        if d2h:
-            m.srcMemoryType, m.srcDevice, m.srcPitch = _MEM_DEVICE, dev, dev_pitch
-            m.dstMemoryType, m.dstHost, m.dstPitch = _MEM_HOST, host, host_pitch
-        else:
-            m.srcMemoryType, m.srcHost, m.srcPitch = _MEM_HOST, host, host_pitch
-            m.dstMemoryType, m.dstDevice, m.dstPitch = _MEM_DEVICE, dev, dev_pitch
-        err = self.fn2d(ctypes.byref(m), stream)
-        if err:
-            raise RuntimeError(f"cuMemcpy2DAsync failed: CUDA driver error {err}")
-
-
-_DRIVER = _Driver()
-
-
-def _host_bytes(addr: int, nbytes: int):
-    """A numpy uint8 view of ``nbytes`` of host memory at ``addr`` (inside the pool)."""
-    import numpy as np
-
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
-
-
-def _coalesce(hosts: list[int], devs: list[int], sizes: list[int], same_range) -> list[tuple[int, int, int]]:
-    """Merge copies contiguous on both sides and inside one pinned registration."""
-    out: list[list[int]] = []
-    for h, d, n in zip(hosts, devs, sizes):
-        if (
-            out
-            and out[-1][0] + out[-1][2] == h
-            and out[-1][1] + out[-1][2] == d
-            and same_range(out[-1][0], h)
-        ):
-            out[-1][2] += n
-        else:
-            out.append([h, d, n])
-    return [tuple(x) for x in out]
 
 
 class StagedRankMemory:
