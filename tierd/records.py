@@ -17,7 +17,7 @@ from tierd.tenants import DEFAULT_TENANT, Principal
 
 if TYPE_CHECKING:  # (cuda's imports torch)
     from tierd.transfer.cpu import CpuRankMemory
-    from tierd.transfer.cuda import CudaRankMemory
+    from tierd.transfer.cuda import DirectRankMemory, StagedRankMemory
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Instance:
     session: bytes
     layout: PageLayout
     ns: bytes  # namespace id
-    memory: CpuRankMemory | CudaRankMemory
+    memory: CpuRankMemory | StagedRankMemory | DirectRankMemory
     registered_at: float = field(default_factory=time.time)
     closed: bool = False
     geometry: Geometry | None = None  # the planner's per-layout constants, made on first use
