@@ -35,6 +35,7 @@ other work moves single runs 2x: read the same-run ratios, and use --repeat to i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -426,6 +427,11 @@ def main() -> None:
         ap.error("warm needs cold first (the tier is filled by the cold phase)")
     if "lmcache-warm" in args.phases and "lmcache-cold" not in args.phases:
         ap.error("lmcache-warm needs lmcache-cold first")
+    if "multiturn" in args.workloads and importlib.util.find_spec("pandas") is None:
+        ap.error(
+            "the multiturn workload needs pandas (vLLM's client reads its conversations with it): "
+            "pip install pandas, or pip install -e '.[dev]'; or --workloads prefix,random"
+        )
 
     from tiny_model import build_tiny_model
     from transformers import AutoTokenizer

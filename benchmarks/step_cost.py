@@ -64,14 +64,18 @@ def cpu_s(stat_path: str) -> float:
 
 
 def threads_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads, summed by name (digits dropped: one row per pool)."""
+    """CPU seconds of this process's threads, summed by name: Python threads by their Python name
+    (digits dropped: one row per pool), the others (OpenMP's, ZeroMQ's) by the OS's."""
+    import threading
+
+    named = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = defaultdict(float)
     for task in Path("/proc/self/task").iterdir():
         try:
-            name = (task / "comm").read_text().strip().rstrip("0123456789-_")
+            name = named.get(int(task.name)) or "os:" + (task / "comm").read_text().strip()
         except OSError:
             continue
-        out[name or "?"] += cpu_s(str(task / "stat"))
+        out[name.rstrip("0123456789-_") or "?"] += cpu_s(str(task / "stat"))
     return out
 
 

