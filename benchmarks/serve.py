@@ -271,8 +271,9 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     from conftest import DaemonProcess
 
     folder = workdir / f"fault-{fault}"
-    pool_dir = folder / "pool"
     folder.mkdir(parents=True, exist_ok=True)
+    # a warm restart's pool folder must be on tmpfs (the daemon refuses a disk: it would page to it)
+    pool_dir = Path(tempfile.mkdtemp(prefix="tierd-serve-pool-", dir="/dev/shm")) if fault == "term" else None
     daemon_args = ("--pool-dir", str(pool_dir)) if fault == "term" else ()
     daemon = DaemonProcess(folder, *daemon_args, pool_mb=int(args.pool_gb * 1024))
     files_before = tier_files()
@@ -343,6 +344,8 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     finally:
         server.close()
         daemon.kill()
+        if pool_dir is not None:
+            shutil.rmtree(pool_dir, ignore_errors=True)
     log(
         f"fault {fault}: failed {out['faulted']['failed']} (clean run {out['clean']['failed']}), "
         f"max TTFT {out['faulted']['ttft_max']:.0f} ms vs {out['clean']['ttft_max']:.0f} ms without, "
