@@ -28,7 +28,7 @@ from conftest import DaemonProcess, free_port  # noqa: E402
 from conftest_vllm import VLLM_CPU_ENV  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=240)]
 
 HEARTBEAT_S = 3.0
 

@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 from conftest import DaemonProcess  # noqa: E402
 from hybrid_exactness import CHUNK, Case, run_case  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=120)]
 
 CASES = [
     (Case(window=64, block=32), list(range(1, 9))),

@@ -18,7 +18,7 @@ from conftest import DaemonProcess  # noqa: E402
 from conftest_vllm import tiny_model  # noqa: E402,F401 - fixture
 from serving import ApiServer, bench_serve, prefix_workload, tierd_kv_config  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=130)]
 
 CHUNK = 256
 PREFIXES, PER_PREFIX, PREFIX_LEN, SUFFIX_LEN, OUTPUT_LEN = 6, 2, 1024, 40, 64

@@ -54,7 +54,7 @@ def hit_script() -> str:
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.slow(seconds=130)
 def test_the_readme_hit_example_shows_a_hit_in_a_second_process(tmp_path, tiny_model):
     pytest.importorskip("vllm")
     from conftest_vllm import VLLM_CPU_ENV
