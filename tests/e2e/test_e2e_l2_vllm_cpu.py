@@ -10,7 +10,7 @@ from test_l2_mooncake import run
 
 pytest.importorskip("vllm")
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=50)]
 CHUNK = 256
 
 

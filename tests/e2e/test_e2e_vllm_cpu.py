@@ -21,7 +21,7 @@ from conftest import DaemonProcess  # noqa: E402
 from engine_runs import engine, finish, run_engine  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=70)]
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
 CHUNK = 256
