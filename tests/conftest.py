@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from tierd.testing import ROOT, DaemonExited, ServeProcess, free_port  # noqa: F401 - tests import these
+
+# A few tests import helpers from a module of another layer (e2e from daemon); with every layer's
+# folder on the path that works however a run is scoped (``pytest tests/e2e`` alone, too).
+for _layer in ("unit", "daemon", "e2e"):
+    _folder = str(Path(__file__).resolve().parent / _layer)
+    if _folder not in sys.path:
+        sys.path.append(_folder)
 
 
 class DaemonProcess(ServeProcess):
