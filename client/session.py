@@ -246,6 +246,10 @@ class Connection(Transport):
 
     def _on_hello(self, ok: bool, body: dict) -> None:
         self._recovering = False
+        if not ok and body.get("code") == "UNAVAILABLE" and not self._leaving and not self._closed.is_set():
+            # the daemon dropped the connection under this HELLO (over its connection cap, or a
+            # restart): the socket reconnects by itself and _on_connect asks again; wait_ready waits on
+            return
         if not ok and body.get("code") == "DEADLINE" and self._connected and not self._leaving:
             # connected, yet no answer in time: the daemon is still opening (backing and pinning its
             # pool comes after it binds its socket) or busy. Ask again; wait_ready waits on.

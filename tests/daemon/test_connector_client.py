@@ -163,3 +163,30 @@ def test_a_client_that_connects_while_the_daemon_backs_its_pool_gets_a_session(t
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_wait_ready_waits_through_a_connection_dropped_under_its_hello(tmp_path):
+    """The connection closes while the first HELLO is unanswered (a daemon at its connection cap
+    closes a new one; a daemon restarting): the socket reconnects by itself and says HELLO again,
+    so wait_ready must wait for that answer instead of reporting no daemon at the first close.
+    The first peer is a bare ROUTER that takes the HELLO and closes without a word."""
+    folder = tmp_path / "dropped"
+    folder.mkdir()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{folder}/tierd.sock")
+    c = TierdClient(f"ipc://{folder}/tierd.sock", timeout_s=5, connect_timeout_s=30)
+    d = None
+    try:
+        assert router.poll(10_000), "the client never sent its HELLO"
+        router.recv_multipart()
+        router.close()  # the connection drops with the HELLO in flight
+        d = DaemonProcess(folder)
+        assert c.wait_ready(20)["boot_id"] == d.status()["boot_id"]
+        assert c.ping(timeout=3)["boot_id"] == c.server["boot_id"]
+    finally:
+        c.close()
+        ctx.term()
+        if d is not None:
+            d.kill()
