@@ -81,6 +81,8 @@ def _evictions(s: dict) -> str:
     out = f"{s['evictions']}  (policy {p['name']}{':  ' + why if why else ''})"
     if "reuse_distance" in p:
         out += f"  reuse distance {p['reuse_distance']:,} ticks, bonus x{p['bonus_scale']}"
+        if "bonus_gate" in p:  # (a daemon before the LRU shadow: not shown)
+            out += f" (gate {p['bonus_gate']:g} by an LRU shadow of {p['shadow_keys']:,} keys)"
     return out
 
 

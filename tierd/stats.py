@@ -145,6 +145,11 @@ class _Collector:
                 "reuse policy: s, the scale of its bonus",
                 value=policy["bonus_scale"],
             )
+            yield GaugeMetricFamily(
+                "tierd_reuse_bonus_gate",
+                "reuse policy: the share of its bonus kept while an LRU shadow hits more (1: whole)",
+                value=policy["bonus_gate"],
+            )
         evlog = status["eviction_log"]
         yield GaugeMetricFamily(
             "tierd_eviction_log_records", "evicted chunks remembered for EVICTED", value=evlog["records"]

@@ -4,11 +4,18 @@ order (the formats are tierd.replay's), and what a pool that never evicts would 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
 MOONCAKE_BLOCK_TOKENS = 512
 KEYS_CHUNK_TOKENS = 256  # the connector's default tierd.chunk_tokens
+
+
+def block_key(name: bytes) -> bytes:
+    """The pool's key for a trace's block or chunk ``name``: a 16-byte blake2b digest, as the
+    connector's chunk keys are (hashes: the reuse policy's LRU shadow samples keys by their bytes)."""
+    return hashlib.blake2b(name, digest_size=16).digest()
 
 
 class TraceError(ValueError):
@@ -64,7 +71,7 @@ def _request(obj) -> tuple[bytes, list[bytes], int]:
             raise ValueError("hash_ids must be a list of integers >= 0")
         return (
             b"",
-            [i.to_bytes(8, "little") if i < 1 << 64 else str(i).encode() for i in ids],
+            [block_key(i.to_bytes(8, "little") if i < 1 << 64 else str(i).encode()) for i in ids],
             (MOONCAKE_BLOCK_TOKENS),
         )
     if "keys" in obj:
@@ -76,7 +83,7 @@ def _request(obj) -> tuple[bytes, list[bytes], int]:
         chunk = obj.get("chunk_tokens", KEYS_CHUNK_TOKENS)
         if type(chunk) is not int or chunk < 1:
             raise ValueError("chunk_tokens must be an integer >= 1")
-        return ns.encode(), [k.encode() for k in keys], chunk
+        return ns.encode(), [block_key(k.encode()) for k in keys], chunk
     raise ValueError('a request needs "hash_ids" (Mooncake) or "keys" (a chunk key list)')
 
 

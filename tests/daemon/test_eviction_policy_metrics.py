@@ -49,6 +49,7 @@ def test_status_metrics_and_table_show_the_policy_and_its_eviction_reasons(
     for reason, n in reasons.items():
         assert f'tierd_evictions_by_reason_total{{reason="{reason}"}} {float(n)}' in text
     assert ("tierd_reuse_distance_ticks" in text) == (policy == "reuse")
+    assert (re.search(r"^tierd_reuse_bonus_gate 1\.0$", text, re.M) is not None) == (policy == "reuse")
     row = next(line for line in status_table(st).splitlines() if line.startswith("evictions"))
     assert f"3  (policy {policy}:" in row
 

@@ -14,6 +14,7 @@ from tierd.pool import policy as policies
 from tierd.pool.index import Span
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupKind, GroupSpec
+from tierd.trace import block_key
 
 CAP, SLOT, NS = 4, 64, b"ns"
 SPAN = Span({0: (0, 0)}, {0: 1})
@@ -243,3 +244,77 @@ def test_reuse_remembers_an_evicted_key_for_its_own_namespace_only():
     assert other.hits == 0
     store(pool, 0)
     assert next(o for o in pool.coldest(1 << 30) if o.key == key(0) and o.ns == NS).hits == 3
+
+
+# ---- the LRU shadow that guards ``reuse`` --------------------------------------------------
+def shadowed(held_keys: int = 100) -> policies.Reuse:
+    """A ``reuse`` policy whose pool has evicted once, with a learned bonus (B = 1,000 ticks)."""
+    r = policies.Reuse()
+    r.full = True
+    r.B = 1000.0
+    r.bonus = [round(r.s * r.B * x) for x in policies.SHAPE]
+    r.observe(NS, [], 0, held_keys)  # sets the sampling from the pool's keys
+    return r
+
+
+def window(r: policies.Reuse, keys: list[bytes], hit: int, held_keys: int = 100) -> None:
+    """LOOKUPs of ``keys``, each found ``hit`` deep in the pool, until one comparison is made."""
+    for _ in range(-(-policies.WINDOW // len(keys))):
+        r.observe(NS, keys, hit, held_keys)
+
+
+def test_reuse_guard_halves_its_bonus_while_an_lru_shadow_hits_more_and_restores_it_after():
+    r = shadowed()
+    keys = [key(i) for i in range(8)]
+    window(r, keys, 0)  # the shadow (LRU, 100 keys) holds all 8 after their first LOOKUP; the pool none
+    assert r.gate == 0.5 and r.bonus == [0, 500, 750, 1000]
+    window(r, keys, 0)
+    assert r.gate == 0.25 and r.bonus == [0, 250, 375, 500]
+    window(r, keys, 8)  # the pool finds all of them: as many as the shadow
+    assert r.gate == 0.5
+    window(r, keys, 8)
+    assert r.gate == 1.0 and r.bonus == [0, 1000, 1500, 2000]
+    window(r, keys, 8)
+    assert r.gate == 1.0  # whole at most
+
+
+def test_reuse_guard_moves_nothing_while_the_pool_hits_a_little_less_than_lru():
+    r = shadowed()
+    r.gate = 0.5
+    keys = [key(i) for i in range(64)]
+    r.observe(NS, keys, 0, 100)  # the shadow holds them all from now on
+    r.duel = [0, 0, 0]
+    window(r, keys, 62)  # 992 of 1,024 against the shadow's 1,024: within two standard deviations
+    assert r.gate == 0.5
+
+
+def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
+    """A key the shadow holds past one it lacks is no hit: the pool's hit ends there too."""
+    r = shadowed(held_keys=4)
+    keys = [key(i) for i in range(6)]
+    r.observe(NS, keys, 0, 4)  # tail first, so the tail goes first: the shadow keeps the head
+    assert list(r.shadow) == [(NS, key(i)) for i in (3, 2, 1, 0)]
+    r.duel = [0, 0, 0]
+    r.observe(NS, keys[:4], 0, 4)
+    assert r.duel == [4, 0, 4]
+    r.duel = [0, 0, 0]
+    r.observe(NS, [key(9)] + keys[:4], 0, 4)  # 9 is missing: no hit, though 0..3 are there
+    assert r.duel == [5, 0, 0]
+
+
+def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
+    r = policies.Reuse()
+    keys = [block_key(i.to_bytes(8, "little")) for i in range(2048)]  # hashes, as chunk keys are
+    r.observe(NS, keys, 0, 10_000)
+    assert not r.shadow and r.duel == [0, 0, 0]  # nothing evicted yet: nothing to judge
+    r.full = True
+    r.observe(NS, keys, 0, 10_000)  # 10,000 keys held: 1 in 8 sampled, the shadow holds 1,250
+    assert r.shift == 3 and r.status()["shadow_sampling"] == 0.125
+    sampled = [k for k in keys if int.from_bytes(k[-2:], "big") % 8 == 0]
+    assert r.duel[0] == len(sampled) and 200 < len(sampled) < 320
+    assert list(r.shadow) == [(NS, k) for k in reversed(sampled)]
+    # keys of other lengths (a tool's) are sampled by the same rule, key by key
+    odd = [k[: 2 + i % 5] for i, k in enumerate(keys)]
+    assert policies.sample(odd, 3) == [i for i, k in enumerate(odd) if int.from_bytes(k[-2:], "big") % 8 == 0]
+    r.observe(NS, keys, 0, 1_000)  # the pool shrank (or its capacity): the shadow follows
+    assert len(r.shadow) == 1_000 >> 3

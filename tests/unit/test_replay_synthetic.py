@@ -1,9 +1,10 @@
 """The default eviction policy on traces of other shapes than Mooncake's conversations, replayed
 through the daemon's pool (tierd.replay): where frequency tells (popular shared documents) it hits
 well above LRU, and where it does not (quick multi-turn chats, a working set that changes every
-phase) it loses no more than 0.03 of the infinite pool's hit ratio to LRU (a frequency bonus keeps a
-finished phase's objects a while: the price of the first case). Seeded traces, so the
-numbers are exact and a change of the policy that loses badly to LRU somewhere fails here."""
+phase) it loses no more than 0.01 of the infinite pool's hit ratio to LRU: a frequency bonus would
+keep a finished phase's objects a while, and the policy's LRU shadow takes the bonus back once LRU
+would hit more. Seeded traces, so the numbers are exact and a change of the policy that loses to
+LRU somewhere fails here."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import random
 import pytest
 
 from tierd import replay
+from tierd.trace import block_key
 
 
 def trace(requests: list[list[int]]) -> replay.Trace:
-    t = replay.Trace("synthetic", [(b"", [i.to_bytes(8, "little") for i in r]) for r in requests], 512)
+    t = replay.Trace(
+        "synthetic", [(b"", [block_key(i.to_bytes(8, "little")) for i in r]) for r in requests], 512
+    )
     replay._count_infinite(t)
     return t
 
@@ -73,7 +77,16 @@ def test_popular_documents_hit_well_above_lru():
     assert reuse >= lru + 0.1, (lru, reuse)
 
 
-@pytest.mark.parametrize("make, capacity", [(chats, 1000), (phases, 1500)])
+@pytest.mark.parametrize(
+    "make, capacity",
+    [
+        (chats, 1000),
+        (phases, 1000),
+        (phases, 1500),
+        (lambda: phases(phase=2000, prefixes=300, seed=12), 3000),
+    ],
+    ids=["chats", "phases-1000", "phases-1500", "long-phases"],
+)
 def test_where_frequency_does_not_tell_it_loses_little_to_lru(make, capacity):
     lru, reuse = shares(make(), capacity)
-    assert reuse >= lru - 0.03, (lru, reuse)
+    assert reuse >= lru - 0.01, (lru, reuse)

@@ -18,6 +18,15 @@ an object found more often a later key: a lookup finds a head every time it find
   the keys of evicted chunks are remembered (``GHOST_PER_OBJECT`` per object held), and s grows
   while the chunks evicted from higher levels are stored again more often than those evicted
   from level 0, and shrinks in the other case. Without reuse (B = 0) it is LRU.
+  A guard keeps it from losing to LRU where frequency misleads (a working set replaced at once:
+  the old one's levels outlive it). Once the pool evicts, an LRU shadow of the same capacity in
+  keys runs on a sample of the keys LOOKUPs name: every key while the pool holds under
+  2 * SHADOW_KEYS, else 1 in 2**k by the key's last two bytes (keys are hashes), k the largest
+  that leaves the shadow SHADOW_KEYS or more (a miniature cache simulation). Every ``WINDOW``
+  sampled keys, the pool's own prefix hits on them are compared with the shadow's: while the
+  shadow hits more, by over two standard deviations, the bonus is halved (``gate``, down to
+  ``GATE_MIN``); once the pool hits at least as many, doubled back up to whole. LOOKUPs reach
+  the shadow after their reply, with their touches.
   On Mooncake's conversation trace (``tierd replay``) it keeps 0.50 of what an infinite pool
   would hit at 3M tokens, where LRU keeps 0.37 (README, "Size a pool").
 
@@ -46,6 +55,10 @@ STEP = 0.5  # reuse: s moves by at most exp(STEP * 1) per estimate
 S_RANGE = (1 / 16, 2.0)
 GHOST_PER_OBJECT = 6  # reuse: evicted keys remembered per object held (at least GHOST_MIN)
 GHOST_MIN = 1024
+SHADOW_KEYS = 1024  # reuse: keys the LRU shadow holds at least (all keys below that, 1 in 2**k above)
+WINDOW = 1024  # reuse: sampled keys looked up between two comparisons with the LRU shadow
+SHIFT_MAX = 16  # reuse: the shadow samples at least 1 key in 2**SHIFT_MAX
+GATE_MIN = 1 / 64  # reuse: the least share of the bonus the guard leaves
 
 
 def _tick(o: Obj) -> int:
@@ -163,6 +176,11 @@ class Reuse:
         self.ghost_max = GHOST_MIN
         # evicted chunks by level 0 / higher, decayed: [stored again while remembered, evicted]
         self.outcomes = [[0.0, 0.0], [0.0, 0.0]]
+        self.gate = 1.0  # the share of the bonus kept: halves while the LRU shadow hits more
+        self.shadow: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        self.full = False  # evicted something yet
+        self.shift = -1  # sample 1 key in 2**shift (-1: not yet)
+        self.duel = [0, 0, 0]  # sampled keys since the last comparison: looked up, hit here, hit in LRU
 
     # ---- queues --------------------------------------------------------------------------
     def queue(self) -> Levels:
@@ -249,6 +267,7 @@ class Reuse:
 
     def evicted(self, obj: Obj, now: int, held: int) -> None:
         """Count the eviction's reason and remember the key (``LRU.evicted``)."""
+        self.full = True
         level = obj.hits
         if level == 0:
             self.reasons["unused"] += 1
@@ -274,6 +293,56 @@ class Reuse:
             while len(ghost) > self.ghost_max:
                 ghost.popitem(last=False)
 
+    def observe(self, ns: bytes, keys: Sequence[bytes], hit: int, held: int) -> None:
+        """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): its
+        sampled keys go through the LRU shadow (module docstring). The pool's lock held."""
+        shift = self.shift
+        if shift < 0:
+            if not self.full:  # no eviction yet: no order to judge
+                return
+            # its first eviction: the pool is full, and the keys it holds now are its capacity
+            shift = int(math.log2(held / SHADOW_KEYS)) if held > SHADOW_KEYS else 0
+            shift = self.shift = min(SHIFT_MAX, shift)
+        shadow, duel = self.shadow, self.duel
+        at = range(len(keys)) if not shift else sample(keys, shift)
+        if not at:
+            return
+        found = here = 0
+        whole = True  # a hit is a prefix: the shadow's ends at its first missing sampled key
+        for i in at:
+            if i < hit:
+                here += 1
+            if whole:
+                if (ns, keys[i]) in shadow:
+                    found += 1
+                else:
+                    whole = False
+        duel[0] += len(at)
+        duel[1] += here
+        duel[2] += found
+        move = shadow.move_to_end
+        for i in reversed(at):  # tail first: the head ends up the most recent
+            sk = ns, keys[i]
+            shadow[sk] = None
+            move(sk)
+        cap = held >> shift
+        while len(shadow) > cap:
+            shadow.popitem(last=False)
+        if duel[0] >= WINDOW:
+            self._judge()
+
+    def _judge(self) -> None:
+        """Compare the window's hits with the shadow's; move the gate (module docstring)."""
+        _, here, lru = self.duel
+        self.duel = [0, 0, 0]
+        if lru > here + 2 * math.sqrt(max(1, lru)):  # a count's standard deviation, about
+            self.gate = max(self.gate / 2, GATE_MIN)
+        elif here >= lru:
+            self.gate = min(1.0, self.gate * 2)
+        else:
+            return
+        self.bonus = [round(self.s * self.gate * self.B * x) for x in SHAPE]
+
     def status(self) -> dict:
         return {
             "name": self.name,
@@ -282,6 +351,9 @@ class Reuse:
             "bonus_scale": round(self.s, 3),
             "bonus": list(self.bonus),
             "remembered": len(self.ghost),
+            "bonus_gate": self.gate,
+            "shadow_keys": len(self.shadow),
+            "shadow_sampling": 0.0 if self.shift < 0 else 1 / (1 << self.shift),
         }
 
     # ---- estimates -----------------------------------------------------------------------
@@ -317,7 +389,34 @@ class Reuse:
                 self.s = min(S_RANGE[1], max(S_RANGE[0], self.s * math.exp(STEP * (r1 - r0) / (r1 + r0))))
         keep = 1 - 1 / HISTORY
         self.outcomes = [[a * keep, b * keep] for a, b in self.outcomes]
-        self.bonus = [round(self.s * self.B * x) for x in SHAPE]
+        self.bonus = [round(self.s * self.gate * self.B * x) for x in SHAPE]
+
+
+# per shift 1..8: a byte -> 1 where its low ``shift`` bits are zero, else 0 (bytes.translate)
+_LOW_ZERO = [None] + [bytes(int(not b & ((1 << k) - 1)) for b in range(256)) for k in range(1, 9)]
+
+
+def sample(keys: Sequence[bytes], shift: int) -> list[int]:
+    """The positions of the ``keys`` the LRU shadow samples at 1 in 2**``shift`` (1..16): those
+    whose last two bytes (big-endian) have ``shift`` low zero bits. Chunk keys are hashes, so
+    that is uniform. Keys of one length (a daemon's) are read in one pass of C: joined, every
+    key's last byte sliced out and mapped to 1 where it qualifies."""
+    n = len(keys)
+    mask = (1 << shift) - 1
+    width = len(keys[0]) if n else 0
+    joined = b"".join(keys)
+    if width < 2 or len(joined) != n * width or len(keys[-1]) != width:  # (lengths differ: rare)
+        return [i for i, k in enumerate(keys) if not int.from_bytes(k[-2:], "big") & mask]
+    flags = joined[width - 1 :: width].translate(_LOW_ZERO[min(shift, 8)])
+    at, find = [], flags.find
+    i = find(1)
+    while i >= 0:
+        at.append(i)
+        i = find(1, i + 1)
+    if shift > 8:  # the next byte's low bits too
+        high = mask >> 8
+        at = [i for i in at if not joined[i * width + width - 2] & high]
+    return at
 
 
 def merged(policy, queues: Iterable) -> Iterator[Obj]:

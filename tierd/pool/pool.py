@@ -127,6 +127,7 @@ class Pool(Recency, Allocation):
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
         self._untouched = []
+        self._unobserved = []
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}  # the policy's queue per class
         self._tick = 0
         self.objects = 0

@@ -63,11 +63,11 @@ def _take(lock: threading.Lock, pool: Recency, touches: bool) -> None:
     """Acquire ``lock``, then apply the pool's pending pins (and LRU touches, with ``touches``);
     if applying raises, the lock is let go before the exception propagates."""
     lock.acquire()
-    if pool._unpinned or (touches and pool._untouched):
+    if pool._unpinned or (touches and (pool._untouched or pool._unobserved)):
         try:
             if pool._unpinned:
                 pool._apply_pins()
-            if touches and pool._untouched:
+            if touches:
                 pool._apply_touches()
         except BaseException:
             lock.release()
@@ -79,6 +79,9 @@ class Recency:
 
     def init_recency(self) -> None:
         self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
+        # LOOKUPs (namespace, keys, hit) the policy has not seen yet, if it looks at them
+        self._observes = hasattr(self.policy, "observe")
+        self._unobserved: list[tuple[bytes, Sequence[bytes], int]] = []
         self._unpinned: list[tuple[Sequence[Obj], str]] = []  # lease grants whose pins are not applied yet
         self.leased_bytes: dict[str, int] = {}  # owner (tenant) -> bytes its leases pin (each object once)
         self.lock = PoolLock(self)
@@ -97,11 +100,13 @@ class Recency:
             hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
             if objs:
                 self._untouched.append(objs)
+            if self._observes:
+                self._unobserved.append((ns, keys, hit))
             return hit, objs
 
     def settle(self) -> None:
         """Apply the pins and touches LOOKUPs left (the daemon calls this once a reply is sent)."""
-        if self._untouched or self._unpinned:
+        if self._untouched or self._unpinned or self._unobserved:
             with self.lock:  # taking it applies them (PoolLock.acquire)
                 pass
 
@@ -150,6 +155,11 @@ class Recency:
         untouched, self._untouched = self._untouched, []
         for objs in untouched:
             self.touch_objects(objs)
+        if self._unobserved:
+            seen, self._unobserved = self._unobserved, []
+            held = sum(map(len, self.index.spaces.values()))  # keys
+            for ns, keys, hit in seen:
+                self.policy.observe(ns, keys, hit, held)
 
     def touch(self, ns: bytes, keys: Sequence[bytes]) -> None:
         """Mark a prefix's chunks used, tail first, so the head is the most recent."""
