@@ -293,7 +293,7 @@ def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
     r = shadowed(held_keys=4)
     keys = [key(i) for i in range(6)]
     r.observe(NS, keys, 0, 4)  # tail first, so the tail goes first: the shadow keeps the head
-    assert list(r.shadow) == [(NS, key(i)) for i in (3, 2, 1, 0)]
+    assert list(r.shadow) == [key(i) + NS for i in (3, 2, 1, 0)]
     r.duel = [0, 0, 0]
     r.observe(NS, keys[:4], 0, 4)
     assert r.duel == [4, 0, 4]
@@ -312,7 +312,7 @@ def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
     assert r.shift == 3 and r.status()["shadow_sampling"] == 0.125
     sampled = [k for k in keys if int.from_bytes(k[-2:], "big") % 8 == 0]
     assert r.duel[0] == len(sampled) and 200 < len(sampled) < 320
-    assert list(r.shadow) == [(NS, k) for k in reversed(sampled)]
+    assert list(r.shadow) == [k + NS for k in reversed(sampled)]
     # keys of other lengths (a tool's) are sampled by the same rule, key by key
     odd = [k[: 2 + i % 5] for i, k in enumerate(keys)]
     assert policies.sample(odd, 3) == [i for i, k in enumerate(odd) if int.from_bytes(k[-2:], "big") % 8 == 0]

@@ -36,10 +36,12 @@ and a victim is the smallest key among a few heads. Eviction stays synchronous a
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 
 from tierd.pool.index import Obj
 
@@ -177,7 +179,9 @@ class Reuse:
         # evicted chunks by level 0 / higher, decayed: [stored again while remembered, evicted]
         self.outcomes = [[0.0, 0.0], [0.0, 0.0]]
         self.gate = 1.0  # the share of the bonus kept: halves while the LRU shadow hits more
-        self.shadow: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
+        # key + namespace (bytes, which the garbage collector need not track; distinct for keys of
+        # one length) -> None, least recent first
+        self.shadow: OrderedDict[bytes, None] = OrderedDict()
         self.full = False  # evicted something yet
         self.shift = -1  # sample 1 key in 2**shift (-1: not yet)
         self.duel = [0, 0, 0]  # sampled keys since the last comparison: looked up, hit here, hit in LRU
@@ -307,24 +311,17 @@ class Reuse:
         at = range(len(keys)) if not shift else sample(keys, shift)
         if not at:
             return
-        found = here = 0
-        whole = True  # a hit is a prefix: the shadow's ends at its first missing sampled key
-        for i in at:
-            if i < hit:
-                here += 1
-            if whole:
-                if (ns, keys[i]) in shadow:
-                    found += 1
-                else:
-                    whole = False
-        duel[0] += len(at)
-        duel[1] += here
+        sks = [keys[i] + ns for i in at]
+        found = 0
+        for sk in sks:  # a hit is a prefix: the shadow's ends at its first missing sampled key
+            if sk not in shadow:
+                break
+            found += 1
+        duel[0] += len(sks)
+        duel[1] += bisect.bisect_left(at, hit)  # the sampled keys within the pool's hit
         duel[2] += found
-        move = shadow.move_to_end
-        for i in reversed(at):  # tail first: the head ends up the most recent
-            sk = ns, keys[i]
-            shadow[sk] = None
-            move(sk)
+        deque(map(shadow.pop, sks, repeat(None)), 0)
+        shadow.update(dict.fromkeys(reversed(sks)))  # tail first: the head ends up the most recent
         cap = held >> shift
         while len(shadow) > cap:
             shadow.popitem(last=False)
@@ -400,7 +397,7 @@ def sample(keys: Sequence[bytes], shift: int) -> list[int]:
     """The positions of the ``keys`` the LRU shadow samples at 1 in 2**``shift`` (1..16): those
     whose last two bytes (big-endian) have ``shift`` low zero bits. Chunk keys are hashes, so
     that is uniform. Keys of one length (a daemon's) are read in one pass of C: joined, every
-    key's last byte sliced out and mapped to 1 where it qualifies."""
+    key's last byte sliced out and mapped to 1 where it qualifies, then found."""
     n = len(keys)
     mask = (1 << shift) - 1
     width = len(keys[0]) if n else 0
