@@ -8,6 +8,7 @@ each holding ``--objects`` one-block objects in a pool that has room for exactly
 every new object evicts one:
 - LOOKUP: a hit of the first ``--prompt-keys`` keys: decode, handler, reply encode and the touch
   the daemon applies after the reply (``Pool.settle``), which is where a policy counts a hit;
+  REPLY: the same LOOKUPs until their reply is encoded (what the engine waits for);
 - STORE: ``--chunks`` new chunks, each evicting one object: decode, handler (checks, plan and the
   evictions) and the commit with its touch (``StoreJob.finish``; no bytes are copied).
 The two daemons take turns request by request (which goes first alternates). Prints each policy's
@@ -87,17 +88,19 @@ class Side:
             job.finish(self.d.tier, None)
         return time.perf_counter() - t0
 
-    def lookup(self) -> float:
+    def lookup(self) -> tuple[float, float]:
+        """One LOOKUP: (seconds until its reply was encoded, seconds with the touch after it)."""
         t0 = time.perf_counter()
         _, rid, msg = codec.decode_request(self.lookup_frame, 1 << 26)
         reply = handlers.lookup(
             self.d.tier, Call(IDENT, self.d.registry.session(IDENT), [IDENT], rid, t0), msg
         )
         codec.encode_reply(rid, reply)
+        replied = time.perf_counter() - t0
         self.d.pool.settle()
         took = time.perf_counter() - t0
         assert reply.chunks == self.prompt_keys, reply.chunks
-        return took
+        return replied, took
 
     def close(self) -> None:
         self.d.close()
@@ -130,11 +133,13 @@ def main() -> None:
         assert all(s.d.pool.objects == args.objects for s in sides)
         gc.collect()
         gc.freeze()  # as the daemon does every GC_FREEZE_S
-        took = [{"LOOKUP": [], "STORE": []} for _ in sides]
+        took = [{"LOOKUP": [], "REPLY": [], "STORE": []} for _ in sides]
         for rep in range(args.repeats):
             order = (0, 1) if rep % 2 == 0 else (1, 0)
             for i in order:
-                took[i]["LOOKUP"].append(sides[i].lookup())
+                replied, whole = sides[i].lookup()
+                took[i]["LOOKUP"].append(whole)
+                took[i]["REPLY"].append(replied)
             new = [uuid.uuid4().bytes for _ in range(args.chunks)]
             for i in order:
                 took[i]["STORE"].append(sides[i].store(new))
@@ -143,7 +148,7 @@ def main() -> None:
             f"{args.objects:,} objects, a full pool; LOOKUP hit of {args.prompt_keys} keys, STORE of "
             f"{args.chunks} new chunks (each evicting one); {args.repeats} of each, alternated:"
         )
-        for op in ("LOOKUP", "STORE"):
+        for op in ("LOOKUP", "REPLY", "STORE"):
             p50 = []
             for name, t in zip(names, (sorted(x[op]) for x in took)):
                 p50.append(statistics.median(t))

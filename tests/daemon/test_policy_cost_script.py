@@ -21,7 +21,7 @@ def test_it_prints_both_policies_and_their_ratio_per_op():
         check=True,
     ).stdout
     assert "16,800 objects, a full pool; LOOKUP hit of 100 keys, STORE of 16 new chunks" in out, out
-    for op in ("LOOKUP", "STORE"):
+    for op in ("LOOKUP", "REPLY", "STORE"):
         for policy in ("lru", "reuse"):
             assert re.search(rf"^  {op}\s+{policy}\s+p50\s+[\d.]+ us, p90\s+[\d.]+ us$", out, re.M), out
         assert re.search(rf"^  {op}\s+reuse / lru \(p50\): \d+\.\d{{3}}$", out, re.M), out
