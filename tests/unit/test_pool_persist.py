@@ -186,3 +186,67 @@ def test_a_full_tmpfs_stops_growth_and_the_journal_never_a_wrong_restart(small_t
         assert not pool.warm_restart["warm"] and "no index" in pool.warm_restart["reason"]
     finally:
         pool.close()
+
+
+def levels_of(pool) -> dict:
+    return {(o.ns, o.key, o.rank, o.label): o.hits for lru in pool.lru.values() for o in lru}
+
+
+def test_planned_restart_keeps_the_reuse_policys_levels_and_what_it_learned(shm_dir):
+    pool = pw.open_pool(shm_dir)
+    assert pool.policy.name == "reuse"
+    fill(pool, 3, 300)
+    objs = [o for lru in pool.lru.values() for o in list(lru)[::3]]
+    with pool.lock:
+        pool.touch_objects(objs)  # found by a LOOKUP: one level up
+        pool.touch_objects(objs[::2])  # twice: two
+    before = levels_of(pool)
+    assert 0 in before.values() and len(set(before.values()) - {0}) >= 2
+    p = pool.policy
+    p.estimates, p.s, p.gate = [100.0, 300.0], 0.5, 0.25
+    pool.save()
+    pool.close()
+
+    pool = pw.open_pool(shm_dir)
+    try:
+        assert pool.warm_restart["warm"]
+        assert levels_of(pool) == before
+        p = pool.policy
+        assert (p.B, p.s, p.gate, p.bonus) == (200.0, 0.5, 0.25, [0, 25, 38, 50])
+        objs = [o for lru in pool.lru.values() for o in lru]
+        first = pool.coldest(1 << 30)[0]
+        assert first.hits == 0  # a level-0 object goes before the ones found before
+        assert all(o in pool.lru[o.slab.cls].q[o.hits] for o in objs)  # each in its level's queue
+    finally:
+        pool.close()
+
+
+def test_an_index_without_levels_restores_every_object_at_level_zero(shm_dir, monkeypatch):
+    """An index of a tierd before levels were kept: the same objects, all at level 0, and the
+    policy starts from scratch."""
+    from tierd.pool import model
+
+    pool = pw.open_pool(shm_dir)
+    fill(pool, 4, 200)
+    with pool.lock:
+        pool.touch_objects([o for lru in pool.lru.values() for o in lru])
+    pool.policy.estimates = [100.0]
+    packb = model.msgpack.packb
+
+    def older(obj, **kw):  # the index body as an older tierd wrote it
+        if isinstance(obj, dict) and "levels" in obj:
+            obj = {k: v for k, v in obj.items() if k not in ("levels", "policy")}
+        return packb(obj, **kw)
+
+    monkeypatch.setattr(model.msgpack, "packb", older)
+    pool.save()
+    pool.close()
+    monkeypatch.setattr(model.msgpack, "packb", packb)
+
+    pool = pw.open_pool(shm_dir)
+    try:
+        assert pool.warm_restart["warm"] and pool.objects > 0
+        assert set(levels_of(pool).values()) == {0}
+        assert pool.policy.B == 0.0 and pool.policy.estimates == []
+    finally:
+        pool.close()

@@ -32,11 +32,14 @@ def mask_bytes(mask: int) -> bytes:
     return mask.to_bytes((mask.bit_length() + 7) // 8, "little")
 
 
-def encode_index(generation: int, settings: dict, segments, slabs, objs, extra) -> bytes:
-    """``objs``: committed objects, least recently used first."""
+def encode_index(generation: int, settings: dict, segments, slabs, objs, extra, policy=None) -> bytes:
+    """``objs``: committed objects, least recently used first. ``policy``: the eviction policy's
+    learned state (tierd.pool.policy ``state``), kept beside the objects' levels."""
     slab_ids = {id(s): i for i, s in enumerate(slabs)}
-    nss, spans, labels, rows = {}, {}, {}, []
+    nss, spans, labels, rows, levels = {}, {}, {}, [], []
     for o in objs:
+        if o.hits:
+            levels.append((len(rows), o.hits))
         span = spans.setdefault(id(o.span), (len(spans), o.span))[0]
         rows.append(
             (
@@ -61,6 +64,8 @@ def encode_index(generation: int, settings: dict, segments, slabs, objs, extra) 
             "spans": [flat_span(sp) for _, sp in spans.values()],
             "labels": list(labels),
             "objects": rows,
+            "levels": levels,
+            "policy": policy,
             "extra": extra,
         },
         use_bin_type=True,
@@ -98,6 +103,10 @@ class Model:
         self._extents: list[list[tuple[int, int]]] = []  # per segment: sorted (offset, end) of its slabs
         # (segment, slab offset, slot) -> (ns, key, span items, rank, nbytes, mask, label), oldest first
         self.objects: dict[tuple[int, int, int], tuple] = {}
+        # (segment, slab offset, slot) -> the object's eviction level, where above 0 (an index's
+        # "levels"; objects committed after it start at 0), and the policy's learned state
+        self.levels: dict[tuple[int, int, int], int] = {}
+        self.policy: dict | None = None
         self._parts: set[tuple] = set()  # (ns, key, group, rank) held
         self._shapes: set[tuple] = set()  # (span, nbytes, slot bytes) found consistent
         self.extra = None
@@ -115,10 +124,15 @@ class Model:
                 self.carve(*s)
             nss, labels = body["namespaces"], body["labels"]
             spans = [self._span(f) for f in body["spans"]]
+            wheres = []
             for ns, key, span, rank, nbytes, mask, label, slab, slot in body["objects"]:
                 seg, off = slabs[slab][:2]
                 self._commit(nss[ns], key, spans[span], rank, nbytes, mask, labels[label], seg, off, slot)
+                wheres.append((seg, off, slot))
             self.extra = body["extra"]
+            self._levels(body.get("levels"), wheres)  # (absent from an index of an older tierd)
+            policy = body.get("policy")
+            self.policy = policy if isinstance(policy, dict) else None
         except Cold:
             raise
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -189,6 +203,7 @@ class Model:
         if rec is None:
             raise Cold(f"drop of an empty slot {seg}/{off}/{slot}")
         self.slabs[seg, off][2] -= 1
+        self.levels.pop((seg, off, slot), None)
         ns, key, span, rank = rec[:4]
         for g, _ in span:
             self._parts.discard((ns, key, g, rank))
@@ -197,6 +212,16 @@ class Model:
         self.extra = extra
 
     # ---- checks ------------------------------------------------------------------------------
+    def _levels(self, pairs, wheres: list) -> None:
+        """Levels only order evictions (they never decide which bytes are served): a pair that
+        does not fit is left out, not a reason to start cold."""
+        if not isinstance(pairs, list):
+            return
+        for pair in pairs:
+            if isinstance(pair, list) and len(pair) == 2 and _is_int(pair[0]) and _is_int(pair[1], 1):
+                if pair[0] < len(wheres):
+                    self.levels[wheres[pair[0]]] = pair[1]
+
     def _span(self, flat) -> tuple:
         if not isinstance(flat, list) or not flat or len(flat) % 3 or not all(_is_int(x) for x in flat):
             raise Cold(f"span {flat!r} is not [group, shift, offset, ...]")

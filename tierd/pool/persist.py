@@ -17,12 +17,15 @@ On disk (normative; file names in tierd.pool.pooldir, the journal's framing in t
   ([nbytes] of segment-00000...), slabs ([segment, offset, slot_bytes, nslots]), namespaces
   ([bytes]), spans ([[group, shift, offset, ...]]), labels ([str]), objects ([ns index, key,
   span index, rank, nbytes, mask (bytes, little endian), label index, slab index, slot], least
-  recently used first), extra (the caller's blob).
+  recently used first), levels ([object index, level] for each object above level 0 of the
+  eviction policy's: tierd.pool.policy; absent from older indexes), policy (the policy's learned
+  state, its ``state()``, or nil), extra (the caller's blob).
 - ``journal`` records, applied in order on top of the index: ["G", segment, nbytes] grown;
   ["S", segment, offset, slot_bytes, nslots] slab carved; ["R", segment, offset] released;
   ["C", ns, key, [group, shift, offset, ...], rank, nbytes, mask, label, segment, slab offset,
   slot] committed; ["D", segment, slab offset, slot] dropped; ["X", extra]. Touches are not
-  journaled: after a crash the LRU order is the index's, then commit order.
+  journaled: after a crash the LRU order and the levels are the index's, then commit order
+  (objects committed since start at level 0).
 - A checkpoint (``save``, a cold start, or the journal past COMPACT_MIN records and
   COMPACT_PER_OBJECT per object) flushes the journal, writes ``index.tmp`` (generation g + 1)
   and ``journal.tmp`` (its empty journal), then renames the index, then the journal. A journal
@@ -208,7 +211,9 @@ class Persist:
             gen = self.generation + 1
             objs = heapq.merge(*pool.lru.values(), key=lambda o: o.tick)
             slabs = [s for c in pool.slabs.classes.values() for s in c.slabs]
-            data = encode_index(gen, self.settings, pool.segments.segments, slabs, objs, self.extra)
+            data = encode_index(
+                gen, self.settings, pool.segments.segments, slabs, objs, self.extra, pool.policy.state()
+            )
             self.folder.write_tmp("index", data)
             self.folder.write_tmp("journal", journal.header(gen))
             self.folder.publish("index")  # a kill here leaves an older journal: ignored, the index has it all

@@ -133,6 +133,13 @@ class LRU:
         """Count an eviction (the lock held; ``now``: the pool's tick, ``held``: its objects)."""
         self.reasons["lru"] += 1
 
+    def state(self) -> dict:
+        """What a warm restart keeps of what the policy learned (tierd.pool.persist)."""
+        return {"name": self.name}
+
+    def restore(self, state: dict | None) -> None:
+        """Take ``state`` back (another policy's, or none: nothing to take)."""
+
     def status(self) -> dict:
         return {"name": self.name, "evictions_by_reason": dict(self.reasons)}
 
@@ -352,6 +359,25 @@ class Reuse:
             "shadow_keys": len(self.shadow),
             "shadow_sampling": 0.0 if self.shift < 0 else 1 / (1 << self.shift),
         }
+
+    def state(self) -> dict:
+        """``LRU.state``: the reuse distance's estimates, the bonus scale and the guard's gate (the
+        evicted keys and the LRU shadow are not kept: they refill within a pool's turnover)."""
+        return {"name": self.name, "estimates": list(self.estimates), "s": self.s, "gate": self.gate}
+
+    def restore(self, state: dict | None) -> None:
+        if not isinstance(state, dict) or state.get("name") != self.name:
+            return
+        est, s, gate = state.get("estimates"), state.get("s"), state.get("gate")
+        if not (isinstance(est, list) and all(isinstance(x, (int, float)) and x >= 0 for x in est)):
+            return
+        if not (isinstance(s, (int, float)) and isinstance(gate, (int, float))):
+            return
+        self.estimates = [float(x) for x in est[-HISTORY:]]
+        self.B = sum(self.estimates) / len(self.estimates) if self.estimates else 0.0
+        self.s = min(S_RANGE[1], max(S_RANGE[0], float(s)))
+        self.gate = min(1.0, max(GATE_MIN, float(gate)))
+        self.bonus = [round(self.s * self.gate * self.B * x) for x in SHAPE]
 
     # ---- estimates -----------------------------------------------------------------------
     def _recall(self, obj: Obj, g: list) -> None:

@@ -152,9 +152,13 @@ class Pool(Recency, Allocation):
         """Place recovered objects in their exact slots, least recent first; free the rest."""
         segs = self.segments.segments
         slabs = {k: self.slabs.restore_slab(segs[k[0]], k[1], v[0], v[1]) for k, v in model.slabs.items()}
-        for (seg, off, slot), (ns, key, items, rank, nbytes, mask, label) in model.objects.items():
+        self.policy.restore(model.policy)
+        top, levels = policy.LEVELS - 1, model.levels
+        for where, (ns, key, items, rank, nbytes, mask, label) in model.objects.items():
             obj = Obj(ns, key, self._shared_span(dict(items)), rank, nbytes, mask, label)
+            seg, off, slot = where
             obj.slab, obj.slot, obj.ready, obj.pins = slabs[seg, off], slot, True, 0
+            obj.hits = min(levels.get(where, 0), top)
             self._place(obj)
             self._touch(obj)
         for slab in slabs.values():
