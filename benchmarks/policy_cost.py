@@ -12,7 +12,8 @@ every new object evicts one:
 - STORE: ``--chunks`` new chunks, each evicting one object: decode, handler (checks, plan and the
   evictions) and the commit with its touch (``StoreJob.finish``; no bytes are copied).
 The two daemons take turns request by request (which goes first alternates). Prints each policy's
-p50 and p90 and the ratio of the second side's p50 over the first's (``--sides``, default lru,reuse).
+p50, p90 and mean, and the ratios of the second side's over the first's (``--sides``, default
+lru,reuse): the mean counts work a policy does for a batch of requests at once.
 """
 
 from __future__ import annotations
@@ -149,12 +150,17 @@ def main() -> None:
             f"{args.chunks} new chunks (each evicting one); {args.repeats} of each, alternated:"
         )
         for op in ("LOOKUP", "REPLY", "STORE"):
-            p50 = []
+            p50, mean = [], []
             for name, t in zip(names, (sorted(x[op]) for x in took)):
                 p50.append(statistics.median(t))
+                mean.append(statistics.fmean(t))
                 p90 = t[int(len(t) * 0.9)]
-                print(f"  {op:6s} {name:5s} p50 {p50[-1] * 1e6:8.1f} us, p90 {p90 * 1e6:8.1f} us")
-            print(f"  {op:6s} {names[1]} / {names[0]} (p50): {p50[1] / p50[0]:.3f}")
+                print(
+                    f"  {op:6s} {name:5s} p50 {p50[-1] * 1e6:8.1f} us, p90 {p90 * 1e6:8.1f} us, "
+                    f"mean {mean[-1] * 1e6:8.1f} us"
+                )
+            ratio = f"{names[1]} / {names[0]}"
+            print(f"  {op:6s} {ratio} (p50): {p50[1] / p50[0]:.3f}, (mean): {mean[1] / mean[0]:.3f}")
     finally:
         for s in sides:
             s.close()

@@ -23,8 +23,12 @@ def test_it_prints_both_policies_and_their_ratio_per_op():
     assert "16,800 objects, a full pool; LOOKUP hit of 100 keys, STORE of 16 new chunks" in out, out
     for op in ("LOOKUP", "REPLY", "STORE"):
         for policy in ("lru", "reuse"):
-            assert re.search(rf"^  {op}\s+{policy}\s+p50\s+[\d.]+ us, p90\s+[\d.]+ us$", out, re.M), out
-        assert re.search(rf"^  {op}\s+reuse / lru \(p50\): \d+\.\d{{3}}$", out, re.M), out
+            assert re.search(
+                rf"^  {op}\s+{policy}\s+p50\s+[\d.]+ us, p90\s+[\d.]+ us, mean\s+[\d.]+ us$", out, re.M
+            ), out
+        assert re.search(
+            rf"^  {op}\s+reuse / lru \(p50\): \d+\.\d{{3}}, \(mean\): \d+\.\d{{3}}$", out, re.M
+        ), out
 
 
 def test_too_small_a_pool_is_refused():

@@ -253,7 +253,8 @@ def shadowed(held_keys: int = 100) -> policies.Reuse:
     r.full = True
     r.B = 1000.0
     r.bonus = [round(r.s * r.B * x) for x in policies.SHAPE]
-    r.observe(NS, [], 0, held_keys)  # sets the sampling from the pool's keys
+    r.observe(NS, [], 0, held_keys)
+    r.flush(held_keys)  # sets the sampling from the pool's keys
     return r
 
 
@@ -261,6 +262,18 @@ def window(r: policies.Reuse, keys: list[bytes], hit: int, held_keys: int = 100)
     """LOOKUPs of ``keys``, each found ``hit`` deep in the pool, until one comparison is made."""
     for _ in range(-(-policies.WINDOW // len(keys))):
         r.observe(NS, keys, hit, held_keys)
+    r.flush(held_keys)
+
+
+def test_reuse_guard_takes_lookups_through_its_shadow_in_batches_in_order():
+    r = shadowed()
+    keys = [key(i) for i in range(4)]
+    for _ in range(policies.BATCH - 1):
+        r.observe(NS, keys, 0, 100)
+    assert not r.shadow and len(r.pending) == policies.BATCH - 1
+    r.observe(NS, keys[:2], 0, 100)  # the batch is full: all of it goes through, in order
+    assert not r.pending and list(r.shadow) == [key(i) + NS for i in (3, 2, 1, 0)]
+    assert r.duel == [4 * (policies.BATCH - 1) + 2, 0, 4 * (policies.BATCH - 2) + 2]
 
 
 def test_reuse_guard_halves_its_bonus_while_an_lru_shadow_hits_more_and_restores_it_after():
@@ -282,9 +295,10 @@ def test_reuse_guard_moves_nothing_while_the_pool_hits_a_little_less_than_lru():
     r = shadowed()
     r.gate = 0.5
     keys = [key(i) for i in range(64)]
-    r.observe(NS, keys, 0, 100)  # the shadow holds them all from now on
+    r.observe(NS, keys, 0, 100)
+    r.flush(100)  # the shadow holds them all from now on
     r.duel = [0, 0, 0]
-    window(r, keys, 62)  # 992 of 1,024 against the shadow's 1,024: within two standard deviations
+    window(r, keys, 62)  # 496 of 512 against the shadow's 512: within the noise
     assert r.gate == 0.5
 
 
@@ -293,12 +307,15 @@ def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
     r = shadowed(held_keys=4)
     keys = [key(i) for i in range(6)]
     r.observe(NS, keys, 0, 4)  # tail first, so the tail goes first: the shadow keeps the head
+    r.flush(4)
     assert list(r.shadow) == [key(i) + NS for i in (3, 2, 1, 0)]
     r.duel = [0, 0, 0]
     r.observe(NS, keys[:4], 0, 4)
+    r.flush(4)
     assert r.duel == [4, 0, 4]
     r.duel = [0, 0, 0]
     r.observe(NS, [key(9)] + keys[:4], 0, 4)  # 9 is missing: no hit, though 0..3 are there
+    r.flush(4)
     assert r.duel == [5, 0, 0]
 
 
@@ -306,9 +323,11 @@ def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
     r = policies.Reuse()
     keys = [block_key(i.to_bytes(8, "little")) for i in range(2048)]  # hashes, as chunk keys are
     r.observe(NS, keys, 0, 10_000)
+    r.flush(10_000)
     assert not r.shadow and r.duel == [0, 0, 0]  # nothing evicted yet: nothing to judge
     r.full = True
     r.observe(NS, keys, 0, 10_000)  # 10,000 keys held: 1 in 8 sampled, the shadow holds 1,250
+    r.flush(10_000)
     assert r.shift == 3 and r.status()["shadow_sampling"] == 0.125
     sampled = [k for k in keys if int.from_bytes(k[-2:], "big") % 8 == 0]
     assert r.duel[0] == len(sampled) and 200 < len(sampled) < 320
@@ -316,5 +335,6 @@ def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
     # keys of other lengths (a tool's) are sampled by the same rule, key by key
     odd = [k[: 2 + i % 5] for i, k in enumerate(keys)]
     assert policies.sample(odd, 3) == [i for i, k in enumerate(odd) if int.from_bytes(k[-2:], "big") % 8 == 0]
-    r.observe(NS, keys, 0, 1_000)  # the pool shrank (or its capacity): the shadow follows
+    r.observe(NS, keys, 0, 1_000)
+    r.flush(1_000)  # the pool shrank (or its capacity): the shadow follows
     assert len(r.shadow) == 1_000 >> 3

@@ -58,9 +58,11 @@ S_RANGE = (1 / 16, 2.0)
 GHOST_PER_OBJECT = 6  # reuse: evicted keys remembered per object held (at least GHOST_MIN)
 GHOST_MIN = 1024
 SHADOW_KEYS = 1024  # reuse: keys the LRU shadow holds at least (all keys below that, 1 in 2**k above)
-WINDOW = 1024  # reuse: sampled keys looked up between two comparisons with the LRU shadow
+WINDOW = 512  # reuse: sampled keys looked up between two comparisons with the LRU shadow
 SHIFT_MAX = 16  # reuse: the shadow samples at least 1 key in 2**SHIFT_MAX
+BATCH, BATCH_KEYS = 16, 4096  # reuse: LOOKUPs (keys) taken through the LRU shadow at a time
 GATE_MIN = 1 / 64  # reuse: the least share of the bonus the guard leaves
+SIGMAS = 3
 
 
 def _tick(o: Obj) -> int:
@@ -192,6 +194,8 @@ class Reuse:
         self.full = False  # evicted something yet
         self.shift = -1  # sample 1 key in 2**shift (-1: not yet)
         self.duel = [0, 0, 0]  # sampled keys since the last comparison: looked up, hit here, hit in LRU
+        self.pending: list[tuple[bytes, Sequence[bytes], int]] = []  # LOOKUPs not through the shadow yet
+        self.pending_keys = 0
 
     # ---- queues --------------------------------------------------------------------------
     def queue(self) -> Levels:
@@ -306,40 +310,52 @@ class Reuse:
 
     def observe(self, ns: bytes, keys: Sequence[bytes], hit: int, held: int) -> None:
         """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): its
-        sampled keys go through the LRU shadow (module docstring). The pool's lock held."""
+        sampled keys go through the LRU shadow (module docstring), BATCH LOOKUPs (or BATCH_KEYS
+        keys) at a time, in their order. The pool's lock held."""
+        if not self.full:  # no eviction yet: no order to judge
+            return
+        self.pending.append((ns, keys, hit))
+        self.pending_keys += len(keys)
+        if len(self.pending) >= BATCH or self.pending_keys >= BATCH_KEYS:
+            self.flush(held)
+
+    def flush(self, held: int) -> None:
+        """Take the LOOKUPs ``observe`` holds through the shadow now."""
+        pending, self.pending, self.pending_keys = self.pending, [], 0
+        if not pending:
+            return
         shift = self.shift
-        if shift < 0:
-            if not self.full:  # no eviction yet: no order to judge
-                return
-            # its first eviction: the pool is full, and the keys it holds now are its capacity
+        if shift < 0:  # the first time: the pool is full, and the keys it holds now are its capacity
             shift = int(math.log2(held / SHADOW_KEYS)) if held > SHADOW_KEYS else 0
             shift = self.shift = min(SHIFT_MAX, shift)
         shadow, duel = self.shadow, self.duel
-        at = range(len(keys)) if not shift else sample(keys, shift)
-        if not at:
-            return
-        sks = [keys[i] + ns for i in at]
-        found = 0
-        for sk in sks:  # a hit is a prefix: the shadow's ends at its first missing sampled key
-            if sk not in shadow:
-                break
-            found += 1
-        duel[0] += len(sks)
-        duel[1] += bisect.bisect_left(at, hit)  # the sampled keys within the pool's hit
-        duel[2] += found
-        deque(map(shadow.pop, sks, repeat(None)), 0)
-        shadow.update(dict.fromkeys(reversed(sks)))  # tail first: the head ends up the most recent
         cap = held >> shift
-        while len(shadow) > cap:
-            shadow.popitem(last=False)
-        if duel[0] >= WINDOW:
-            self._judge()
+        for ns, keys, hit in pending:
+            mine = sample(keys, shift) if shift else range(len(keys))
+            if not mine:
+                continue
+            sks = [keys[i] + ns for i in mine]
+            found = 0
+            for sk in sks:  # a hit is a prefix: the shadow's ends at its first missing sampled key
+                if sk not in shadow:
+                    break
+                found += 1
+            duel[0] += len(sks)
+            duel[1] += bisect.bisect_left(mine, hit)  # the sampled keys within the pool's hit
+            duel[2] += found
+            deque(map(shadow.pop, sks, repeat(None)), 0)
+            shadow.update(dict.fromkeys(reversed(sks)))  # tail first: the head ends up the most recent
+            while len(shadow) > cap:  # (each LOOKUP's: a shadow over its capacity would hit more)
+                shadow.popitem(last=False)
+            if duel[0] >= WINDOW:
+                self._judge()
+                duel = self.duel
 
     def _judge(self) -> None:
         """Compare the window's hits with the shadow's; move the gate (module docstring)."""
         _, here, lru = self.duel
         self.duel = [0, 0, 0]
-        if lru > here + 2 * math.sqrt(max(1, lru)):  # a count's standard deviation, about
+        if lru > here + SIGMAS * math.sqrt(max(1, lru)):  # a count's standard deviation, about
             self.gate = max(self.gate / 2, GATE_MIN)
         elif here >= lru:
             self.gate = min(1.0, self.gate * 2)
