@@ -24,9 +24,9 @@ an object found more often a later key: a lookup finds a head every time it find
   2 * SHADOW_KEYS, else 1 in 2**k by the key's last two bytes (keys are hashes), k the largest
   that leaves the shadow SHADOW_KEYS or more (a miniature cache simulation). Every ``WINDOW``
   sampled keys, the pool's own prefix hits on them are compared with the shadow's: while the
-  shadow hits more, by over two standard deviations, the bonus is halved (``gate``, down to
+  shadow hits more, by over SIGMAS standard deviations, the bonus is halved (``gate``, down to
   ``GATE_MIN``); once the pool hits at least as many, doubled back up to whole. LOOKUPs reach
-  the shadow after their reply, with their touches.
+  the shadow after their reply, BATCH at a time (``flush``).
   On Mooncake's conversation trace (``tierd replay``) it keeps 0.50 of what an infinite pool
   would hit at 3M tokens, where LRU keeps 0.37 (README, "Size a pool").
 
@@ -62,7 +62,7 @@ WINDOW = 512  # reuse: sampled keys looked up between two comparisons with the L
 SHIFT_MAX = 16  # reuse: the shadow samples at least 1 key in 2**SHIFT_MAX
 BATCH, BATCH_KEYS = 16, 4096  # reuse: LOOKUPs (keys) taken through the LRU shadow at a time
 GATE_MIN = 1 / 64  # reuse: the least share of the bonus the guard leaves
-SIGMAS = 3
+SIGMAS = 3  # reuse: how far the shadow must hit above the pool, in standard deviations
 
 
 def _tick(o: Obj) -> int:
