@@ -1,10 +1,10 @@
 """The default eviction policy on traces of other shapes than Mooncake's conversations, replayed
-through the daemon's pool (tierd.replay): where frequency tells (popular shared documents) it hits
-well above LRU, and where it does not (quick multi-turn chats, a working set that changes every
-phase) it loses no more than 0.01 of the infinite pool's hit ratio to LRU: a frequency bonus would
-keep a finished phase's objects a while, and the policy's LRU shadow takes the bonus back once LRU
-would hit more. Seeded traces, so the numbers are exact and a change of the policy that loses to
-LRU somewhere fails here."""
+through the daemon's pool (tierd.replay): where frequency tells (popular shared documents; a hot
+set with one-off long documents streaming past it) it hits well above LRU, and where it does not
+(quick multi-turn chats, a working set that changes every phase) it loses no more than 0.01 of
+the infinite pool's hit ratio to LRU: a frequency bonus would keep a finished phase's objects a
+while, and the policy's LRU shadow takes the bonus back once LRU would hit more. Seeded traces,
+so the numbers are exact and a change of the policy that loses to LRU somewhere fails here."""
 
 from __future__ import annotations
 
@@ -57,6 +57,17 @@ def chats(n: int = 6000, gap: int = 40, go_on: float = 0.8, seed: int = 2) -> li
     return out
 
 
+def scans(n: int = 6000, hot: int = 100, scan: float = 0.3, seed: int = 6) -> list[list[int]]:
+    """A hot set of prefixes asked again and again, and between them (share ``scan``) one-off long
+    documents (20-60 blocks) that are never asked again: a scan."""
+    rng, ids = random.Random(seed), Ids()
+    hots = [ids.new(rng.randint(4, 12)) for _ in range(hot)]
+    return [
+        [0] + ids.new(rng.randint(20, 60)) if rng.random() < scan else [0] + rng.choice(hots) + ids.new(1)
+        for _ in range(n)
+    ]
+
+
 def phases(n: int = 6000, phase: int = 1000, prefixes: int = 150, seed: int = 3) -> list[list[int]]:
     """A working set of prefixes reused uniformly, replaced by a new one every ``phase`` requests."""
     rng, ids, out = random.Random(seed), Ids(), []
@@ -72,8 +83,9 @@ def shares(requests: list[list[int]], capacity: int) -> tuple[float, float]:
     return tuple(replay.replay(t, p, capacity).share(t) for p in ("lru", "reuse"))
 
 
-def test_popular_documents_hit_well_above_lru():
-    lru, reuse = shares(documents(), 1000)
+@pytest.mark.parametrize("make, capacity", [(documents, 1000), (scans, 1000)], ids=["documents", "scans"])
+def test_where_frequency_tells_it_hits_well_above_lru(make, capacity):
+    lru, reuse = shares(make(), capacity)
     assert reuse >= lru + 0.1, (lru, reuse)
 
 
