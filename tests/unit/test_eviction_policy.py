@@ -272,7 +272,7 @@ def test_reuse_guard_takes_lookups_through_its_shadow_in_batches_in_order():
         r.observe(NS, keys, 0, 100)
     assert not r.shadow and len(r.pending) == policies.BATCH - 1
     r.observe(NS, keys[:2], 0, 100)  # the batch is full: all of it goes through, in order
-    assert not r.pending and list(r.shadow) == [key(i) + NS for i in (3, 2, 1, 0)]
+    assert not r.pending and list(r.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
     assert r.duel == [4 * (policies.BATCH - 1) + 2, 0, 4 * (policies.BATCH - 2) + 2]
 
 
@@ -308,7 +308,7 @@ def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
     keys = [key(i) for i in range(6)]
     r.observe(NS, keys, 0, 4)  # tail first, so the tail goes first: the shadow keeps the head
     r.flush(4)
-    assert list(r.shadow) == [key(i) + NS for i in (3, 2, 1, 0)]
+    assert list(r.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
     r.duel = [0, 0, 0]
     r.observe(NS, keys[:4], 0, 4)
     r.flush(4)
@@ -331,10 +331,28 @@ def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
     assert r.shift == 3 and r.status()["shadow_sampling"] == 0.125
     sampled = [k for k in keys if int.from_bytes(k[-2:], "big") % 8 == 0]
     assert r.duel[0] == len(sampled) and 200 < len(sampled) < 320
-    assert list(r.shadow) == [k + NS for k in reversed(sampled)]
+    assert list(r.shadow) == [NS + k for k in reversed(sampled)]
     # keys of other lengths (a tool's) are sampled by the same rule, key by key
     odd = [k[: 2 + i % 5] for i, k in enumerate(keys)]
     assert policies.sample(odd, 3) == [i for i, k in enumerate(odd) if int.from_bytes(k[-2:], "big") % 8 == 0]
-    r.observe(NS, keys, 0, 1_000)
-    r.flush(1_000)  # the pool shrank (or its capacity): the shadow follows
-    assert len(r.shadow) == 1_000 >> 3
+
+
+def test_reuse_guard_samples_fewer_keys_once_the_pool_holds_many_more():
+    """A pool that first evicts while it holds few keys (a namespace at its quota) must not sample
+    every key for good: past twice the keys, the shadow keeps the sparser sample's keys only."""
+    r = policies.Reuse()
+    r.full = True
+    keys = [block_key(i.to_bytes(8, "little")) for i in range(1500)]
+    r.observe(NS, keys, 0, 1_500)
+    r.flush(1_500)
+    assert r.shift == 0 and len(r.shadow) == 1_500
+    r.observe(NS, [], 0, 3_000)
+    r.flush(3_000)  # 3,000 keys: 1 in 2 would do, but one step is within the hysteresis
+    assert r.shift == 0 and len(r.shadow) == 1_500
+    r.observe(NS, [], 0, 10_000)
+    r.flush(10_000)  # 1 in 8: the shadow keeps exactly the keys that sample takes, in their order
+    kept = [NS + k for k in reversed(keys) if int.from_bytes(k[-2:], "big") % 8 == 0]
+    assert r.shift == 3 and list(r.shadow) == kept and r.duel == [0, 0, 0]
+    r.observe(NS, [], 0, 1_000)
+    r.flush(1_000)  # far fewer keys again: every key, the shadow started over
+    assert r.shift == 0 and not r.shadow

@@ -22,7 +22,8 @@ an object found more often a later key: a lookup finds a head every time it find
   the old one's levels outlive it). Once the pool evicts, an LRU shadow of the same capacity in
   keys runs on a sample of the keys LOOKUPs name: every key while the pool holds under
   2 * SHADOW_KEYS, else 1 in 2**k by the key's last two bytes (keys are hashes), k the largest
-  that leaves the shadow SHADOW_KEYS or more (a miniature cache simulation). Every ``WINDOW``
+  that leaves the shadow SHADOW_KEYS or more (a miniature cache simulation; k follows the keys
+  held when it would move by two or more). Every ``WINDOW``
   sampled keys, the pool's own prefix hits on them are compared with the shadow's: while the
   shadow hits more, by over SIGMAS standard deviations, the bonus is halved (``gate``, down to
   ``GATE_MIN``); once the pool hits at least as many, doubled back up to whole. LOOKUPs reach
@@ -188,7 +189,7 @@ class Reuse:
         # evicted chunks by level 0 / higher, decayed: [stored again while remembered, evicted]
         self.outcomes = [[0.0, 0.0], [0.0, 0.0]]
         self.gate = 1.0  # the share of the bonus kept: halves while the LRU shadow hits more
-        # key + namespace (bytes, which the garbage collector need not track; distinct for keys of
+        # namespace + key (bytes, which the garbage collector need not track; distinct for keys of
         # one length) -> None, least recent first
         self.shadow: OrderedDict[bytes, None] = OrderedDict()
         self.full = False  # evicted something yet
@@ -324,17 +325,20 @@ class Reuse:
         pending, self.pending, self.pending_keys = self.pending, [], 0
         if not pending:
             return
+        # the keys the pool holds now are its capacity: it has evicted (by the first flush), so it
+        # is full, or a namespace or size class is; a pool that fills up later samples fewer keys
+        ideal = min(SHIFT_MAX, int(math.log2(held / SHADOW_KEYS))) if held > SHADOW_KEYS else 0
         shift = self.shift
-        if shift < 0:  # the first time: the pool is full, and the keys it holds now are its capacity
-            shift = int(math.log2(held / SHADOW_KEYS)) if held > SHADOW_KEYS else 0
-            shift = self.shift = min(SHIFT_MAX, shift)
+        if shift < 0 or abs(ideal - shift) > 1:  # (by more than one: no flapping at a boundary)
+            self._resample(ideal)
+            shift = ideal
         shadow, duel = self.shadow, self.duel
         cap = held >> shift
         for ns, keys, hit in pending:
             mine = sample(keys, shift) if shift else range(len(keys))
             if not mine:
                 continue
-            sks = [keys[i] + ns for i in mine]
+            sks = [ns + keys[i] for i in mine]
             found = 0
             for sk in sks:  # a hit is a prefix: the shadow's ends at its first missing sampled key
                 if sk not in shadow:
@@ -350,6 +354,18 @@ class Reuse:
             if duel[0] >= WINDOW:
                 self._judge()
                 duel = self.duel
+
+    def _resample(self, shift: int) -> None:
+        """Sample 1 key in 2**``shift`` from now on: the shadow keeps the keys of a sparser sample
+        (they are a subset); a denser one starts it over. The comparison so far is dropped."""
+        if self.shift >= 0 and shift > self.shift:
+            mask = (1 << shift) - 1  # a shadow key ends with the chunk key's last two bytes
+            self.shadow = OrderedDict(
+                (sk, None) for sk in self.shadow if not int.from_bytes(sk[-2:], "big") & mask
+            )
+        else:
+            self.shadow.clear()
+        self.shift, self.duel = shift, [0, 0, 0]
 
     def _judge(self) -> None:
         """Compare the window's hits with the shadow's; move the gate (module docstring)."""
