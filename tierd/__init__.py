@@ -41,8 +41,9 @@ State.
 Planning: pure functions of (request, geometry, pool).
     tierd/planner.py      STORE and RETRIEVE: per-chunk results, objects, copy items, failures
     tierd/pool/           host memory: segments, slabs and the allocator (alloc), eviction (evict,
-                          its order in policy), the index, recency and LOOKUP's fold, the pool
-                          folder a warm restart reads (persist)
+                          its order in policy, the reuse policy's LRU shadow in shadow), the
+                          index, recency and LOOKUP's fold, the pool folder a warm restart reads
+                          (persist)
 Copies.
     tierd/transfer/       lanes of copy threads; CPU and CUDA copies between engine and pool
                           (CUDA: the GPU support and each rank's memory in cuda, its DMA lanes in

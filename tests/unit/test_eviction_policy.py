@@ -11,6 +11,7 @@ import pytest
 
 from tierd.config import Settings
 from tierd.pool import policy as policies
+from tierd.pool import shadow as shadows
 from tierd.pool.index import Span
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupKind, GroupSpec
@@ -250,7 +251,7 @@ def test_reuse_remembers_an_evicted_key_for_its_own_namespace_only():
 def shadowed(held_keys: int = 100) -> policies.Reuse:
     """A ``reuse`` policy whose pool has evicted once, with a learned bonus (B = 1,000 ticks)."""
     r = policies.Reuse()
-    r.full = True
+    r.guard.full = True
     r.B = 1000.0
     r.bonus = [round(r.s * r.B * x) for x in policies.SHAPE]
     r.observe(NS, [], 0, held_keys)
@@ -260,7 +261,7 @@ def shadowed(held_keys: int = 100) -> policies.Reuse:
 
 def window(r: policies.Reuse, keys: list[bytes], hit: int, held_keys: int = 100) -> None:
     """LOOKUPs of ``keys``, each found ``hit`` deep in the pool, until one comparison is made."""
-    for _ in range(-(-policies.WINDOW // len(keys))):
+    for _ in range(-(-shadows.WINDOW // len(keys))):
         r.observe(NS, keys, hit, held_keys)
     r.flush(held_keys)
 
@@ -268,38 +269,38 @@ def window(r: policies.Reuse, keys: list[bytes], hit: int, held_keys: int = 100)
 def test_reuse_guard_takes_lookups_through_its_shadow_in_batches_in_order():
     r = shadowed()
     keys = [key(i) for i in range(4)]
-    for _ in range(policies.BATCH - 1):
+    for _ in range(shadows.BATCH - 1):
         r.observe(NS, keys, 0, 100)
-    assert not r.shadow and len(r.pending) == policies.BATCH - 1
+    assert not r.guard.shadow and len(r.guard.pending) == shadows.BATCH - 1
     r.observe(NS, keys[:2], 0, 100)  # the batch is full: all of it goes through, in order
-    assert not r.pending and list(r.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
-    assert r.duel == [4 * (policies.BATCH - 1) + 2, 0, 4 * (policies.BATCH - 2) + 2]
+    assert not r.guard.pending and list(r.guard.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
+    assert r.guard.duel == [4 * (shadows.BATCH - 1) + 2, 0, 4 * (shadows.BATCH - 2) + 2]
 
 
 def test_reuse_guard_halves_its_bonus_while_an_lru_shadow_hits_more_and_restores_it_after():
     r = shadowed()
     keys = [key(i) for i in range(8)]
     window(r, keys, 0)  # the shadow (LRU, 100 keys) holds all 8 after their first LOOKUP; the pool none
-    assert r.gate == 0.5 and r.bonus == [0, 500, 750, 1000]
+    assert r.guard.gate == 0.5 and r.bonus == [0, 500, 750, 1000]
     window(r, keys, 0)
-    assert r.gate == 0.25 and r.bonus == [0, 250, 375, 500]
+    assert r.guard.gate == 0.25 and r.bonus == [0, 250, 375, 500]
     window(r, keys, 8)  # the pool finds all of them: as many as the shadow
-    assert r.gate == 0.5
+    assert r.guard.gate == 0.5
     window(r, keys, 8)
-    assert r.gate == 1.0 and r.bonus == [0, 1000, 1500, 2000]
+    assert r.guard.gate == 1.0 and r.bonus == [0, 1000, 1500, 2000]
     window(r, keys, 8)
-    assert r.gate == 1.0  # whole at most
+    assert r.guard.gate == 1.0  # whole at most
 
 
 def test_reuse_guard_moves_nothing_while_the_pool_hits_a_little_less_than_lru():
     r = shadowed()
-    r.gate = 0.5
+    r.guard.gate = 0.5
     keys = [key(i) for i in range(64)]
     r.observe(NS, keys, 0, 100)
     r.flush(100)  # the shadow holds them all from now on
-    r.duel = [0, 0, 0]
+    r.guard.duel = [0, 0, 0]
     window(r, keys, 62)  # 496 of 512 against the shadow's 512: within the noise
-    assert r.gate == 0.5
+    assert r.guard.gate == 0.5
 
 
 def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
@@ -308,15 +309,15 @@ def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
     keys = [key(i) for i in range(6)]
     r.observe(NS, keys, 0, 4)  # tail first, so the tail goes first: the shadow keeps the head
     r.flush(4)
-    assert list(r.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
-    r.duel = [0, 0, 0]
+    assert list(r.guard.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
+    r.guard.duel = [0, 0, 0]
     r.observe(NS, keys[:4], 0, 4)
     r.flush(4)
-    assert r.duel == [4, 0, 4]
-    r.duel = [0, 0, 0]
+    assert r.guard.duel == [4, 0, 4]
+    r.guard.duel = [0, 0, 0]
     r.observe(NS, [key(9)] + keys[:4], 0, 4)  # 9 is missing: no hit, though 0..3 are there
     r.flush(4)
-    assert r.duel == [5, 0, 0]
+    assert r.guard.duel == [5, 0, 0]
 
 
 def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
@@ -324,35 +325,35 @@ def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
     keys = [block_key(i.to_bytes(8, "little")) for i in range(2048)]  # hashes, as chunk keys are
     r.observe(NS, keys, 0, 10_000)
     r.flush(10_000)
-    assert not r.shadow and r.duel == [0, 0, 0]  # nothing evicted yet: nothing to judge
-    r.full = True
+    assert not r.guard.shadow and r.guard.duel == [0, 0, 0]  # nothing evicted yet: nothing to judge
+    r.guard.full = True
     r.observe(NS, keys, 0, 10_000)  # 10,000 keys held: 1 in 8 sampled, the shadow holds 1,250
     r.flush(10_000)
-    assert r.shift == 3 and r.status()["shadow_sampling"] == 0.125
+    assert r.guard.shift == 3 and r.status()["shadow_sampling"] == 0.125
     sampled = [k for k in keys if int.from_bytes(k[-2:], "big") % 8 == 0]
-    assert r.duel[0] == len(sampled) and 200 < len(sampled) < 320
-    assert list(r.shadow) == [NS + k for k in reversed(sampled)]
+    assert r.guard.duel[0] == len(sampled) and 200 < len(sampled) < 320
+    assert list(r.guard.shadow) == [NS + k for k in reversed(sampled)]
     # keys of other lengths (a tool's) are sampled by the same rule, key by key
     odd = [k[: 2 + i % 5] for i, k in enumerate(keys)]
-    assert policies.sample(odd, 3) == [i for i, k in enumerate(odd) if int.from_bytes(k[-2:], "big") % 8 == 0]
+    assert shadows.sample(odd, 3) == [i for i, k in enumerate(odd) if int.from_bytes(k[-2:], "big") % 8 == 0]
 
 
 def test_reuse_guard_samples_fewer_keys_once_the_pool_holds_many_more():
     """A pool that first evicts while it holds few keys (a namespace at its quota) must not sample
     every key for good: past twice the keys, the shadow keeps the sparser sample's keys only."""
     r = policies.Reuse()
-    r.full = True
+    r.guard.full = True
     keys = [block_key(i.to_bytes(8, "little")) for i in range(1500)]
     r.observe(NS, keys, 0, 1_500)
     r.flush(1_500)
-    assert r.shift == 0 and len(r.shadow) == 1_500
+    assert r.guard.shift == 0 and len(r.guard.shadow) == 1_500
     r.observe(NS, [], 0, 3_000)
     r.flush(3_000)  # 3,000 keys: 1 in 2 would do, but one step is within the hysteresis
-    assert r.shift == 0 and len(r.shadow) == 1_500
+    assert r.guard.shift == 0 and len(r.guard.shadow) == 1_500
     r.observe(NS, [], 0, 10_000)
     r.flush(10_000)  # 1 in 8: the shadow keeps exactly the keys that sample takes, in their order
     kept = [NS + k for k in reversed(keys) if int.from_bytes(k[-2:], "big") % 8 == 0]
-    assert r.shift == 3 and list(r.shadow) == kept and r.duel == [0, 0, 0]
+    assert r.guard.shift == 3 and list(r.guard.shadow) == kept and r.guard.duel == [0, 0, 0]
     r.observe(NS, [], 0, 1_000)
     r.flush(1_000)  # far fewer keys again: every key, the shadow started over
-    assert r.shift == 0 and not r.shadow
+    assert r.guard.shift == 0 and not r.guard.shadow

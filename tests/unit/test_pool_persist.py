@@ -203,7 +203,7 @@ def test_planned_restart_keeps_the_reuse_policys_levels_and_what_it_learned(shm_
     before = levels_of(pool)
     assert 0 in before.values() and len(set(before.values()) - {0}) >= 2
     p = pool.policy
-    p.estimates, p.s, p.gate = [100.0, 300.0], 0.5, 0.25
+    p.estimates, p.s, p.guard.gate = [100.0, 300.0], 0.5, 0.25
     pool.save()
     pool.close()
 
@@ -212,7 +212,7 @@ def test_planned_restart_keeps_the_reuse_policys_levels_and_what_it_learned(shm_
         assert pool.warm_restart["warm"]
         assert levels_of(pool) == before
         p = pool.policy
-        assert (p.B, p.s, p.gate, p.bonus) == (200.0, 0.5, 0.25, [0, 25, 38, 50])
+        assert (p.B, p.s, p.guard.gate, p.bonus) == (200.0, 0.5, 0.25, [0, 25, 38, 50])
         objs = [o for lru in pool.lru.values() for o in lru]
         first = pool.coldest(1 << 30)[0]
         assert first.hits == 0  # a level-0 object goes before the ones found before

@@ -18,16 +18,8 @@ an object found more often a later key: a lookup finds a head every time it find
   the keys of evicted chunks are remembered (``GHOST_PER_OBJECT`` per object held), and s grows
   while the chunks evicted from higher levels are stored again more often than those evicted
   from level 0, and shrinks in the other case. Without reuse (B = 0) it is LRU.
-  A guard keeps it from losing to LRU where frequency misleads (a working set replaced at once:
-  the old one's levels outlive it). Once the pool evicts, an LRU shadow of the same capacity in
-  keys runs on a sample of the keys LOOKUPs name: every key while the pool holds under
-  2 * SHADOW_KEYS, else 1 in 2**k by the key's last two bytes (keys are hashes), k the largest
-  that leaves the shadow SHADOW_KEYS or more (a miniature cache simulation; k follows the keys
-  held when it would move by two or more). Every ``WINDOW``
-  sampled keys, the pool's own prefix hits on them are compared with the shadow's: while the
-  shadow hits more, by over SIGMAS standard deviations, the bonus is halved (``gate``, down to
-  ``GATE_MIN``); once the pool hits at least as many, doubled back up to whole. LOOKUPs reach
-  the shadow after their reply, BATCH at a time (``flush``).
+  A guard (tierd.pool.shadow) keeps it from losing to LRU where frequency misleads: an LRU
+  shadow on a sample of the keys LOOKUPs name halves the bonus while plain LRU would hit more.
   On Mooncake's conversation trace (``tierd replay``) it keeps 0.50 of what an infinite pool
   would hit at 3M tokens, where LRU keeps 0.37 (README, "Size a pool").
 
@@ -37,14 +29,13 @@ and a victim is the smallest key among a few heads. Eviction stays synchronous a
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import repeat
 
 from tierd.pool.index import Obj
+from tierd.pool.shadow import GATE_MIN, Shadow
 
 POLICIES = ("reuse", "lru")
 DEFAULT = "reuse"
@@ -58,12 +49,6 @@ STEP = 0.5  # reuse: s moves by at most exp(STEP * 1) per estimate
 S_RANGE = (1 / 16, 2.0)
 GHOST_PER_OBJECT = 6  # reuse: evicted keys remembered per object held (at least GHOST_MIN)
 GHOST_MIN = 1024
-SHADOW_KEYS = 1024  # reuse: keys the LRU shadow holds at least (all keys below that, 1 in 2**k above)
-WINDOW = 512  # reuse: sampled keys looked up between two comparisons with the LRU shadow
-SHIFT_MAX = 16  # reuse: the shadow samples at least 1 key in 2**SHIFT_MAX
-BATCH, BATCH_KEYS = 16, 4096  # reuse: LOOKUPs (keys) taken through the LRU shadow at a time
-GATE_MIN = 1 / 64  # reuse: the least share of the bonus the guard leaves
-SIGMAS = 3  # reuse: how far the shadow must hit above the pool, in standard deviations
 
 
 def _tick(o: Obj) -> int:
@@ -188,15 +173,7 @@ class Reuse:
         self.ghost_max = GHOST_MIN
         # evicted chunks by level 0 / higher, decayed: [stored again while remembered, evicted]
         self.outcomes = [[0.0, 0.0], [0.0, 0.0]]
-        self.gate = 1.0  # the share of the bonus kept: halves while the LRU shadow hits more
-        # namespace + key (bytes, which the garbage collector need not track; distinct for keys of
-        # one length) -> None, least recent first
-        self.shadow: OrderedDict[bytes, None] = OrderedDict()
-        self.full = False  # evicted something yet
-        self.shift = -1  # sample 1 key in 2**shift (-1: not yet)
-        self.duel = [0, 0, 0]  # sampled keys since the last comparison: looked up, hit here, hit in LRU
-        self.pending: list[tuple[bytes, Sequence[bytes], int]] = []  # LOOKUPs not through the shadow yet
-        self.pending_keys = 0
+        self.guard = Shadow()  # its gate: the share of the bonus kept (tierd.pool.shadow)
 
     # ---- queues --------------------------------------------------------------------------
     def queue(self) -> Levels:
@@ -283,7 +260,7 @@ class Reuse:
 
     def evicted(self, obj: Obj, now: int, held: int) -> None:
         """Count the eviction's reason and remember the key (``LRU.evicted``)."""
-        self.full = True
+        self.guard.full = True
         level = obj.hits
         if level == 0:
             self.reasons["unused"] += 1
@@ -310,74 +287,22 @@ class Reuse:
                 ghost.popitem(last=False)
 
     def observe(self, ns: bytes, keys: Sequence[bytes], hit: int, held: int) -> None:
-        """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): its
-        sampled keys go through the LRU shadow (module docstring), BATCH LOOKUPs (or BATCH_KEYS
-        keys) at a time, in their order. The pool's lock held."""
-        if not self.full:  # no eviction yet: no order to judge
-            return
-        self.pending.append((ns, keys, hit))
-        self.pending_keys += len(keys)
-        if len(self.pending) >= BATCH or self.pending_keys >= BATCH_KEYS:
-            self.flush(held)
+        """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): the
+        guard's LRU shadow sees it (tierd.pool.shadow). The pool's lock held."""
+        gate = self.guard.gate
+        self.guard.observe(ns, keys, hit, held)
+        if self.guard.gate != gate:
+            self._rebonus()
 
     def flush(self, held: int) -> None:
-        """Take the LOOKUPs ``observe`` holds through the shadow now."""
-        pending, self.pending, self.pending_keys = self.pending, [], 0
-        if not pending:
-            return
-        # the keys the pool holds now are its capacity: it has evicted (by the first flush), so it
-        # is full, or a namespace or size class is; a pool that fills up later samples fewer keys
-        ideal = min(SHIFT_MAX, int(math.log2(held / SHADOW_KEYS))) if held > SHADOW_KEYS else 0
-        shift = self.shift
-        if shift < 0 or abs(ideal - shift) > 1:  # (by more than one: no flapping at a boundary)
-            self._resample(ideal)
-            shift = ideal
-        shadow, duel = self.shadow, self.duel
-        cap = held >> shift
-        for ns, keys, hit in pending:
-            mine = sample(keys, shift) if shift else range(len(keys))
-            if not mine:
-                continue
-            sks = [ns + keys[i] for i in mine]
-            found = 0
-            for sk in sks:  # a hit is a prefix: the shadow's ends at its first missing sampled key
-                if sk not in shadow:
-                    break
-                found += 1
-            duel[0] += len(sks)
-            duel[1] += bisect.bisect_left(mine, hit)  # the sampled keys within the pool's hit
-            duel[2] += found
-            deque(map(shadow.pop, sks, repeat(None)), 0)
-            shadow.update(dict.fromkeys(reversed(sks)))  # tail first: the head ends up the most recent
-            while len(shadow) > cap:  # (each LOOKUP's: a shadow over its capacity would hit more)
-                shadow.popitem(last=False)
-            if duel[0] >= WINDOW:
-                self._judge()
-                duel = self.duel
+        """The guard takes the LOOKUPs it holds through its shadow now."""
+        gate = self.guard.gate
+        self.guard.flush(held)
+        if self.guard.gate != gate:
+            self._rebonus()
 
-    def _resample(self, shift: int) -> None:
-        """Sample 1 key in 2**``shift`` from now on: the shadow keeps the keys of a sparser sample
-        (they are a subset); a denser one starts it over. The comparison so far is dropped."""
-        if self.shift >= 0 and shift > self.shift:
-            mask = (1 << shift) - 1  # a shadow key ends with the chunk key's last two bytes
-            self.shadow = OrderedDict(
-                (sk, None) for sk in self.shadow if not int.from_bytes(sk[-2:], "big") & mask
-            )
-        else:
-            self.shadow.clear()
-        self.shift, self.duel = shift, [0, 0, 0]
-
-    def _judge(self) -> None:
-        """Compare the window's hits with the shadow's; move the gate (module docstring)."""
-        _, here, lru = self.duel
-        self.duel = [0, 0, 0]
-        if lru > here + SIGMAS * math.sqrt(max(1, lru)):  # a count's standard deviation, about
-            self.gate = max(self.gate / 2, GATE_MIN)
-        elif here >= lru:
-            self.gate = min(1.0, self.gate * 2)
-        else:
-            return
-        self.bonus = [round(self.s * self.gate * self.B * x) for x in SHAPE]
+    def _rebonus(self) -> None:
+        self.bonus = [round(self.s * self.guard.gate * self.B * x) for x in SHAPE]
 
     def status(self) -> dict:
         return {
@@ -387,15 +312,13 @@ class Reuse:
             "bonus_scale": round(self.s, 3),
             "bonus": list(self.bonus),
             "remembered": len(self.ghost),
-            "bonus_gate": self.gate,
-            "shadow_keys": len(self.shadow),
-            "shadow_sampling": 0.0 if self.shift < 0 else 1 / (1 << self.shift),
+            **self.guard.status(),
         }
 
     def state(self) -> dict:
         """``LRU.state``: the reuse distance's estimates, the bonus scale and the guard's gate (the
         evicted keys and the LRU shadow are not kept: they refill within a pool's turnover)."""
-        return {"name": self.name, "estimates": list(self.estimates), "s": self.s, "gate": self.gate}
+        return {"name": self.name, "estimates": list(self.estimates), "s": self.s, "gate": self.guard.gate}
 
     def restore(self, state: dict | None) -> None:
         if not isinstance(state, dict) or state.get("name") != self.name:
@@ -408,8 +331,8 @@ class Reuse:
         self.estimates = [float(x) for x in est[-HISTORY:]]
         self.B = sum(self.estimates) / len(self.estimates) if self.estimates else 0.0
         self.s = min(S_RANGE[1], max(S_RANGE[0], float(s)))
-        self.gate = min(1.0, max(GATE_MIN, float(gate)))
-        self.bonus = [round(self.s * self.gate * self.B * x) for x in SHAPE]
+        self.guard.gate = min(1.0, max(GATE_MIN, float(gate)))
+        self._rebonus()
 
     # ---- estimates -----------------------------------------------------------------------
     def _recall(self, obj: Obj, g: list) -> None:
@@ -444,34 +367,7 @@ class Reuse:
                 self.s = min(S_RANGE[1], max(S_RANGE[0], self.s * math.exp(STEP * (r1 - r0) / (r1 + r0))))
         keep = 1 - 1 / HISTORY
         self.outcomes = [[a * keep, b * keep] for a, b in self.outcomes]
-        self.bonus = [round(self.s * self.gate * self.B * x) for x in SHAPE]
-
-
-# per shift 1..8: a byte -> 1 where its low ``shift`` bits are zero, else 0 (bytes.translate)
-_LOW_ZERO = [None] + [bytes(int(not b & ((1 << k) - 1)) for b in range(256)) for k in range(1, 9)]
-
-
-def sample(keys: Sequence[bytes], shift: int) -> list[int]:
-    """The positions of the ``keys`` the LRU shadow samples at 1 in 2**``shift`` (1..16): those
-    whose last two bytes (big-endian) have ``shift`` low zero bits. Chunk keys are hashes, so
-    that is uniform. Keys of one length (a daemon's) are read in one pass of C: joined, every
-    key's last byte sliced out and mapped to 1 where it qualifies, then found."""
-    n = len(keys)
-    mask = (1 << shift) - 1
-    width = len(keys[0]) if n else 0
-    joined = b"".join(keys)
-    if width < 2 or len(joined) != n * width or len(keys[-1]) != width:  # (lengths differ: rare)
-        return [i for i, k in enumerate(keys) if not int.from_bytes(k[-2:], "big") & mask]
-    flags = joined[width - 1 :: width].translate(_LOW_ZERO[min(shift, 8)])
-    at, find = [], flags.find
-    i = find(1)
-    while i >= 0:
-        at.append(i)
-        i = find(1, i + 1)
-    if shift > 8:  # the next byte's low bits too
-        high = mask >> 8
-        at = [i for i in at if not joined[i * width + width - 2] & high]
-    return at
+        self._rebonus()
 
 
 def merged(policy, queues: Iterable) -> Iterator[Obj]:

@@ -126,8 +126,7 @@ class Pool(Recency, Allocation):
         self.segments = segments
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
-        self._untouched = []
-        self._unobserved = []
+        self._untouched, self._unobserved = [], []
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}  # the policy's queue per class
         self._tick = 0
         self.objects = 0
@@ -156,9 +155,8 @@ class Pool(Recency, Allocation):
         top, levels = policy.LEVELS - 1, model.levels
         for where, (ns, key, items, rank, nbytes, mask, label) in model.objects.items():
             obj = Obj(ns, key, self._shared_span(dict(items)), rank, nbytes, mask, label)
-            seg, off, slot = where
-            obj.slab, obj.slot, obj.ready, obj.pins = slabs[seg, off], slot, True, 0
-            obj.hits = min(levels.get(where, 0), top)
+            obj.slab, obj.slot, obj.ready, obj.pins = slabs[where[:2]], where[2], True, 0
+            obj.hits = min(levels.get(where, 0), top)  # (its level: the reuse policy's)
             self._place(obj)
             self._touch(obj)
         for slab in slabs.values():
