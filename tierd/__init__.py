@@ -9,9 +9,10 @@ config, stats, channel, endpoint, peer). A module imports only its own layer and
 (tests/unit/test_import_graph.py LAYERS: it fails on an import, or a callback held at run time, that
 reaches up), so a request goes down and its answer comes back as returned values. A STORE's block ids go
 edge (server: decode) -> handler (handlers.store: check them against the layout) -> planner
-(plan_store: per chunk, its objects and the copies of its blocks) -> pool (room for each object,
-evicting if it must) -> transfer (the copy on the rank's lane) -> back on the main loop: the
-Job's finish commits, and respond() replies. With a second tier, a handler that needs it
+(plan_store: per chunk, the objects it asks for, decided without the pool) -> pool (reserve: room
+for each, all of a chunk's objects or none, evicting if it must) -> transfer (plans.bind: the
+copies of its blocks into those objects' bytes; then the copy on the rank's lane) -> back on
+the main loop: the Job's finish commits, and respond() replies. With a second tier, a handler that needs it
 returns what it needs; the loop asks tierd/tier2 and hands the answer back to the handler.
 
 Edge: bytes in, typed requests out; outcomes in, replies out.
@@ -38,16 +39,17 @@ State.
     tierd/registry.py     sessions, registered ranks, namespaces, leases: one owner
     tierd/records.py      what it holds: Session, Instance, Lease, and its Limits
     tierd/tenants.py      who a session acts as, and what it may touch
-Planning: pure functions of (request, geometry, pool).
-    tierd/planner.py      STORE and RETRIEVE: per-chunk results, objects, copy items, failures
-    tierd/pool/           host memory: segments, slabs and the allocator (alloc), eviction (evict,
-                          its order in policy, the reuse policy's LRU shadow in shadow), the
-                          index, recency and LOOKUP's fold, the pool folder a warm restart reads
-                          (persist)
+Planning: STORE decided from (request, geometry) alone, RETRIEVE from what the pool holds.
+    tierd/planner.py      STORE: the objects each chunk asks for; RETRIEVE: objects, copy items,
+                          failures
+    tierd/pool/           host memory: segments, slabs and the allocator (alloc), a STORE's room
+                          (reserve), eviction (evict, its order in policy, the reuse policy's LRU
+                          shadow in shadow), the index, recency and LOOKUP's fold, the pool folder
+                          a warm restart reads (persist)
 Copies.
     tierd/transfer/       lanes of copy threads; CPU and CUDA copies between engine and pool
-                          (CUDA: the GPU support and each rank's memory in cuda, its DMA lanes in
-                          dma, the pool's pinning in pinned)
+                          (what a request copies: plans; CUDA: the GPU support and each rank's
+                          memory in cuda, its DMA lanes in dma, the pool's pinning in pinned)
 Operators.
     tierd/status.py       /status, built on the main loop for the HTTP thread
     tierd/http/           /status, /metrics, /healthz: what each answers (endpoints), and the

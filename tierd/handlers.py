@@ -35,11 +35,13 @@ from tierd.jobs import (
     retrieved,
 )
 from tierd.planner import plan_retrieve, plan_store
+from tierd.pool.reserve import reserve
 from tierd.protocol import MAX_LOOKUP_PARTS, PROTOCOL_VERSION
 from tierd.protocol import messages as m
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.registry import instance_key
 from tierd.tenants import scoped_namespace_id
+from tierd.transfer.plans import bind
 
 if TYPE_CHECKING:  # (tierd.tier2 is imported only with --l2-url)
     from tierd.tier2.lookups import Folded
@@ -234,7 +236,8 @@ def store(tier: Tier, call: Call, msg: m.Store):
     if inst.layout.replicated and inst.layout.rank != 0:
         tier.stats.add("stores")
         return m.StoreReply(["exists"] * len(msg.chunks))  # rank 0's copy serves every rank
-    plan = plan_store(geo, msg.chunks, tier.pool, inst.ns, inst.rank_key, msg.staged_at, blocks)
+    req = plan_store(geo, msg.chunks, msg.staged_at, blocks)  # decided (planner: no pool)
+    plan = bind(req, reserve(tier.pool, inst.ns, inst.rank_key, req))  # reserved (pool), bound (transfer)
     if not plan.objs:
         count_store(tier.stats, plan)
         return m.StoreReply(plan.results)

@@ -20,7 +20,7 @@ import numpy as np
 from tierd.channel import Channel
 from tierd.config import Settings
 from tierd.peer import Peer
-from tierd.planner import CopyPlan, Geometry
+from tierd.planner import Geometry
 from tierd.pool.index import Obj
 from tierd.pool.pool import Pool
 from tierd.protocol import messages as m
@@ -29,6 +29,7 @@ from tierd.registry import Instance, Registry, Session
 from tierd.stats import Stats
 from tierd.tenants import Tenants
 from tierd.transfer.engine import READ_LANE, DeviceWork, device_work
+from tierd.transfer.plans import CopyPlan
 
 if TYPE_CHECKING:
     from tierd.tier2.bridge import SecondTier

@@ -1,34 +1,34 @@
-"""STORE and RETRIEVE planning: from a typed request, a rank's layout and the pool, decide per
-chunk what happens, which objects are written or read, and which blocks are copied where.
+"""STORE and RETRIEVE planning: from a typed request and a rank's layout, decide per chunk which
+objects a STORE asks the pool for (``plan_store``, without the pool: tierd.pool.reserve reserves
+them, tierd.transfer.plans binds the copies of its blocks into them), and which objects a
+RETRIEVE reads and which blocks it copies where (``plan_retrieve``, from what the pool holds).
 
-These are functions of (chunks, geometry, pool): they allocate and look up in the pool, never
-touch engine memory and never block, so tests pin every decision with exact ids without a
+Neither touches engine memory or blocks, so tests pin every decision with exact ids without a
 daemon. The copies themselves run later on a transfer lane (``tierd.transfer``).
 
 Hazards handled here:
 - Block ids come from the client: each is checked against the layout (null or in range) before
   anything is allocated, so a copy can never address memory outside a registered tensor.
-- A chunk's groups are stored all or none: a chunk that cannot get room for one of its objects
-  releases the others (``rejected``), and in a layout with a full-attention group nothing past
-  a rejected chunk is stored (LOOKUP could never reach it; keep the room).
+- A chunk's masks name exactly the blocks it holds: a null id's block is in no object's mask.
 - A retrieve of blocks the pool does not hold reports exactly those block ids as failed and
   still restores the ones it holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
 
 from tierd.pool.index import Obj, Span
-from tierd.pool.pool import EXISTS, Pool
+from tierd.pool.pool import Pool
 from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import GroupKind, PageLayout
 from tierd.protocol.messages import Chunk
 from tierd.transfer.items import CopyItem, split_nulls
+from tierd.transfer.plans import CopyPlan
 
 # Bump with any change to the bytes of an object: the order of groups, layers, blocks and runs in
 # it, its size or its mask bits. A warm restart (--pool-dir) compares it and starts cold on a change.
@@ -190,68 +190,62 @@ def _bad(path: str, what: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_REQUEST, f"{path}: {what}")
 
 
-@dataclass
-class CopyPlan:
-    """What a STORE or RETRIEVE does: results per chunk, objects it writes or reads, copies per group."""
+@dataclass(slots=True)
+class NullObject:
+    """An object of a chunk that names null ids: its groups' parts with blocks, and for each the
+    ids and their positions in the chunk (its mask holds exactly those blocks)."""
 
-    results: list = field(default_factory=list)  # STORE: "stored"|"exists"|"empty"|"rejected"; RETRIEVE: bool
-    objs: list[Obj] = field(default_factory=list)
-    copies: dict[int, list[CopyItem]] = field(default_factory=dict)  # group -> items
-    failed: list[tuple[int, int]] = field(default_factory=list)  # RETRIEVE: (group, block id) not restored
-    nbytes: int = 0
+    span: dict
+    nbytes: int
+    mask: int
+    label: str
+    parts: list[tuple[int, int, np.ndarray, np.ndarray]]  # (group, byte offset, ids, positions)
 
-    def add(self, group: int, item: CopyItem, nbytes: int) -> None:
-        self.copies.setdefault(group, []).append(item)
-        self.nbytes += nbytes
+
+@dataclass(slots=True)
+class StoreRequest:
+    """A STORE as the planner decided it, before the pool: the objects each chunk asks for
+    (tierd.pool.reserve) and what the copies of its blocks need (tierd.transfer.plans.bind)."""
+
+    keys: list[bytes]
+    whole: list[bool]  # per chunk: no null id in any group
+    fresh: list[tuple]  # (span, nbytes, mask, label) of each object of a whole chunk
+    present: list[tuple[tuple[int, int, int], ...]]  # ... and its parts with blocks (group, shift, offset)
+    nulls: dict[int, list[NullObject] | None]  # chunks with null ids: their objects (None: all null)
+    stop_on_reject: bool  # nothing past a rejected chunk (a full-attention group: LOOKUP stops there)
+    blocks: list[np.ndarray]  # per group, (chunks, blocks per chunk) ids
+    group_bytes: list[int]
+    positions: list[np.ndarray]
+    blocks_per_chunk: list[int]
+    staged_at: int | None  # cuda: where the chunks lie in staging, back to back
+    chunk_bytes: int
+    group_offsets: list[int]
 
 
 def plan_store(
-    geo: Geometry,
-    chunks: list[Chunk],
-    pool: Pool,
-    ns: bytes,
-    rank: int,
-    staged_at: int | None = None,
-    blocks: list[np.ndarray] | None = None,
-) -> CopyPlan:
-    """Reserve room for the chunks' objects; the plan's objects are pinned and not yet visible
-    (``pool.commit`` once copied, ``pool.abort`` otherwise). ``blocks``: ``geo.check(chunks)``'s
+    geo: Geometry, chunks: list[Chunk], staged_at: int | None = None, blocks: list[np.ndarray] | None = None
+) -> StoreRequest:
+    """What each chunk asks the pool for, decided without it. ``blocks``: ``geo.check(chunks)``'s
     arrays, when the caller has them."""
     if blocks is None:
         blocks = geo.block_arrays(chunks)
-    plan = CopyPlan()
-    # chunks without a null id in any group (the common case) take the short path below
-    holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
-    results, whole = plan.results, _without_nulls(blocks, geo.null, len(chunks))
-    shapes, present = geo.fresh_shapes, geo.present_objects
-    keys = [c.key for c in chunks]
-    n, i, j = len(chunks), 0, 0
-    with pool.writes() as w:
-        while i < n:
-            if holed:
-                results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
-                i += 1
-                continue
-            if whole[i] and shapes:
-                # a run of whole chunks of new keys (a prefill's) is allocated and planned in one go
-                j = max(j, i + 1)
-                while j < n and whole[j]:
-                    j += 1
-                made = w.begin_fresh(ns, keys, i, j, rank, shapes)
-                if made:
-                    _add_whole(geo, made, present, i, blocks, staged_at, plan)
-                    results += ["stored"] * len(made[0])
-                    i += len(made[0])
-                    continue
-            if whole[i]:
-                status = _store_whole(geo, w, chunks[i].key, i, blocks, ns, rank, staged_at, plan)
-            else:
-                status = _store_with_nulls(geo, w, chunks[i], i, ns, rank, staged_at, plan)
-            if status == "rejected":
-                holed = geo.has_full
-            results.append(status)
-            i += 1
-    return plan
+    whole = _without_nulls(blocks, geo.null, len(chunks))
+    nulls = {i: _null_objects(geo, c) for i, c in enumerate(chunks) if not whole[i]}
+    return StoreRequest(
+        [c.key for c in chunks],
+        whole,
+        geo.fresh_shapes,
+        [o.present for o in geo.present_objects],
+        nulls,
+        geo.has_full,
+        blocks,
+        geo.group_bytes,
+        geo.positions,
+        geo.blocks_per_chunk,
+        staged_at,
+        geo.chunk_bytes,
+        geo.group_offsets,
+    )
 
 
 def _without_nulls(blocks: list[np.ndarray], null: int, n: int) -> list[bool]:
@@ -266,48 +260,12 @@ def _without_nulls(blocks: list[np.ndarray], null: int, n: int) -> list[bool]:
     return clean.tolist()
 
 
-def _store_whole(geo, w, key, i, blocks, ns, rank, staged_at, plan) -> str:
-    """A chunk holding every block of every group: each object's mask is its shape's whole mask."""
-    new = []
-    for shape, span in zip(geo.objects, geo.spans):
-        if not shape.present:
-            continue
-        obj = w.begin(ns, key, span, rank, shape.nbytes, shape.whole_mask, shape.label)
-        if obj is EXISTS:
-            continue
-        if obj is None:
-            w.abort([o for o, _ in new])  # all groups of a chunk or none
-            return "rejected"
-        new.append((obj, shape))
-    if new:
-        _add_whole(geo, [[obj] for obj, _ in new], [shape for _, shape in new], i, blocks, staged_at, plan)
-        return "stored"
-    return "exists" if any(shape.present for shape in geo.objects) else "empty"
-
-
-def _add_whole(geo, made: list[list[Obj]], shapes: list[ObjectShape], i: int, blocks, staged_at, plan):
-    """Plan the copies of whole chunks ``i, i + 1, ...`` into their new objects: ``made[s][k]``,
-    of shape ``shapes[s]``, is chunk ``i + k``'s. Every part, every block; the objects chunk by
-    chunk (the order they are committed, so touched, in)."""
-    plan.objs += made[0] if len(made) == 1 else [obj for objs in zip(*made) for obj in objs]
-    for objs, shape in zip(made, shapes):
-        for g, _, off in shape.present:
-            gbytes, pos, bpc = geo.group_bytes[g], geo.positions[g], geo.blocks_per_chunk[g]
-            items = plan.copies.setdefault(g, [])
-            rows = blocks[g]
-            for k, obj in enumerate(objs, i):
-                items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), geo.staged(staged_at, k, g)))
-            plan.nbytes += gbytes * len(objs)
-
-
-def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan) -> str:
-    """A chunk with null ids: each object's mask holds the blocks it names."""
+def _null_objects(geo: Geometry, c: Chunk) -> list[NullObject] | None:
+    """A chunk with null ids: each object's mask holds the blocks it names; None when it names none."""
     split = [split_nulls(ids, geo.null, geo.positions[g]) for g, ids in enumerate(c.blocks)]
     if not any(len(ids) for ids, _ in split):
-        return "empty"  # an all-null chunk is not stored
-    new: list[Obj] = []
-    items: list[tuple[int, CopyItem, int]] = []
-    status = "exists"
+        return None  # an all-null chunk is not stored
+    out = []
     for shape, span in zip(geo.objects, geo.spans):
         present = [(g, shift, off) for g, shift, off in shape.parts if len(split[g][0])]
         if not present:
@@ -320,24 +278,9 @@ def _store_with_nulls(geo, w, c: Chunk, i, ns, rank, staged_at, plan) -> str:
             else:
                 for p in pos.tolist():
                     mask |= 1 << (shift + p)
-        obj = w.begin(ns, c.key, span, rank, shape.nbytes, mask, shape.label)
-        if obj is EXISTS:
-            continue
-        if obj is None:
-            w.abort(new)  # all groups of a chunk or none
-            return "rejected"
-        status = "stored"
-        new.append(obj)
-        view = obj.view()
-        for g, _, off in present:
-            ids, pos = split[g]
-            bpc = geo.blocks_per_chunk[g]
-            item = CopyItem(ids, pos, bpc, view[off : off + geo.group_bytes[g]], geo.staged(staged_at, i, g))
-            items.append((g, item, geo.group_bytes[g] * len(ids) // bpc))
-    plan.objs.extend(new)
-    for g, item, nbytes in items:
-        plan.add(g, item, nbytes)
-    return status
+        parts = [(g, off, *split[g]) for g, _, off in present]
+        out.append(NullObject(span, shape.nbytes, mask, shape.label, parts))
+    return out
 
 
 def plan_retrieve(

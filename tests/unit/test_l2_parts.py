@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from planning import plan_store
 
-from tierd.planner import Geometry, plan_store
+from tierd.planner import Geometry
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupSpec, PageLayout
 from tierd.protocol.messages import Chunk

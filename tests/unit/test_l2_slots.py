@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from planning import plan_store
 
-from tierd.planner import Geometry, plan_store
+from tierd.planner import Geometry
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import PageLayout
 from tierd.protocol.messages import Chunk

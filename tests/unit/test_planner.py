@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from planning import plan_store
 
-from tierd.planner import Geometry, plan_retrieve, plan_store
+from tierd.planner import Geometry, plan_retrieve
 from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout

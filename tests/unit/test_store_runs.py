@@ -11,9 +11,9 @@ import random
 
 import numpy as np
 import pytest
+from planning import plan_store
 from test_planner import FULL, NULL, SLIDE, STATE, geo
 
-from tierd.planner import plan_store
 from tierd.pool.pool import Pool
 from tierd.protocol.messages import Chunk
 

@@ -1,0 +1,98 @@
+"""A STORE's room: every object its plan asks for (tierd.planner.StoreRequest), reserved in one
+hold of the pool's lock, all of a chunk's objects or none, and what became of each chunk.
+
+Hazards handled here:
+- A chunk's groups are stored all or none: a chunk that cannot get room for one of its objects
+  releases the others (``rejected``), and in a layout with a full-attention group nothing past
+  a rejected chunk is stored (LOOKUP could never reach it; keep the room).
+- The objects are pinned and not yet visible: ``Pool.commit`` once their bytes are copied,
+  ``Pool.abort`` otherwise (tierd.jobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierd.pool.pool import EXISTS, Pool
+from tierd.transfer.plans import NULLS, WHOLE
+
+
+@dataclass(slots=True)
+class Reserved:
+    """Per chunk its result ("stored", "exists", "empty", "rejected"), and the objects made, in
+    chunk order: ``(WHOLE, first chunk, object indices or None for all, objects[object][chunk])``
+    for chunks with every block, ``(NULLS, chunk, [(object, its NullObject)])`` for the others."""
+
+    results: list[str] = field(default_factory=list)
+    made: list[tuple] = field(default_factory=list)
+
+
+def reserve(pool: Pool, ns: bytes, rank: int, req) -> Reserved:
+    """Reserve the objects ``req`` (a StoreRequest) asks for in ``pool``, for rank ``rank``."""
+    out = Reserved()
+    results, made = out.results, out.made
+    whole, fresh, keys = req.whole, req.fresh, req.keys
+    holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
+    n, i, j = len(keys), 0, 0
+    with pool.writes() as w:
+        while i < n:
+            if holed:
+                results.append("rejected")  # past a hole LOOKUP never reaches: keep the room
+                i += 1
+                continue
+            if whole[i] and fresh:
+                # a run of whole chunks of new keys (a prefill's) is allocated in one go
+                j = max(j, i + 1)
+                while j < n and whole[j]:
+                    j += 1
+                objs = w.begin_fresh(ns, keys, i, j, rank, fresh)
+                if objs:
+                    made.append((WHOLE, i, None, objs))
+                    results += ["stored"] * len(objs[0])
+                    i += len(objs[0])
+                    continue
+            if whole[i]:
+                status = _whole(w, ns, keys[i], i, rank, fresh, made)
+            else:
+                status = _with_nulls(w, ns, keys[i], i, rank, req.nulls[i], made)
+            if status == "rejected":
+                holed = req.stop_on_reject
+            results.append(status)
+            i += 1
+    return out
+
+
+def _whole(w, ns, key, i, rank, fresh, made) -> str:
+    """A chunk holding every block of every group: each object's mask is its shape's whole mask."""
+    new = []
+    for s, (span, nbytes, mask, label) in enumerate(fresh):
+        obj = w.begin(ns, key, span, rank, nbytes, mask, label)
+        if obj is EXISTS:
+            continue
+        if obj is None:
+            w.abort([o for _, o in new])  # all groups of a chunk or none
+            return "rejected"
+        new.append((s, obj))
+    if new:
+        made.append((WHOLE, i, [s for s, _ in new], [[o] for _, o in new]))
+        return "stored"
+    return "exists" if fresh else "empty"
+
+
+def _with_nulls(w, ns, key, i, rank, objects, made) -> str:
+    """A chunk with null ids: its objects as the planner masked them; None: all null."""
+    if objects is None:
+        return "empty"  # an all-null chunk is not stored
+    new = []
+    for want in objects:
+        obj = w.begin(ns, key, want.span, rank, want.nbytes, want.mask, want.label)
+        if obj is EXISTS:
+            continue
+        if obj is None:
+            w.abort([o for o, _ in new])  # all groups of a chunk or none
+            return "rejected"
+        new.append((obj, want))
+    if new:
+        made.append((NULLS, i, new))
+        return "stored"
+    return "exists"

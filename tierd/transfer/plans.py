@@ -1,0 +1,73 @@
+"""What a STORE or RETRIEVE copies: results per chunk, the objects it writes or reads, and copy
+items per group (CopyPlan); for a STORE, bound here from the planner's request and the objects
+the pool reserved for it (``bind``), so the lanes copy exactly into those objects' bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierd.transfer.items import CopyItem
+
+WHOLE, NULLS = "whole", "nulls"  # tierd.pool.reserve's kinds of objects made: whole chunks, chunks with nulls
+
+
+@dataclass
+class CopyPlan:
+    """What a STORE or RETRIEVE does: results per chunk, objects it writes or reads, copies per group."""
+
+    results: list = field(default_factory=list)  # STORE: "stored"|"exists"|"empty"|"rejected"; RETRIEVE: bool
+    objs: list = field(default_factory=list)
+    copies: dict[int, list[CopyItem]] = field(default_factory=dict)  # group -> items
+    failed: list[tuple[int, int]] = field(default_factory=list)  # RETRIEVE: (group, block id) not restored
+    nbytes: int = 0
+
+    def add(self, group: int, item: CopyItem, nbytes: int) -> None:
+        self.copies.setdefault(group, []).append(item)
+        self.nbytes += nbytes
+
+
+def bind(req, got) -> CopyPlan:
+    """The copies of a STORE: ``req`` (tierd.planner.StoreRequest) into the objects ``got``
+    (tierd.pool.reserve.Reserved) holds, chunk by chunk; the objects in the order they are
+    committed (so touched) in."""
+    plan = CopyPlan(got.results)
+    for entry in got.made:
+        if entry[0] == WHOLE:
+            _, i, which, objs = entry
+            present = req.present if which is None else [req.present[s] for s in which]
+            _add_whole(req, objs, present, i, plan)
+        else:
+            _add_nulls(req, entry[1], entry[2], plan)
+    return plan
+
+
+def _staged(req, chunk: int, group: int) -> int:
+    return -1 if req.staged_at is None else req.staged_at + chunk * req.chunk_bytes + req.group_offsets[group]
+
+
+def _add_whole(req, made, present, i: int, plan: CopyPlan) -> None:
+    """Whole chunks ``i, i + 1, ...`` into their new objects: ``made[s][k]``, with parts
+    ``present[s]``, is chunk ``i + k``'s. Every part, every block."""
+    plan.objs += made[0] if len(made) == 1 else [obj for objs in zip(*made) for obj in objs]
+    for objs, parts in zip(made, present):
+        for g, _, off in parts:
+            gbytes, pos, bpc = req.group_bytes[g], req.positions[g], req.blocks_per_chunk[g]
+            items = plan.copies.setdefault(g, [])
+            rows = req.blocks[g]
+            for k, obj in enumerate(objs, i):
+                items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), _staged(req, k, g)))
+            plan.nbytes += gbytes * len(objs)
+
+
+def _add_nulls(req, i: int, new, plan: CopyPlan) -> None:
+    """Chunk ``i``'s new objects, each with the parts its NullObject names."""
+    items = []
+    for obj, want in new:
+        view = obj.view()
+        for g, off, ids, pos in want.parts:
+            gbytes, bpc = req.group_bytes[g], req.blocks_per_chunk[g]
+            item = CopyItem(ids, pos, bpc, view[off : off + gbytes], _staged(req, i, g))
+            items.append((g, item, gbytes * len(ids) // bpc))
+    plan.objs.extend(obj for obj, _ in new)
+    for g, item, nbytes in items:
+        plan.add(g, item, nbytes)
