@@ -100,6 +100,7 @@ class Geometry:
         self.fresh_shapes = [
             (span, o.nbytes, o.whole_mask, o.label) for o, span in zip(self.objects, self.spans) if o.present
         ]
+        self.fresh_parts = [o.present for o in self.present_objects]
 
     def check_staging(self, staged_at: int | None, n_chunks: int) -> None:
         """A staged layout (cuda) names where its chunks lie in staging, and they fit; others name nothing."""
@@ -205,21 +206,15 @@ class NullObject:
 @dataclass(slots=True)
 class StoreRequest:
     """A STORE as the planner decided it, before the pool: the objects each chunk asks for
-    (tierd.pool.reserve) and what the copies of its blocks need (tierd.transfer.plans.bind)."""
+    (tierd.pool.reserve) and what the copies of its blocks need (tierd.transfer.plans.bind). A
+    whole chunk asks for ``geo.fresh_shapes`` (``geo.fresh_parts``: their parts with blocks)."""
 
     keys: list[bytes]
     whole: list[bool]  # per chunk: no null id in any group
-    fresh: list[tuple]  # (span, nbytes, mask, label) of each object of a whole chunk
-    present: list[tuple[tuple[int, int, int], ...]]  # ... and its parts with blocks (group, shift, offset)
     nulls: dict[int, list[NullObject] | None]  # chunks with null ids: their objects (None: all null)
-    stop_on_reject: bool  # nothing past a rejected chunk (a full-attention group: LOOKUP stops there)
     blocks: list[np.ndarray]  # per group, (chunks, blocks per chunk) ids
-    group_bytes: list[int]
-    positions: list[np.ndarray]
-    blocks_per_chunk: list[int]
     staged_at: int | None  # cuda: where the chunks lie in staging, back to back
-    chunk_bytes: int
-    group_offsets: list[int]
+    geo: Geometry  # (read, never called: its fields are plain data)
 
 
 def plan_store(
@@ -230,22 +225,8 @@ def plan_store(
     if blocks is None:
         blocks = geo.block_arrays(chunks)
     whole = _without_nulls(blocks, geo.null, len(chunks))
-    nulls = {i: _null_objects(geo, c) for i, c in enumerate(chunks) if not whole[i]}
-    return StoreRequest(
-        [c.key for c in chunks],
-        whole,
-        geo.fresh_shapes,
-        [o.present for o in geo.present_objects],
-        nulls,
-        geo.has_full,
-        blocks,
-        geo.group_bytes,
-        geo.positions,
-        geo.blocks_per_chunk,
-        staged_at,
-        geo.chunk_bytes,
-        geo.group_offsets,
-    )
+    nulls = {} if all(whole) else {i: _null_objects(geo, c) for i, c in enumerate(chunks) if not whole[i]}
+    return StoreRequest([c.key for c in chunks], whole, nulls, blocks, staged_at, geo)
 
 
 def _without_nulls(blocks: list[np.ndarray], null: int, n: int) -> list[bool]:

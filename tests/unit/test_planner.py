@@ -334,3 +334,23 @@ def test_a_null_block_id_of_zero_is_a_null_not_a_block(pool):
     assert got.results == [True, False]
     assert items(got, 0) == [([12, 13, 14], [1, 2, 3]), ([21, 22], [1, 2])]
     assert got.failed == [(0, 20)]  # chunk 1's block 0 was a null when stored
+
+
+def test_store_items_name_where_each_chunks_group_lies_in_staging(pool):
+    """A staged (cuda) STORE: item ``k`` of group ``g`` copies from staging offset ``staged_at +
+    k * chunk_bytes + group_offsets[g]``, for runs of whole chunks and chunks with nulls alike."""
+    g = geo(FULL, SLIDE)
+    assert (g.chunk_bytes, g.group_offsets) == (4096, [0, 2048])
+    chunks = [
+        chunk(0, [0, 1, 2, 3], [4, 5, 6, 7]),
+        chunk(1, [8, 9, 10, 11], [12, 13, 14, 15]),
+        chunk(2, [16, 17, 18, 19], [NULL, NULL, 22, 23]),
+        chunk(3, [24, 25, 26, 27], [28, 29, 30, 31]),
+    ]
+    plan = plan_store(g, chunks, pool, NS, 0, staged_at=1000)
+    assert plan.results == ["stored"] * 4
+    for group in (0, 1):
+        assert [it.staged for it in plan.copies[group]] == [1000 + 4096 * k + 2048 * group for k in range(4)]
+    assert items(plan, 1)[2] == ([22, 23], [2, 3])
+    unstaged = plan_store(g, [chunk(4, [0, 1, 2, 3], [4, 5, 6, 7])], pool, NS, 0)
+    assert [it.staged for grp in (0, 1) for it in unstaged.copies[grp]] == [-1, -1]

@@ -31,7 +31,7 @@ def reserve(pool: Pool, ns: bytes, rank: int, req) -> Reserved:
     """Reserve the objects ``req`` (a StoreRequest) asks for in ``pool``, for rank ``rank``."""
     out = Reserved()
     results, made = out.results, out.made
-    whole, fresh, keys = req.whole, req.fresh, req.keys
+    whole, fresh, keys = req.whole, req.geo.fresh_shapes, req.keys
     holed = False  # a chunk was rejected (a flag: a scan of the results per chunk made this quadratic)
     n, i, j = len(keys), 0, 0
     with pool.writes() as w:
@@ -56,7 +56,7 @@ def reserve(pool: Pool, ns: bytes, rank: int, req) -> Reserved:
             else:
                 status = _with_nulls(w, ns, keys[i], i, rank, req.nulls[i], made)
             if status == "rejected":
-                holed = req.stop_on_reject
+                holed = req.geo.has_full  # LOOKUP stops at a chunk a full-attention group lacks
             results.append(status)
             i += 1
     return out

@@ -31,10 +31,11 @@ def bind(req, got) -> CopyPlan:
     (tierd.pool.reserve.Reserved) holds, chunk by chunk; the objects in the order they are
     committed (so touched) in."""
     plan = CopyPlan(got.results)
+    fresh_parts = req.geo.fresh_parts
     for entry in got.made:
         if entry[0] == WHOLE:
             _, i, which, objs = entry
-            present = req.present if which is None else [req.present[s] for s in which]
+            present = fresh_parts if which is None else [fresh_parts[s] for s in which]
             _add_whole(req, objs, present, i, plan)
         else:
             _add_nulls(req, entry[1], entry[2], plan)
@@ -42,30 +43,38 @@ def bind(req, got) -> CopyPlan:
 
 
 def _staged(req, chunk: int, group: int) -> int:
-    return -1 if req.staged_at is None else req.staged_at + chunk * req.chunk_bytes + req.group_offsets[group]
+    if req.staged_at is None:
+        return -1
+    return req.staged_at + chunk * req.geo.chunk_bytes + req.geo.group_offsets[group]
 
 
 def _add_whole(req, made, present, i: int, plan: CopyPlan) -> None:
     """Whole chunks ``i, i + 1, ...`` into their new objects: ``made[s][k]``, with parts
     ``present[s]``, is chunk ``i + k``'s. Every part, every block."""
+    geo = req.geo
     plan.objs += made[0] if len(made) == 1 else [obj for objs in zip(*made) for obj in objs]
     for objs, parts in zip(made, present):
         for g, _, off in parts:
-            gbytes, pos, bpc = req.group_bytes[g], req.positions[g], req.blocks_per_chunk[g]
+            gbytes, pos, bpc = geo.group_bytes[g], geo.positions[g], geo.blocks_per_chunk[g]
             items = plan.copies.setdefault(g, [])
             rows = req.blocks[g]
-            for k, obj in enumerate(objs, i):
-                items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), _staged(req, k, g)))
+            if req.staged_at is None:
+                for k, obj in enumerate(objs, i):
+                    items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes)))
+            else:
+                at, step = req.staged_at + geo.group_offsets[g], geo.chunk_bytes
+                for k, obj in enumerate(objs, i):
+                    items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), at + k * step))
             plan.nbytes += gbytes * len(objs)
 
 
 def _add_nulls(req, i: int, new, plan: CopyPlan) -> None:
     """Chunk ``i``'s new objects, each with the parts its NullObject names."""
-    items = []
+    items, geo = [], req.geo
     for obj, want in new:
         view = obj.view()
         for g, off, ids, pos in want.parts:
-            gbytes, bpc = req.group_bytes[g], req.blocks_per_chunk[g]
+            gbytes, bpc = geo.group_bytes[g], geo.blocks_per_chunk[g]
             item = CopyItem(ids, pos, bpc, view[off : off + gbytes], _staged(req, i, g))
             items.append((g, item, gbytes * len(ids) // bpc))
     plan.objs.extend(obj for obj, _ in new)
