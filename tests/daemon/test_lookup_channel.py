@@ -249,7 +249,10 @@ def test_channel_connections_over_the_cap_are_closed(daemon_factory, client_fact
     for p in held:
         assert p.attach(c._identity) == [0, True, {}]
     extra = peers(d)
-    extra.sock.send(c._identity)
+    try:
+        extra.sock.send(c._identity)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the daemon closed it at accept, before this send: what is under test (a race CI met)
     assert extra.closed()
     st = d.status()["lookup_channel"]
     assert (st["connections"], st["closed_over_cap"]) == (3, 1)
