@@ -28,7 +28,7 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import GroupKind, PageLayout
 from tierd.protocol.messages import Chunk
 from tierd.transfer.items import CopyItem, split_nulls
-from tierd.transfer.plans import CopyPlan
+from tierd.transfer.plans import CopyPlan, staged_offset
 
 # Bump with any change to the bytes of an object: the order of groups, layers, blocks and runs in
 # it, its size or its mask bits. A warm restart (--pool-dir) compares it and starts cold on a change.
@@ -121,7 +121,7 @@ class Geometry:
             )
 
     def staged(self, staged_at: int | None, chunk: int, group: int) -> int:
-        return -1 if staged_at is None else staged_at + chunk * self.chunk_bytes + self.group_offsets[group]
+        return staged_offset(staged_at, chunk, self.chunk_bytes, self.group_offsets[group])
 
     def check(self, chunks: list[Chunk]) -> list[np.ndarray]:
         """Every chunk names one block list per group, of the group's length, each id null or in

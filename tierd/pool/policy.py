@@ -289,15 +289,16 @@ class Reuse:
     def observe(self, ns: bytes, keys: Sequence[bytes], hit: int, held: int) -> None:
         """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): the
         guard's LRU shadow sees it (tierd.pool.shadow). The pool's lock held."""
-        gate = self.guard.gate
-        self.guard.observe(ns, keys, hit, held)
-        if self.guard.gate != gate:
-            self._rebonus()
+        self._guarded(self.guard.observe, ns, keys, hit, held)
 
     def flush(self, held: int) -> None:
         """The guard takes the LOOKUPs it holds through its shadow now."""
+        self._guarded(self.guard.flush, held)
+
+    def _guarded(self, step, *args) -> None:
+        """One step of the guard; the bonus follows its gate when that moved."""
         gate = self.guard.gate
-        self.guard.flush(held)
+        step(*args)
         if self.guard.gate != gate:
             self._rebonus()
 

@@ -64,17 +64,11 @@ def reserve(pool: Pool, ns: bytes, rank: int, req) -> Reserved:
 
 def _whole(w, ns, key, i, rank, fresh, made) -> str:
     """A chunk holding every block of every group: each object's mask is its shape's whole mask."""
-    new = []
-    for s, (span, nbytes, mask, label) in enumerate(fresh):
-        obj = w.begin(ns, key, span, rank, nbytes, mask, label)
-        if obj is EXISTS:
-            continue
-        if obj is None:
-            w.abort([o for _, o in new])  # all groups of a chunk or none
-            return "rejected"
-        new.append((s, obj))
+    new = _begin_all(w, ns, key, rank, ((shape, s) for s, shape in enumerate(fresh)))
+    if new is None:
+        return "rejected"
     if new:
-        made.append((WHOLE, i, [s for s, _ in new], [[o] for _, o in new]))
+        made.append((WHOLE, i, [s for _, s in new], [[o] for o, _ in new]))
         return "stored"
     return "exists" if fresh else "empty"
 
@@ -83,16 +77,26 @@ def _with_nulls(w, ns, key, i, rank, objects, made) -> str:
     """A chunk with null ids: its objects as the planner masked them; None: all null."""
     if objects is None:
         return "empty"  # an all-null chunk is not stored
-    new = []
-    for want in objects:
-        obj = w.begin(ns, key, want.span, rank, want.nbytes, want.mask, want.label)
-        if obj is EXISTS:
-            continue
-        if obj is None:
-            w.abort([o for o, _ in new])  # all groups of a chunk or none
-            return "rejected"
-        new.append((obj, want))
+    new = _begin_all(w, ns, key, rank, (((o.span, o.nbytes, o.mask, o.label), o) for o in objects))
+    if new is None:
+        return "rejected"
     if new:
         made.append((NULLS, i, new))
         return "stored"
     return "exists"
+
+
+def _begin_all(w, ns, key, rank, wants) -> list | None:
+    """Begin each ``((span, nbytes, mask, label), tag)`` of ``wants`` for ``key``: the new objects
+    with their tags (EXISTS ones left out), or None when one finds no room: all of a chunk's
+    objects or none, so the others are released."""
+    new = []
+    for (span, nbytes, mask, label), tag in wants:
+        obj = w.begin(ns, key, span, rank, nbytes, mask, label)
+        if obj is EXISTS:
+            continue
+        if obj is None:
+            w.abort([o for o, _ in new])
+            return None
+        new.append((obj, tag))
+    return new

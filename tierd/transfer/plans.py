@@ -42,10 +42,10 @@ def bind(req, got) -> CopyPlan:
     return plan
 
 
-def _staged(req, chunk: int, group: int) -> int:
-    if req.staged_at is None:
-        return -1
-    return req.staged_at + chunk * req.geo.chunk_bytes + req.geo.group_offsets[group]
+def staged_offset(staged_at: int | None, chunk: int, chunk_bytes: int, group_offset: int) -> int:
+    """Where a chunk's group part lies in a rank's staging buffer (cuda): the request's chunks lie
+    there back to back from ``staged_at``, each its groups' parts back to back; -1 unstaged."""
+    return -1 if staged_at is None else staged_at + chunk * chunk_bytes + group_offset
 
 
 def _add_whole(req, made, present, i: int, plan: CopyPlan) -> None:
@@ -75,7 +75,8 @@ def _add_nulls(req, i: int, new, plan: CopyPlan) -> None:
         view = obj.view()
         for g, off, ids, pos in want.parts:
             gbytes, bpc = geo.group_bytes[g], geo.blocks_per_chunk[g]
-            item = CopyItem(ids, pos, bpc, view[off : off + gbytes], _staged(req, i, g))
+            at = staged_offset(req.staged_at, i, geo.chunk_bytes, geo.group_offsets[g])
+            item = CopyItem(ids, pos, bpc, view[off : off + gbytes], at)
             items.append((g, item, gbytes * len(ids) // bpc))
     plan.objs.extend(obj for obj, _ in new)
     for g, item, nbytes in items:
