@@ -54,6 +54,18 @@ def daemon_factory(tmp_path):
     yield make
     for d in made:
         d.kill()
+        print_log_tail(d)
+
+
+def print_log_tail(d: DaemonProcess, lines: int = 30) -> None:
+    """The end of a daemon's log on this test's stdout, which pytest shows only when the test
+    failed: what the daemon did last is then in the report (a CI run keeps nothing else)."""
+    try:
+        tail = d.log.read_text(errors="replace").splitlines()[-lines:] if d.log is not None else []
+    except OSError:
+        return
+    if tail:
+        print(f"--- last {len(tail)} lines of {d.log} ---", *tail, sep="\n")
 
 
 @pytest.fixture

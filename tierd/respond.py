@@ -20,6 +20,10 @@ from tierd.stats import Stats
 
 log = logging.getLogger("tierd")
 
+# a reply later than this after its request was read is logged: a stalled loop, a slow copy or a
+# starved process then shows in the log, not only as a client's deadline
+SLOW_REPLY_S = 1.0
+
 
 class Replies:
     def __init__(self, router: zmq.Socket, channel: ChannelServer | None, stats: Stats):
@@ -48,7 +52,10 @@ class Replies:
             self.send(envelope, codec.encode_error(req_id, code, message))
             return
         self.send(envelope, codec.encode_reply(req_id, result))
-        self.stats.observe(op, time.perf_counter() - t0, nbytes)
+        took = time.perf_counter() - t0
+        self.stats.observe(op, took, nbytes)
+        if took > SLOW_REPLY_S:
+            log.warning("%s req %d answered %.2f s after it was read (%s bytes)", op, req_id, took, nbytes)
 
     def send(self, envelope: list[bytes] | Channel, frame: bytes) -> None:
         if type(envelope) is Channel:

@@ -1,0 +1,33 @@
+"""A reply sent long after its request was read leaves a warning in the daemon's log, with its op
+and how long it took; a prompt one leaves nothing. A stall a client only sees as its deadline is
+then in the operator's log too."""
+
+import logging
+import time
+
+import zmq
+
+from tierd.protocol import messages as m
+from tierd.respond import SLOW_REPLY_S, Replies
+from tierd.stats import Stats
+
+
+def _replies():
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("inproc://slow-reply-test")
+    return router, Replies(router, None, Stats())
+
+
+def test_a_reply_later_than_the_slow_mark_is_logged_with_its_op_and_time(caplog):
+    router, replies = _replies()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierd"):
+            # no peer of that identity: the reply is dropped, as to a client that left
+            replies.respond([b"gone"], 7, "RETRIEVE", time.perf_counter() - 2 * SLOW_REPLY_S, m.PingReply(time=0.0, boot_id="b"))
+            replies.respond([b"gone"], 8, "LOOKUP", time.perf_counter(), m.PingReply(time=0.0, boot_id="b"))
+    finally:
+        router.close()
+    slow = [r.getMessage() for r in caplog.records if "answered" in r.getMessage()]
+    assert len(slow) == 1, slow
+    assert slow[0].startswith("RETRIEVE req 7 answered 2.")
