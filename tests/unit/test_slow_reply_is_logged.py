@@ -21,11 +21,12 @@ def _replies():
 
 def test_a_reply_later_than_the_slow_mark_is_logged_with_its_op_and_time(caplog):
     router, replies = _replies()
+    body = m.PingReply(time=0.0, boot_id="b")
     try:
         with caplog.at_level(logging.WARNING, logger="tierd"):
             # no peer of that identity: the reply is dropped, as to a client that left
-            replies.respond([b"gone"], 7, "RETRIEVE", time.perf_counter() - 2 * SLOW_REPLY_S, m.PingReply(time=0.0, boot_id="b"))
-            replies.respond([b"gone"], 8, "LOOKUP", time.perf_counter(), m.PingReply(time=0.0, boot_id="b"))
+            replies.respond([b"gone"], 7, "RETRIEVE", time.perf_counter() - 2 * SLOW_REPLY_S, body)
+            replies.respond([b"gone"], 8, "LOOKUP", time.perf_counter(), body)
     finally:
         router.close()
     slow = [r.getMessage() for r in caplog.records if "answered" in r.getMessage()]
