@@ -122,8 +122,9 @@ def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
 ):
     """Another caller read this request's error reply and left it for the I/O thread (which may
     retry errors): the waiting caller hands it on at once instead of waiting out its read of the
-    socket. Claims and waits are stretched to 2 s, so waiting them out shows."""
-    monkeypatch.setattr(fast_path, "FAST_WAIT_S", 2.0)
+    socket. Claims and waits are stretched to 6 s, so waiting them out shows above a loaded machine's
+    stalls."""
+    monkeypatch.setattr(fast_path, "FAST_WAIT_S", 6.0)
     c = client_factory(daemon)
     c.ping()
     checked = 0
@@ -136,7 +137,7 @@ def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
         t0 = time.monotonic()
         with pytest.raises(TierdError, match="UNKNOWN_LEASE"):
             fut.result(timeout=10)
-        assert time.monotonic() - t0 < 1.0, "the caller waited out its read with its reply in the stash"
+        assert time.monotonic() - t0 < 3.0, "the caller waited out its read with its reply in the stash"
         checked += 1
     assert checked
 

@@ -75,10 +75,11 @@ def test_close_says_bye_and_the_daemon_drops_the_session_and_its_leases_at_once(
     t0 = time.monotonic()
     c.close()
     closed_in = time.monotonic() - t0
-    # the session is gone at once, not after the 30 s heartbeat timeout
-    assert wait_for(lambda: daemon.status()["sessions"] == before["sessions"], timeout=1.0)
+    # the session is gone at once, not after the 30 s heartbeat timeout (bounds of a few seconds:
+    # a CI machine's shared cores stall a process for a second at times)
+    assert wait_for(lambda: daemon.status()["sessions"] == before["sessions"], timeout=10)
     assert daemon.status()["sessions_reaped"] == before["sessions_reaped"]
-    assert closed_in < 1.0
+    assert closed_in < 5
     admin.ping()
 
 
@@ -114,8 +115,8 @@ def test_close_tolerates_a_daemon_that_does_not_know_bye(tmp_path):
         c = TierdClient(endpoint, timeout_s=2)
         c.wait_ready(5)
         t0 = time.monotonic()
-        c.close()  # must neither raise nor hang
-        assert time.monotonic() - t0 < 1.0
+        c.close()  # must neither raise nor hang (its BYE waits 0.5 s at most)
+        assert time.monotonic() - t0 < 5
         assert "BYE" in seen
     finally:
         stop.set()

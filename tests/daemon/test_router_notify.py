@@ -122,9 +122,9 @@ FREED = {"sessions": 0, "instances": [], "leases": 0}
 def assert_freed_at_once(d, child: Child) -> None:
     assert held(d) == HELD
     died = child.kill()
-    wait_for(lambda: held(d) == FREED, 5, interval=0.02, what="the killed client's session to go")
+    wait_for(lambda: held(d) == FREED, 10, interval=0.02, what="the killed client's session to go")
     took = time.monotonic() - died
-    assert took < 1.0, f"freed {took:.2f} s after the kill"
+    assert took < 5, f"freed {took:.2f} s after the kill, not at once (the heartbeat timeout is 30 s)"
     st = d.status()
     assert st["sessions_disconnected"] == 1 and st["sessions_reaped"] == 0 and st["leases_expired"] == 1
     assert st["objects"] == 2
