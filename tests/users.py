@@ -114,17 +114,23 @@ class UserProcess:
     there (``state`` is a dict kept between calls; values with ``close`` are closed at the end)
     and returns its result. For sessions that must stay open while another user acts."""
 
+    # this process's ends of every child's pipes: a child forked later must not keep an earlier
+    # child's request pipe open, or that child never reads its end of input and outlives close()
+    _parent_ends: set[int] = set()
+
     def __init__(self, user: User):
         self.user = user
         c_r, w = os.pipe()
         r, c_w = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:
-            os.close(w)
-            os.close(r)
+            for fd in (w, r, *UserProcess._parent_ends):
+                os.close(fd)
             self._serve(c_r, c_w)
         os.close(c_r)
         os.close(c_w)
+        self._ends = (w, r)
+        UserProcess._parent_ends.update(self._ends)
         self._out = os.fdopen(w, "wb")
         self._in = os.fdopen(r, "rb")
 
@@ -169,6 +175,7 @@ class UserProcess:
         return value
 
     def close(self, timeout_s: float = 5.0) -> None:
+        UserProcess._parent_ends.difference_update(self._ends)
         try:
             self._out.close()
         except OSError:
