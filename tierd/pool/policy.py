@@ -184,15 +184,11 @@ class Reuse:
 
     def first(self, q: Levels) -> Obj | None:
         best = key = None
-        bonus = self.bonus
-        level = 0
-        for lq in q.q:
+        for lq, bonus in zip(q.q, self.bonus):
             if lq:
                 o = next(iter(lq))
-                k = o.tick + bonus[level]
-                if key is None or k < key:
-                    best, key = o, k
-            level += 1
+                if best is None or o.tick + bonus < key:
+                    best, key = o, o.tick + bonus
         return best
 
     def victims(self, q: Levels) -> Iterator[Obj]:
@@ -263,24 +259,27 @@ class Reuse:
         self.guard.full = True
         level = obj.hits
         if level == 0:
-            self.reasons["unused"] += 1
+            reason = "unused"
         elif obj.tick + self.bonus[level] <= now:
-            self.reasons["aged"] += 1
+            reason = "aged"
         else:
-            self.reasons["displaced"] += 1  # nothing colder could go (pinned, quota, other class)
+            reason = "displaced"  # nothing colder could go (pinned, quota, other class)
+        self.reasons[reason] += 1
         ghost = self.ghost
         k = obj.key
         g = ghost.get(k)
-        if g is not None and not g[3] and g[0] == obj.ns:  # another object of the chunk: once
+        if g is None:  # the usual case: a key not remembered yet
+            ghost[k] = [obj.ns, level, obj.tick, False]
+            self.outcomes[level > 0][1] += 1
+        elif not g[3] and g[0] == obj.ns:  # another object of the chunk: once
             g[1], g[2] = max(g[1], level), obj.tick
             ghost.move_to_end(k)
             return
-        self.outcomes[level > 0][1] += 1
-        if g is not None:  # evicted again after it came back (or the key of another namespace)
+        else:  # evicted again after it came back (or the key of another namespace)
+            self.outcomes[level > 0][1] += 1
             g[0], g[1], g[2], g[3] = obj.ns, level, obj.tick, False
             ghost.move_to_end(k)
             return
-        ghost[k] = [obj.ns, level, obj.tick, False]
         if len(ghost) > self.ghost_max:
             self.ghost_max = max(self.ghost_max, GHOST_PER_OBJECT * held)  # grows with the pool
             while len(ghost) > self.ghost_max:
