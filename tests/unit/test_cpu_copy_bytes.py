@@ -477,3 +477,31 @@ def test_without_a_c_compiler_the_copies_go_through_preadv_and_pwritev(shm):
     )
     assert out.stdout.split() == ["True", "0", "True"], out.stderr
     assert "preadv/pwritev" in out.stderr  # the fallback is logged
+
+
+def test_long_ranges_at_any_alignment_copy_exactly():
+    """Ranges long enough for the streaming copy, at every alignment of both ends and with tails of
+    every length, land byte for byte; so does a later range over an earlier one (the last wins)."""
+    assert mapcopy.load() is not None
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 16 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    want = np.zeros_like(src)
+    base_s, base_d = src.ctypes.data, dst.ctypes.data
+    ranges = []
+    at = 0
+    for k in range(24):
+        n = (64 << 10) + int(rng.integers(-70, 70)) + (k % 3) * (200 << 10)
+        s_off, d_off = int(rng.integers(0, 64)), at + k % 17
+        ranges.append((d_off, s_off, n))
+        at = d_off + n
+    ranges.append((ranges[3][0] + 5, 1000, 300 << 10))  # over earlier ranges: written last
+    for d_off, s_off, n in ranges:
+        want[d_off : d_off + n] = src[s_off : s_off + n]
+    arrays = [
+        np.array([base + o for o in offs], dtype=np.uint64)
+        for base, offs in ((base_d, [r[0] for r in ranges]), (base_s, [r[1] for r in ranges]))
+    ]
+    lengths = np.array([r[2] for r in ranges], dtype=np.uint64)
+    assert mapcopy.copy(arrays[0], arrays[1], lengths) == len(ranges)
+    assert np.array_equal(dst, want)

@@ -13,6 +13,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* initial-exec: reading it in the handler never allocates (a dlopen'd library's TLS otherwise may);
  * volatile: the compiler knows memcpy reads no global, and would otherwise drop the stores around it */
@@ -60,6 +63,36 @@ int tierd_mapcopy_armed(void) {
     return (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus;
 }
 
+/* A range at least this long is copied with non-temporal stores where the CPU has them. The C
+ * library switches to them only for copies near the size of the last-level cache; below that its
+ * stores first read every destination line into the cache, and a KV range (a layer of a chunk,
+ * 128 KiB to a few MiB) copied that way moved at 0.55-0.65 of a large memcpy's rate. */
+#define STREAM_MIN (64u << 10)
+
+static void copy_range(char *dst, const char *src, size_t n) {
+#if defined(__x86_64__) && defined(__SSE2__)
+    if (n >= STREAM_MIN) {
+        size_t head = (size_t)(-(uintptr_t)dst & 15); /* to a 16-byte aligned destination */
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        n -= head;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        _mm_sfence(); /* the streamed lines are visible before the copy is reported done */
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* Copy n ranges in order: len[i] bytes from src[i] to dst[i]. Returns n, or the index of the range
  * a SIGBUS stopped (its bytes and those after it not, or not all, copied). */
 int64_t tierd_mapcopy(const uint64_t *dst, const uint64_t *src, const uint64_t *len, int64_t n) {
@@ -67,7 +100,7 @@ int64_t tierd_mapcopy(const uint64_t *dst, const uint64_t *src, const uint64_t *
     volatile int64_t i = 0;
     if (sigsetjmp(jb, 1) != 0) return i; /* the handler disarmed the guard before it jumped */
     guard = &jb;
-    for (; i < n; i++) memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)len[i]);
+    for (; i < n; i++) copy_range((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)len[i]);
     guard = NULL;
     return n;
 }
