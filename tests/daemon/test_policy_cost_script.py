@@ -1,6 +1,6 @@
-"""README's ``python benchmarks/policy_cost.py`` runs: two in-process daemons of full pools, one
-per policy, LOOKUPs and evicting STOREs alternated, each op's p50s and their ratio printed. No
-daemon process."""
+"""README's ``python benchmarks/policy_cost.py`` runs: two daemons of full pools, one per policy,
+each in a process of its own (handlers called directly, no socket), LOOKUPs and evicting STOREs
+alternated, each op's p50s and their ratio printed."""
 
 from __future__ import annotations
 
