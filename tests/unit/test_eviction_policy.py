@@ -357,3 +357,38 @@ def test_reuse_guard_samples_fewer_keys_once_the_pool_holds_many_more():
     r.observe(NS, [], 0, 1_000)
     r.flush(1_000)  # far fewer keys again: every key, the shadow started over
     assert r.guard.shift == 0 and not r.guard.shadow
+
+
+def test_reuse_guard_forgets_a_cleared_namespaces_keys_and_keeps_the_others():
+    """After a CLEAR the pool holds none of that namespace's keys: the shadow must not count a
+    LOOKUP of them as an LRU hit (that would halve the bonus for nothing)."""
+    other = b"o" * len(NS)
+    r = shadowed()
+    keys = [key(i) for i in range(4)]
+    r.observe(NS, keys, 0, 100)
+    r.observe(other, keys, 0, 100)
+    r.flush(100)
+    r.observe(NS, keys[:1], 0, 100)  # pending when the CLEAR comes
+    r.forget(NS)
+    assert set(r.guard.shadow) == {other + k for k in keys} and not r.guard.pending
+    r.guard.duel = [0, 0, 0]
+    r.observe(NS, keys, 0, 100)
+    r.flush(100)
+    assert r.guard.duel == [4, 0, 0]  # no shadow hit on the cleared namespace's keys
+    r.forget(None)
+    assert not r.guard.shadow
+
+
+def test_clearing_a_namespace_clears_it_from_the_policys_shadow():
+    from tierd.pool.pool import Pool
+
+    pool = Pool(ceiling=1 << 20, initial=0, align=4096, segment_bytes=1 << 20, eviction_policy="reuse")
+    try:
+        pool.policy.guard.full = True  # as once the pool has evicted
+        pool.policy.observe(NS, [key(1)], 0, 100)
+        pool.policy.flush(100)
+        assert pool.policy.guard.shadow
+        pool.clear(NS)
+        assert not pool.policy.guard.shadow
+    finally:
+        pool.close()

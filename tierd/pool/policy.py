@@ -121,6 +121,9 @@ class LRU:
         """Count an eviction (the lock held; ``now``: the pool's tick, ``held``: its objects)."""
         self.reasons["lru"] += 1
 
+    def forget(self, ns: bytes | None) -> None:
+        """A CLEAR dropped namespace ``ns``'s objects (None: every namespace's). The lock held."""
+
     def state(self) -> dict:
         """What a warm restart keeps of what the policy learned (tierd.pool.persist)."""
         return {"name": self.name}
@@ -284,6 +287,10 @@ class Reuse:
             self.ghost_max = max(self.ghost_max, GHOST_PER_OBJECT * held)  # grows with the pool
             while len(ghost) > self.ghost_max:
                 ghost.popitem(last=False)
+
+    def forget(self, ns: bytes | None) -> None:
+        """``LRU.forget``: the guard's shadow lets go of those keys too."""
+        self.guard.forget(ns)
 
     def observe(self, ns: bytes, keys: Sequence[bytes], hit: int, held: int) -> None:
         """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): the

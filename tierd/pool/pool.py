@@ -306,8 +306,7 @@ class Pool(Recency, Allocation):
 
     # ---- housekeeping --------------------------------------------------------------------
     def clear(self, ns: bytes | None = None) -> int:
-        """Evict every object (of namespace ``ns`` only, when given) that is not pinned; returns
-        how many went."""
+        """Evict every unpinned object (of namespace ``ns`` only, when given); returns how many."""
         with self.lock:
             victims = [
                 o for lru in self.lru.values() for o in lru if o.pins == 0 and (ns is None or o.ns == ns)
@@ -315,6 +314,7 @@ class Pool(Recency, Allocation):
             for obj in victims:
                 self.evlog.gone(obj.ns, obj.key)
                 self._drop(obj)
+            self.policy.forget(ns)
             self._flush()
             return len(victims)
 

@@ -87,6 +87,18 @@ class Shadow:
                 self._judge()
                 duel = self.duel
 
+    def forget(self, ns: bytes | None) -> None:
+        """A CLEAR of namespace ``ns`` (None: all): its keys leave the shadow as they left the pool,
+        else LOOKUPs of them would count as LRU hits the pool could not have had."""
+        if ns is None:
+            self.shadow.clear()
+            self.pending, self.pending_keys = [], 0
+            return
+        for sk in [sk for sk in self.shadow if sk.startswith(ns)]:  # (namespace ids have one length)
+            del self.shadow[sk]
+        self.pending = [p for p in self.pending if p[0] != ns]
+        self.pending_keys = sum(len(p[1]) for p in self.pending)
+
     def _resample(self, shift: int) -> None:
         """Sample 1 key in 2**``shift`` from now on: the shadow keeps the keys of a sparser sample
         (they are a subset); a denser one starts it over. The comparison so far is dropped."""
