@@ -274,19 +274,17 @@ class Reuse:
         if g is None:  # the usual case: a key not remembered yet
             ghost[k] = [obj.ns, level, obj.tick, False]
             self.outcomes[level > 0][1] += 1
+            if len(ghost) > self.ghost_max:
+                self.ghost_max = max(self.ghost_max, GHOST_PER_OBJECT * held)  # grows with the pool
+                while len(ghost) > self.ghost_max:
+                    ghost.popitem(last=False)
         elif not g[3] and g[0] == obj.ns:  # another object of the chunk: once
             g[1], g[2] = max(g[1], level), obj.tick
             ghost.move_to_end(k)
-            return
         else:  # evicted again after it came back (or the key of another namespace)
             self.outcomes[level > 0][1] += 1
             g[0], g[1], g[2], g[3] = obj.ns, level, obj.tick, False
             ghost.move_to_end(k)
-            return
-        if len(ghost) > self.ghost_max:
-            self.ghost_max = max(self.ghost_max, GHOST_PER_OBJECT * held)  # grows with the pool
-            while len(ghost) > self.ghost_max:
-                ghost.popitem(last=False)
 
     def forget(self, ns: bytes | None) -> None:
         """``LRU.forget``: the guard's shadow lets go of those keys too."""
