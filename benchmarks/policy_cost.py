@@ -20,6 +20,7 @@ requests at once. ``--sides lru,lru`` is the control: what the harness alone giv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -159,7 +160,8 @@ def main() -> None:
         assert all(c.recv() >= args.repeats * args.chunks for c in pipes)
     finally:
         for c in pipes:
-            c.send(("close", None))
+            with contextlib.suppress(OSError):  # a side that died: its own error is the one to see
+                c.send(("close", None))
         for proc in procs:
             proc.join(30)
     for op in ("LOOKUP", "REPLY", "STORE"):

@@ -55,7 +55,8 @@ class Replies:
         took = time.perf_counter() - t0
         self.stats.observe(op, took, nbytes)
         if took > SLOW_REPLY_S:
-            log.warning("%s req %d answered %.2f s after it was read (%s bytes)", op, req_id, took, nbytes)
+            size = "" if nbytes is None else f" ({nbytes} bytes)"
+            log.warning("%s req %d answered %.2f s after it was read%s", op, req_id, took, size)
 
     def send(self, envelope: list[bytes] | Channel, frame: bytes) -> None:
         if type(envelope) is Channel:

@@ -190,8 +190,9 @@ class Reuse:
         for lq, bonus in zip(q.q, self.bonus):
             if lq:
                 o = next(iter(lq))
-                if best is None or o.tick + bonus < key:
-                    best, key = o, o.tick + bonus
+                k = o.tick + bonus
+                if best is None or k < key:
+                    best, key = o, k
         return best
 
     def victims(self, q: Levels) -> Iterator[Obj]:

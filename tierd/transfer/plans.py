@@ -58,26 +58,21 @@ def _add_whole(req, made, present, i: int, plan: CopyPlan) -> None:
             gbytes, pos, bpc = geo.group_bytes[g], geo.positions[g], geo.blocks_per_chunk[g]
             items = plan.copies.setdefault(g, [])
             rows = req.blocks[g]
-            if req.staged_at is None:
-                for k, obj in enumerate(objs, i):
-                    items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes)))
-            else:
-                at, step = req.staged_at + geo.group_offsets[g], geo.chunk_bytes
-                for k, obj in enumerate(objs, i):
-                    items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), at + k * step))
+            at = staged_offset(req.staged_at, i, geo.chunk_bytes, geo.group_offsets[g])
+            step = 0 if req.staged_at is None else geo.chunk_bytes  # unstaged: -1 throughout
+            for k, obj in enumerate(objs, i):
+                items.append(CopyItem(rows[k], pos, bpc, obj.part(off, gbytes), at))
+                at += step
             plan.nbytes += gbytes * len(objs)
 
 
 def _add_nulls(req, i: int, new, plan: CopyPlan) -> None:
     """Chunk ``i``'s new objects, each with the parts its NullObject names."""
-    items, geo = [], req.geo
+    geo = req.geo
     for obj, want in new:
+        plan.objs.append(obj)
         view = obj.view()
         for g, off, ids, pos in want.parts:
             gbytes, bpc = geo.group_bytes[g], geo.blocks_per_chunk[g]
             at = staged_offset(req.staged_at, i, geo.chunk_bytes, geo.group_offsets[g])
-            item = CopyItem(ids, pos, bpc, view[off : off + gbytes], at)
-            items.append((g, item, gbytes * len(ids) // bpc))
-    plan.objs.extend(obj for obj, _ in new)
-    for g, item, nbytes in items:
-        plan.add(g, item, nbytes)
+            plan.add(g, CopyItem(ids, pos, bpc, view[off : off + gbytes], at), gbytes * len(ids) // bpc)
