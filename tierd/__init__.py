@@ -5,7 +5,7 @@ tests/unit/test_docs_paths.py fails when this map misses a module or names one t
 
 Layers, top first: the main loop, its setup and the operators' tools; handlers; the second tier;
 state (registry, tenants); the planner; the pool; transfer; the wire and settings (protocol,
-config, stats, channel, endpoint, peer). A module imports only its own layer and those below it
+config, stats, channel, endpoint, peer, zmtp). A module imports only its own layer and those below it
 (tests/unit/test_import_graph.py LAYERS: it fails on an import, or a callback held at run time, that
 reaches up), so a request goes down and its answer comes back as returned values. A STORE's block ids go
 edge (server: decode) -> handler (handlers.store: check them against the layout) -> planner
@@ -28,7 +28,8 @@ Edge: bytes in, typed requests out; outcomes in, replies out.
     tierd/endpoint.py     one daemon per socket path
     tierd/fdinbox.py      engine memory handed over as file descriptors
     tierd/peer.py         who sent a message, as the kernel says
-    tierd/disconnects.py  which connections ended
+    tierd/zmtp/           the ROUTER endpoint: ZeroMQ's wire protocol (conn), each message's size
+                          bounded, its connection's credentials and end known
 Decisions.
     tierd/handlers.py     one handler per op: (tier, call, request) -> outcome (reply | Job | needs)
     tierd/jobs.py         Tier, Call; the copy Jobs of STORE and RETRIEVE; what needs the second tier

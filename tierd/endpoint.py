@@ -1,14 +1,14 @@
 """The daemon's endpoint: one daemon per socket path, in a folder only the daemon's user controls.
 
-Hazards. libzmq unlinks whatever file lies at an ipc:// path before it binds there, so two
-daemons started on one path both serve, each with the clients that connected after it: who
-serves a path is decided by an exclusive flock on ``<socket>.lock``, taken before anything is
-unlinked and held for the daemon's life. The kernel drops a flock when its process dies, however
-it dies, so a daemon restarted after SIGKILL finds the lock free at once; a socket file left
-behind is unlinked only by the holder. The lock file holds the holder's pid (for the refusal
-message). At a clean stop the holder removes it while still holding it, then lets go: a daemon
-that opened the old file just before, and flocks it just after, finds that the path no longer
-names the file it locked and starts over on the path (``take_lock``), so two daemons never
+Hazards. A daemon must unlink a stale socket file before it can bind its path, so two daemons
+started on one path, each unlinking the other's, would both serve, each with the clients that
+connected after it: who serves a path is decided by an exclusive flock on ``<socket>.lock``, taken
+before anything is unlinked and held for the daemon's life. The kernel drops a flock when its
+process dies, however it dies, so a daemon restarted after SIGKILL finds the lock free at once; a
+socket file left behind is unlinked only by the holder. The lock file holds the holder's pid (for
+the refusal message). At a clean stop the holder removes it while still holding it, then lets go:
+a daemon that opened the old file just before, and flocks it just after, finds that the path no
+longer names the file it locked and starts over on the path (``take_lock``), so two daemons never
 each hold "the" lock on a different file. After SIGKILL the unlocked file stays, harmless.
 
 Whoever can write the socket's folder can rename the live socket away and bind their own in its
@@ -31,8 +31,10 @@ import os
 import pwd
 import socket
 import stat
+from typing import TYPE_CHECKING
 
-import zmq
+if TYPE_CHECKING:
+    from tierd.zmtp import Router
 
 log = logging.getLogger("tierd")
 
@@ -75,14 +77,14 @@ class Endpoint:
         self._lock_fd = None
 
 
-def bind(router: zmq.Socket, url: str, socket_mode: str) -> Endpoint:
+def bind(router: Router, url: str, socket_mode: str) -> Endpoint:
     """Bind ``router`` to ``url``. For ipc://PATH: check PATH's folder (creating it if missing),
     take the lock, remove a stale socket file, bind with the file at most ``socket_mode`` from the
     start, then set exactly that mode."""
     if not url.startswith("ipc://") or url.startswith("ipc://@"):
         # tcp://, or an abstract ipc:// name (no file: the kernel refuses a second bind itself, and
         # any local user may connect; peer credentials still come with every message)
-        _zmq_bind(router, url)
+        _bind(router, url)
         return Endpoint(url, None, None, None)
     path = os.path.abspath(url[len("ipc://") :])
     check_folder(os.path.dirname(path))
@@ -92,7 +94,7 @@ def bind(router: zmq.Socket, url: str, socket_mode: str) -> Endpoint:
         mode = int(socket_mode, 8)
         old = os.umask(0o777 & ~mode)  # the file never has more than --socket-mode, not even at bind
         try:
-            _zmq_bind(router, url)
+            _bind(router, url)
         finally:
             os.umask(old)
         os.chmod(path, mode)
@@ -255,10 +257,10 @@ def _remove_stale(path: str) -> None:
     )
 
 
-def _zmq_bind(router: zmq.Socket, url: str) -> None:
+def _bind(router: Router, url: str) -> None:
     try:
         router.bind(url)
-    except zmq.ZMQError as exc:
+    except OSError as exc:
         hint = " (another process listens there?)" if exc.errno == errno.EADDRINUSE else ""
         raise EndpointError(f"cannot bind {url}: {exc.strerror}{hint}") from None
 

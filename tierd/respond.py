@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import time
 
-import zmq
-
 from tierd.channel import Channel, ChannelServer
 from tierd.protocol import codec
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.stats import Stats
+from tierd.zmtp import Router
 
 log = logging.getLogger("tierd")
 
@@ -26,7 +25,7 @@ SLOW_REPLY_S = 1.0
 
 
 class Replies:
-    def __init__(self, router: zmq.Socket, channel: ChannelServer | None, stats: Stats):
+    def __init__(self, router: Router, channel: ChannelServer | None, stats: Stats):
         self.router, self.channel, self.stats = router, channel, stats
 
     def respond(
@@ -63,7 +62,5 @@ class Replies:
             if not envelope.send(frame):  # its queue is full or it is gone: its deadline covers it
                 self.channel.dropped += 1
             return
-        try:
-            self.router.send_multipart([*envelope, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: the client's deadline covers it
-            log.debug("reply dropped: %s", exc)
+        if not self.router.send(envelope[0], frame):  # gone or its queue full: its deadline covers it
+            log.debug("reply dropped: no connection of that identity, or its queue is full")

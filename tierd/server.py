@@ -1,7 +1,8 @@
-"""The daemon: one ROUTER socket and a single-threaded main loop that receives, decodes, dispatches,
-carries each handler's outcome and replies. State lives in the registry and the pool; handlers
-(tierd.handlers) decide and return an outcome: a reply's body, a copy Job, or what the request
-needs of the second tier, which the loop asks it and hands back to the handler once it answered.
+"""The daemon: one ROUTER endpoint (tierd.zmtp) and a single-threaded main loop that receives,
+decodes, dispatches, carries each handler's outcome and replies. State lives in the registry and
+the pool; handlers (tierd.handlers) decide and return an outcome: a reply's body, a copy Job, or
+what the request needs of the second tier, which the loop asks it and hands back to the handler
+once it answered.
 Copies run on transfer lanes; an HTTP thread serves operators from a status snapshot.
 
 Every request gets exactly one reply, and every reply goes out through ``respond``
@@ -23,10 +24,9 @@ import zmq
 from tierd import __version__, assemble, endpoint, handlers, warm
 from tierd.channel import CHANNEL_OPS, Channel, ChannelServer, channel_path
 from tierd.config import Settings
-from tierd.disconnects import ConnectionWatch
 from tierd.jobs import Call, Tier
 from tierd.outcomes import Outcomes
-from tierd.peer import Peer, parse_peer_address
+from tierd.peer import Peer
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
@@ -34,6 +34,7 @@ from tierd.respond import Replies
 from tierd.stats import Stats
 from tierd.status import StatusBoard, build_status
 from tierd.transfer.engine import TransferEngine
+from tierd.zmtp import Router
 
 log = logging.getLogger("tierd")
 
@@ -45,8 +46,7 @@ HOUSEKEEPING_S = 0.2
 # no reference cycles).
 GC_FREEZE_S = 5.0
 SHUTDOWN_GRACE_S = 8.0
-RECV_BURST = 256  # requests taken per wake-up before copies are finished and housekeeping runs
-BATCH_BYTES = 8 << 20  # ... read before any is handled, at most (the batch's frames are all in memory)
+RECV_BURST = 256  # lookup channel requests taken per wake-up before copies are finished and housekeeping runs
 NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
 SESSIONLESS_OPS = ("HELLO",)
 
@@ -57,22 +57,17 @@ class Daemon:
         self.stats = Stats()
         self._stop_r, self._stop_w = os.pipe()
         os.set_blocking(self._stop_r, False)
-        self.ctx = zmq.Context.instance()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 1000)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # per part: a frame up to twice the limit is read and answered TOO_LARGE; beyond, the peer is dropped
-        self.router.setsockopt(zmq.MAXMSGSIZE, 2 * settings.max_frame_bytes)
-        # connections are capped (each costs a descriptor; libzmq aborts when none is left to accept
-        # with), and a client's closed connection drops its session at once, not at the heartbeat
-        # timeout (tierd.disconnects)
+        # the daemon serves ZeroMQ's wire protocol itself (tierd.zmtp): a message's size is bounded
+        # whatever its number of parts, and each message comes with its connection's credentials.
+        # Connections are capped: each costs a descriptor before it says anything.
         self.max_connections = assemble.connection_cap(settings)
-        self.watch = ConnectionWatch(self.router, self.max_connections, 2 * settings.max_sessions_per_peer)
+        per_peer = 2 * settings.max_sessions_per_peer
+        self.router = Router(2 * settings.max_frame_bytes, self.max_connections, per_peer)
         # the endpoint first: a second daemon on a served socket is refused before it backs (and
         # pins) a pool; clients that connect meanwhile are answered once the loop runs
         self._bind()
         try:
-            self._open(settings)
+            self.router.handshakes_during(lambda: self._open(settings))
         except BaseException:
             self._unbind()
             raise
@@ -85,9 +80,7 @@ class Daemon:
         warm.announce(settings, self.pool)
         self.xfer = TransferEngine(settings.workers)
         self.registry = assemble.open_registry(settings, self.pool, self.xfer)
-        self._ipc = settings.socket.startswith("ipc://")
-        tenants = assemble.open_tenants(settings, self._ipc)
-        self._peers: dict[str, Peer] = {}  # Peer-Address -> Peer
+        tenants = assemble.open_tenants(settings, settings.socket.startswith("ipc://"))
         self.boot_id = uuid.uuid4().hex
         self.memory = assemble.MemoryOpener(settings, self.cuda, self.inbox)
         self.tier = Tier(
@@ -146,14 +139,12 @@ class Daemon:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.router.fd, zmq.POLLIN)
         poller.register(self.xfer.wake_r, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         poller.register(self.board.wake_r, zmq.POLLIN)
         if self.l2 is not None:
             poller.register(self.l2.wake_r, zmq.POLLIN)
-        if self.watch is not None:
-            poller.register(self.watch.monitor, zmq.POLLIN)
         channels = None
         if self.channel is not None:
             self.channel.watch(poller)
@@ -175,11 +166,8 @@ class Daemon:
                 0 if spin and time.perf_counter() - active < spin else self.outcomes.poll_ms(HOUSEKEEPING_S)
             )
             for sock, _ in events:
-                if sock is self.router:
-                    self._recv_burst()
-                elif self.watch is not None and sock is self.watch.monitor:
-                    self.watch.drain()
-                    self._drop_disconnected()
+                if sock == self.router.fd:
+                    self._recv_router()
                 elif sock == self.board.wake_r:
                     self.board.answer(self.status)
                 elif channels is not None:
@@ -218,57 +206,16 @@ class Daemon:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
 
-    def _recv_burst(self) -> None:
-        """Up to RECV_BURST requests; in batches read whole before any is handled, so that the
-        connection events that came before them are known first (tierd.disconnects). A batch holds
-        at most BATCH_BYTES of frames, and one message more."""
-        left = RECV_BURST
-        while left > 0:
-            batch, nbytes = [], 0
-            while left > 0 and nbytes < BATCH_BYTES:
-                try:
-                    message = self._recv_message()
-                except zmq.Again:
-                    left = 0
-                    break
-                left -= 1
-                batch.append(message)
-                nbytes += len(message[1])
-            watch = self.watch
-            if watch is not None:
-                watch.drain()
-            for identity, frame, extra in batch:
-                envelope = [identity]
-                peer = self._peer(frame)
-                if watch is not None:
-                    watch.saw(identity, frame, peer.uid)
-                if extra is not None:  # not [identity, frame] from a DEALER: nothing of it is echoed
-                    self._refuse_message(envelope, *extra)
-                    continue
-                self._on_request(envelope, frame.buffer, peer)
-            if watch is not None:
-                self._drop_disconnected()
-
-    def _recv_message(self) -> tuple[bytes, zmq.Frame, tuple[int, int] | None]:
-        """One message: ``(identity, frame, None)`` for a DEALER's ``[identity, frame]``, else
-        ``(identity, first frame, (frames, bytes in all))``.
-
-        Hazard: ZeroMQ delivers a message whole, so by the time its first frame can be read libzmq
-        holds all of it, whatever its number of parts (MAXMSGSIZE bounds each part, not their sum).
-        What the daemon can bound is what it holds on top of that: the parts after the first are
-        read one at a time and let go at once, never gathered, so a message of any number of parts
-        costs at most its first frame besides libzmq's own copy, and that copy is freed as it is
-        read (recv_multipart would hold every part, as a Python object each, until the batch is
-        handled)."""
-        identity = self.router.recv(zmq.NOBLOCK)
-        frame = self.router.recv(copy=False)  # a ROUTER's message has one after the identity
-        if not frame.more:
-            return identity, frame, None
-        frames, nbytes, more = 1, len(frame), True
-        while more:
-            part = self.router.recv(copy=False)
-            frames, nbytes, more = frames + 1, nbytes + len(part), part.more
-        return identity, frame, (frames, nbytes)
+    def _recv_router(self) -> None:
+        """What the ROUTER read in one turn (a bounded amount per connection), then the sessions
+        of connections that ended."""
+        for identity, frame, peer, extra in self.router.messages():
+            envelope = [identity]
+            if extra is not None:  # not one frame: nothing of it is echoed
+                self._refuse_message(envelope, *extra)
+            else:
+                self._on_request(envelope, frame, peer)
+        self._drop_disconnected()
 
     def _refuse_message(self, envelope: list[bytes], frames: int, nbytes: int) -> None:
         cap = 2 * self.settings.max_frame_bytes
@@ -288,7 +235,7 @@ class Daemon:
     def _drop_disconnected(self) -> None:
         """Sessions whose connection closed go now, as a heartbeat timeout would take them."""
         reg = self.registry
-        ended = self.watch.ended()
+        ended = self.router.ended()
         if not self.settings.drop_on_disconnect:
             return
         for identity, uid in ended:
@@ -300,19 +247,6 @@ class Daemon:
             self.stats.add("sessions_disconnected")
             if leases:
                 self.stats.add("leases_expired", leases)
-
-    def _peer(self, frame: zmq.Frame) -> Peer:
-        """The sender's credentials (SO_PEERCRED on ipc://), from the message's Peer-Address."""
-        try:
-            address = frame.get("Peer-Address")
-        except zmq.ZMQError:
-            address = ""
-        peer = self._peers.get(address)
-        if peer is None:
-            if len(self._peers) >= 4096:
-                self._peers.clear()
-            peer = self._peers[address] = parse_peer_address(address, self._ipc)
-        return peer
 
     def _on_request(self, envelope: list[bytes] | Channel, frame, peer: Peer) -> None:
         """One request from the ROUTER (``envelope`` [identity]) or from a lookup channel."""
@@ -343,6 +277,7 @@ class Daemon:
         self.respond(envelope, req_id, op, 0.0, ProtocolError(code, message))
 
     def _housekeeping(self, now: float) -> None:
+        self.router.sweep(now)  # connections whose handshake never finished
         if self.http is not None:
             self.http.check()  # its accepting thread, started again should it have ended
         if now >= self._next_freeze:
@@ -383,9 +318,7 @@ class Daemon:
         log.info("stopped")
 
     def _unbind(self, linger_ms: int = 0) -> None:
-        if self.watch is not None:
-            self.watch.close()
-        self.router.close(linger=linger_ms)
+        self.router.close(linger_ms / 1000)
         if self.inbox is not None:
             self.inbox.close()
         if self.channel is not None:

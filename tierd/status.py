@@ -163,11 +163,11 @@ def build_status(daemon) -> dict:
     out["leased_bytes"] = sum(reg.leased_bytes.values())
     out["gc_frozen_objects"] = gc.get_freeze_count()
     out["sessions"] = len(reg.sessions)
-    watch = daemon.watch
+    router = daemon.router
     out["connections"] = {
-        "open": watch.connections,
+        "open": router.connections,
         "max": daemon.max_connections,
-        "closed_over_cap": watch.refused,
+        "closed_over_cap": router.refused,
     }
     inbox = daemon.inbox
     out["fd_inbox"] = (

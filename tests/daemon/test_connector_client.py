@@ -148,13 +148,13 @@ def test_a_client_that_connects_while_the_daemon_backs_its_pool_gets_a_session(t
     wait_ready wait for that answer, instead of reporting no daemon (and never having a session)."""
     sock = tmp_path / "tierd.sock"
     cmd = serve_argv(
-        "--l1-size-gb", "2", "--l1-init-size-gb", "1.5", endpoint=f"ipc://{sock}", http_port=-1
-    )  # backing 1.5 GiB: 0.15 s at 10 GB/s
+        "--l1-size-gb", "4", "--l1-init-size-gb", "4", endpoint=f"ipc://{sock}", http_port=-1
+    )  # backing 4 GiB: 0.4 s at 10 GB/s, the handshake answered within 0.1 s meanwhile
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_for(sock.exists, timeout=30), "the daemon never bound its socket"
         caplog.set_level(logging.INFO, "tierd_client")
-        c = TierdClient(f"ipc://{sock}", timeout_s=10, connect_timeout_s=0.02)
+        c = TierdClient(f"ipc://{sock}", timeout_s=10, connect_timeout_s=0.1)
         try:
             assert c.wait_ready(60)["pid"] == proc.pid
             assert c.ping()["boot_id"] == c.server["boot_id"]

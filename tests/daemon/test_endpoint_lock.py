@@ -22,6 +22,7 @@ from conftest import ROOT, DaemonProcess, free_port
 
 from tierd.endpoint import EndpointError, bind
 from tierd.testing import serve_argv
+from tierd.zmtp import Router
 
 REFUSE_WAIT_S = 20  # a second daemon that refuses exits long before; one that serves never does
 
@@ -216,14 +217,12 @@ def test_file_less_endpoints_are_held_by_the_kernel(url):
     """tcp:// and abstract ipc:// names have no file to lock or unlink: a second bind fails (a
     usage error in ``tierd serve``) and the first keeps serving."""
     url = url.format(port=free_port())
-    ctx = zmq.Context()
-    first, second = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    first, second = Router(1 << 20), Router(1 << 20)
     try:
         held = bind(first, url, "0600")
         with pytest.raises(EndpointError, match="Address already in use"):
             bind(second, url, "0600")
         held.close()
     finally:
-        first.close(0)
-        second.close(0)
-        ctx.term()
+        first.close()
+        second.close()

@@ -1,5 +1,5 @@
 """A client whose connection closes loses its session at once (``--drop-on-disconnect``, on by
-default; docs/protocol.md section 6, tierd/disconnects.py): a SIGKILLed client's leases and
+default; docs/protocol.md section 6, tierd/zmtp.py): a SIGKILLed client's leases and
 ranks are freed within about a second, over ipc:// and tcp://, where without the setting they
 stay until the heartbeat timeout. A client whose routing identity a new connection took over
 keeps its session when the old connection closes; a clean BYE still works; an empty frame is
@@ -8,6 +8,7 @@ still a BAD_REQUEST. Real daemons, real client processes, real sockets."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from kv import GroupGeom
 from util import ranks, raw  # noqa: F401 - fixtures
 from wire import Raw, pack, wait_for
 
-from tierd.disconnects import ConnectionWatch
+from tierd.zmtp import Router
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -219,16 +220,13 @@ def test_an_empty_frame_is_still_a_bad_request(daemon, raw):
     assert daemon.status()["sessions"] == 1
 
 
-# ---- the watch on its own, with a real ROUTER ------------------------------------------------------
+# ---- the endpoint on its own, in this process -----------------------------------------------------------
 class Watched:
-    """A ROUTER with a ConnectionWatch, handled in the daemon's order: read a batch, drain the
-    monitor, attribute the batch's messages, then ask what ended."""
+    """A Router read as the daemon reads it: one turn at a time, then what ended."""
 
     def __init__(self, tmp_path):
         self.ctx = zmq.Context.instance()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.watch = ConnectionWatch(self.router)
+        self.router = Router(1 << 20)
         self.endpoint = f"ipc://{tmp_path}/w.sock"
         self.router.bind(self.endpoint)
         self.socks = []
@@ -241,26 +239,30 @@ class Watched:
         self.socks.append(s)
         return s
 
+    def turns(self, seconds: float) -> list:
+        got, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            select.select([self.router.fd], [], [], 0.02)
+            got += self.router.messages()
+        return got
+
     def batch(self) -> list[tuple[bytes, int]]:
-        """(identity, fd) of each message of the batch."""
-        assert self.router.poll(5000)
-        got = []
-        while self.router.poll(100):
-            got.append(self.router.recv_multipart(copy=False))
-        self.watch.drain()
-        for parts in got:
-            self.watch.saw(parts[0].bytes, parts[-1], 0)
-        return [(parts[0].bytes, parts[-1].get(zmq.SRCFD)) for parts in got]
+        """(identity, connection fd) of each message read within a turn or so (at least one)."""
+        got, end = [], time.monotonic() + 5
+        while not got and time.monotonic() < end:
+            got = self.turns(0.05)
+        got += self.turns(0.1)
+        assert got, "no message"
+        return [(identity, self.router.routes[identity].fd) for identity, *_ in got]
 
     def ended(self) -> list[tuple[bytes, int]]:
-        self.watch.drain()
-        return self.watch.ended()
+        self.turns(0.1)
+        return self.router.ended()
 
     def close(self) -> None:
         for s in self.socks:
             s.close(linger=0)
-        self.watch.close()
-        self.router.close(linger=0)
+        self.router.close()
 
 
 @pytest.fixture
@@ -268,6 +270,9 @@ def watched(tmp_path):
     w = Watched(tmp_path)
     yield w
     w.close()
+
+
+UID = os.getuid()
 
 
 def until_reused(scenario, tries: int = 20) -> None:
@@ -298,19 +303,20 @@ def test_a_new_connection_on_the_fd_of_one_that_closed_is_another_connection(wat
         time.sleep(0.2)
         ((who, fd_b),) = w.batch()
         assert who == ib
-        assert w.watch.ended() == [(ia, 0)]
+        assert w.router.ended() == [(ia, UID)]
         b.close()
         time.sleep(0.2)
-        assert w.ended() == [(ib, 0)]
+        assert w.ended() == [(ib, UID)]
         return fd_b == fd_a
 
     until_reused(scenario)
 
 
-def test_an_identity_that_reconnected_on_the_same_fd_is_not_dropped(watched):
+def test_an_identity_whose_connection_closed_ends_once_and_routes_to_its_new_connection(watched):
     """The same routing identity closes and comes back on a new connection that gets the same
-    fd; its message comes in the batch that also brings the old connection's end: kept. It is
-    dropped when the new connection closes."""
+    fd: the old connection's end is read before the new one can name the identity, so it ends
+    (its session goes, as with any closed connection); the new connection's message comes with
+    it, and its own end ends it again."""
     w = watched
 
     def scenario() -> bool:
@@ -325,10 +331,10 @@ def test_an_identity_that_reconnected_on_the_same_fd_is_not_dropped(watched):
         time.sleep(0.2)
         ((who, fd_new),) = w.batch()
         assert who == identity
-        assert w.watch.ended() == []
+        assert w.router.ended() == [(identity, UID)]
         new.close()
         time.sleep(0.2)
-        assert w.ended() == [(identity, 0)]
+        assert w.ended() == [(identity, UID)]
         return fd_new == fd_old
 
     until_reused(scenario)
@@ -347,4 +353,4 @@ def test_a_connection_that_handed_its_identity_over_drops_nothing_when_it_closes
     assert w.ended() == []
     second.close()
     time.sleep(0.2)
-    assert w.ended() == [(b"I", 0)]
+    assert w.ended() == [(b"I", UID)]

@@ -152,7 +152,7 @@ LAYERS = [
     (
         "wire and settings",
         ("tierd.protocol", "tierd.config", "tierd.stats", "tierd.channel", "tierd.endpoint")
-        + ("tierd.fdinbox", "tierd.peer", "tierd.disconnects", "tierd")
+        + ("tierd.fdinbox", "tierd.peer", "tierd.zmtp", "tierd")
         # the --l2-url grammar is pure: config checks the flag with it
         + ("tierd.tier2.url",),
     ),

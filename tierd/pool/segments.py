@@ -71,8 +71,12 @@ class Segment:
                     _fallocate(self._fd, nbytes, path)
             elif os.fstat(self._fd).st_size != nbytes:
                 raise ValueError(f"{path} holds {os.fstat(self._fd).st_size} bytes, not {nbytes}")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(self._fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            self._map = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+            if not _populate(self._map, nbytes):  # a kernel before 5.14: backed at mapping instead
+                self._map.close()
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._map = mmap.mmap(self._fd, nbytes, flags=flags, prot=prot)
         except BaseException:
             os.close(self._fd)
             if path is not None and create:
@@ -322,6 +326,24 @@ class SegmentSet:
             seg.close(self.pinner)
         self.segments.clear()
         self.backed = 0
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _populate(mapping: mmap.mmap, nbytes: int) -> bool:
+    """Back every page of ``mapping`` now, without holding the GIL (Python's MAP_POPULATE mmap
+    holds it for the whole backing: about a second per GiB, in which no other thread of the
+    daemon runs). False where the kernel does not know MADV_POPULATE_WRITE."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        done = _libc.madvise(
+            ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE
+        )
+    finally:
+        del anchor  # (the mapping can be closed again)
+    return done == 0
 
 
 def _fallocate(fd: int, nbytes: int, path: str) -> None:
