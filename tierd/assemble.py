@@ -85,8 +85,8 @@ class MemoryOpener:
 
 def connection_cap(settings: Settings) -> int:
     """--max-connections, or (0) a quarter of the descriptors this process may open, raised first
-    to the hard limit: the rest is for shared-memory files, pool segments, and the connections a
-    burst brings in before the loop sees them (libzmq accepts on its own thread)."""
+    to the hard limit: the rest is for shared-memory files, pool segments, the lookup channel and
+    the fd inbox."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -26,7 +26,7 @@ from tierd_client.layouts import block_span, group, layout, namespace
 
 MIB = 1 << 20
 FRAME_CAP = 16 * MIB  # a default daemon's --max-frame-mb
-PART_CAP = 2 * FRAME_CAP  # its ZeroMQ MAXMSGSIZE
+PART_CAP = 2 * FRAME_CAP  # its message cap
 
 
 def kib(pid: int, field: str) -> int:
@@ -130,14 +130,14 @@ def test_pipelined_frames_at_the_cap_are_each_answered_and_others_served(daemon,
 
 
 def test_a_frame_over_the_part_cap_is_never_held_and_only_its_sender_is_dropped(daemon, raw):
-    """libzmq reads the frame's size first and drops the connection (MAXMSGSIZE) before it
-    allocates; a frame within the part cap but over the frame cap is held once and answered
+    """The daemon reads the frame's size first and closes the connection before it allocates; a
+    frame within the part cap but over the frame cap is held once and answered
     TOO_LARGE (the control: the measurement sees a frame that is held)."""
     r = raw(daemon)
     r.hello()
     over = zmq.Frame(b"\0" * (200 * MIB))
     rise = peak_rise_mib(daemon, lambda: (r.sock.send(over, copy=False), r.quiet(2.0)))
-    assert r.quiet(0.5), "a frame over MAXMSGSIZE was answered: it was read"
+    assert r.quiet(0.5), "a frame over the message cap was answered: it was read"
     assert rise < 16, f"+{rise:.0f} MiB for a 200 MiB frame over the part cap"
 
     within = raw(daemon)
