@@ -93,7 +93,10 @@ def test_an_exception_in_the_accepting_loop_drops_unfinished_requests_and_serves
     assert server.pending
     fail_loop_once(server)
     unfinished.settimeout(5)
-    assert unfinished.recv(1 << 16) == b"", "the unfinished request was dropped"
+    try:  # dropped: the end of the stream, or a reset where the server closed with bytes unread
+        assert unfinished.recv(1 << 16) == b"", "the unfinished request was answered"
+    except ConnectionResetError:
+        pass
     unfinished.close()
     assert server.failures == 1 and not server.pending
     assert get(server).endswith(b"yes")
