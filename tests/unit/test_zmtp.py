@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from tierd.zmtp import Router
-from tierd.zmtp.conn import GREETING, MORE, READY, command, frame_head, properties
-from tierd.zmtp.router import HANDSHAKE_S, SEND_QUEUE
+from tierd.zmtp.conn import GREETING, MORE, OPEN, READY, command, frame_head, properties
+from tierd.zmtp.router import HANDSHAKE_S, SEND_QUEUE, TURN_EVENTS
 
 CAP = 1 << 20
 
@@ -250,3 +250,23 @@ def test_the_router_answers_a_ready_with_its_own(router):
     answer = s.recv(1 << 10)
     assert answer == GREETING + READY
     s.close()
+
+
+def test_one_turn_reads_at_most_turn_events_connections_and_the_rest_the_next(router):
+    """So a turn holds at most TURN_EVENTS x 256 KiB of new messages, however many connections."""
+    n = TURN_EVENTS + 8
+    socks = [raw(router, identity=b"c%d" % i) for i in range(n)]
+    turns(
+        router,
+        1.0,
+        until=lambda _: all(c.state == OPEN for c in router.conns.values()) and len(router.conns) == n,
+    )
+    for s in socks:
+        s.sendall(frame_head(2) + b"hi")
+    time.sleep(0.2)
+    first = router.messages()
+    assert 0 < len(first) <= TURN_EVENTS
+    rest = turns(router, 2, until=lambda m: len(first) + len(m) >= n)
+    assert sorted(i for i, *_ in first + rest) == sorted(b"c%d" % i for i in range(n))
+    for s in socks:
+        s.close()
