@@ -125,7 +125,7 @@ class Router:
             self._held = None
 
     def _route(self, c: Conn, identity: bytes) -> None:
-        if not identity:
+        if not identity or identity[0] == 0:  # (a leading zero byte: made here, never named)
             while True:
                 identity = b"\0" + self._next_id.to_bytes(4, "big")
                 self._next_id = self._next_id % 0xFFFFFFFF + 1
@@ -214,7 +214,7 @@ class Router:
         deadline = time.monotonic() + linger_s
         waiting = [c for c in self.conns.values() if c.out]
         while waiting and time.monotonic() < deadline:
-            select.select([], [c.sock for c in waiting], [], max(0.0, deadline - time.monotonic()))
+            time.sleep(0.005)
             waiting = [c for c in waiting if c.flush() and c.out]
         for c in list(self.conns.values()):
             self.close_conn(c)
