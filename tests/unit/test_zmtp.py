@@ -16,7 +16,7 @@ import zmq
 
 from tierd.zmtp import Router
 from tierd.zmtp.conn import GREETING, MORE, OPEN, READY, command, frame_head, properties
-from tierd.zmtp.router import HANDSHAKE_S, SEND_QUEUE, TURN_EVENTS
+from tierd.zmtp.router import HANDSHAKE_S, SEND_QUEUE, SEND_QUEUE_BYTES, TURN_EVENTS
 
 CAP = 1 << 20
 
@@ -195,14 +195,21 @@ def test_replies_the_kernel_cannot_take_at_once_are_queued_and_come_in_order(rou
     d.close()
 
 
-def test_a_reply_past_the_queue_bound_is_dropped(router):
+@pytest.mark.parametrize("reply_bytes", [16 << 10, 1 << 20], ids=["count", "bytes"])
+def test_a_reply_past_the_queue_bound_is_dropped(router, reply_bytes):
+    """Small replies fill the queue's count first, large ones its bytes."""
     s = raw(router, identity=b"deaf")  # never reads
     turns(router, 0.2)
     sent = 0
-    while router.send(b"deaf", bytes(64 << 10)):
+    while router.send(b"deaf", bytes(reply_bytes)):
         sent += 1
         assert sent <= SEND_QUEUE + 4096, "the queue never filled"
-    assert router.dropped == 1 and len(router.routes[b"deaf"].out) == SEND_QUEUE
+    c = router.routes[b"deaf"]
+    assert router.dropped == 1
+    if reply_bytes < SEND_QUEUE_BYTES // SEND_QUEUE:
+        assert len(c.out) == SEND_QUEUE and c.queued < SEND_QUEUE_BYTES
+    else:
+        assert len(c.out) < SEND_QUEUE and SEND_QUEUE_BYTES <= c.queued < SEND_QUEUE_BYTES + reply_bytes + 16
     assert not router.send(b"nobody", b"x") and router.dropped == 2
     s.close()
 

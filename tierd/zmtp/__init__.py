@@ -27,8 +27,9 @@ until its peer closes it, orphaned as libzmq leaves it: what it sends is read an
 its end drops no session (closing it would make a live peer reconnect and take the identity
 back).
 Replies are written without waiting: what the kernel does not take at once is queued, up to
-SEND_QUEUE messages per connection (libzmq's default high-water mark); past that, or to an
-identity with no connection, a reply is dropped and the client's deadline covers it.
+SEND_QUEUE messages (libzmq's default high-water mark) or SEND_QUEUE_BYTES per connection; past
+that, or to an identity with no connection, a reply is dropped and the client's deadline covers
+it.
 
 Caps: connections over ``max_total``, or over ``max_per_peer`` of one uid (all of tcp:// counts
 as one peer), are closed at accept, as is any when no descriptor is left to accept with (the

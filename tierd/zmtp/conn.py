@@ -72,7 +72,7 @@ class Conn:
 
     __slots__ = (
         "sock", "fd", "peer", "epoll", "cap", "on_ready", "state", "since", "identity", "head", "kind",
-        "body", "have", "left", "more", "first", "parts", "nbytes", "out", "writing",
+        "body", "have", "left", "more", "first", "parts", "nbytes", "out", "queued", "writing",
     )  # fmt: skip
 
     def __init__(self, sock: socket.socket, peer: Peer, epoll, cap: int, on_ready: Callable, now: float):
@@ -85,6 +85,7 @@ class Conn:
         self.first = None  # the message's first frame once read (later parts are only counted)
         self.parts = self.nbytes = 0
         self.out: collections.deque = collections.deque()  # what the kernel did not take yet
+        self.queued = 0  # its bytes
         self.writing = False  # registered for EPOLLOUT
 
     # ---- reading --------------------------------------------------------------------------------------
@@ -209,6 +210,7 @@ class Conn:
         (as one entry). False if the connection is gone."""
         if self.out:
             self.out.append(head + frame)
+            self.queued += len(head) + len(frame)
             return True
         try:
             if frame:
@@ -221,6 +223,7 @@ class Conn:
             return False
         if n < len(head) + len(frame):
             self.out.append(memoryview(head + frame)[n:])
+            self.queued += len(head) + len(frame) - n
             self._want_writes(True)
         return True
 
@@ -234,6 +237,7 @@ class Conn:
                 return True
             except OSError:
                 return False
+            self.queued -= n
             if n < len(data):
                 self.out[0] = memoryview(data)[n:]
                 return True

@@ -17,6 +17,7 @@ log = logging.getLogger("tierd")
 
 HANDSHAKE_S = 10.0  # greeting and READY must both have arrived by then
 SEND_QUEUE = 1000  # replies queued per connection that the kernel did not take at once
+SEND_QUEUE_BYTES = 64 << 20  # ... and their bytes
 TURN_EVENTS = 32  # connections served per turn: at most 32 x 256 KiB read into messages at once
 
 
@@ -182,7 +183,8 @@ class Router:
     def send(self, identity: bytes, frame: bytes) -> bool:
         """Reply ``frame`` to ``identity`` without waiting; False if it was dropped."""
         c = self.routes.get(identity)
-        if c is None or len(c.out) >= SEND_QUEUE or not c.write(frame_head(len(frame)), frame):
+        full = c is not None and (len(c.out) >= SEND_QUEUE or c.queued >= SEND_QUEUE_BYTES)
+        if c is None or full or not c.write(frame_head(len(frame)), frame):
             self.dropped += 1
             return False
         return True
