@@ -20,8 +20,8 @@ A frame larger than the message cap closes the connection before any of it is re
 libzmq's ``MAXMSGSIZE`` did).
 
 Routing: a message comes with its connection's routing identity (the peer's own if it named
-one, else five bytes made here, the first zero, as libzmq makes them; a named identity with a
-leading zero byte, which libzmq keeps for its own, is replaced so). A new connection naming
+one, else five bytes made here, the first zero, as libzmq makes them; a peer may name any
+identity, a leading zero byte too, as libzmq lets it). A new connection naming
 an identity in use takes it over (libzmq's ``ROUTER_HANDOVER``); the old connection stays open
 until its peer closes it, orphaned as libzmq leaves it: what it sends is read and let go, and
 its end drops no session (closing it would make a live peer reconnect and take the identity

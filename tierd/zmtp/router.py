@@ -126,7 +126,7 @@ class Router:
             self._held = None
 
     def _route(self, c: Conn, identity: bytes) -> None:
-        if not identity or identity[0] == 0:  # (a leading zero byte: made here, never named)
+        if not identity:
             while True:
                 identity = b"\0" + self._next_id.to_bytes(4, "big")
                 self._next_id = self._next_id % 0xFFFFFFFF + 1
