@@ -491,7 +491,7 @@ def test_long_ranges_at_any_alignment_copy_exactly():
     ranges = []
     at = 0
     for k in range(24):
-        n = (64 << 10) + int(rng.integers(-70, 70)) + (k % 3) * (200 << 10)
+        n = (4 << 10) + int(rng.integers(-70, 70)) + (k % 3) * (200 << 10)  # around STREAM_MIN, and past it
         s_off, d_off = int(rng.integers(0, 64)), at + k % 17
         ranges.append((d_off, s_off, n))
         at = d_off + n

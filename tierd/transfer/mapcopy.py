@@ -3,7 +3,7 @@
 Why not preadv/pwritev: the kernel copies a tmpfs file one 4 KiB page at a time (look the page
 up, lock it, copy it, mark it accessed), well below what a memcpy of the same bytes reaches
 (benchmarks/cpu_copy.py prints both, and tierd bench the whole path against memcpy). A mapped
-file is copied by the C library's memcpy, as fast as any memory; ranges of 64 KiB or more (on
+file is copied by the C library's memcpy, as fast as any memory; ranges of 4 KiB or more (on
 x86-64) with non-temporal stores, which do not read the destination first (mapcopy.c).
 
 Why a mapping needs a guard: the file belongs to the client, which can truncate it at any time,
