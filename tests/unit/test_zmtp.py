@@ -288,3 +288,24 @@ def test_an_identity_a_peer_names_with_a_leading_zero_byte_is_its_own(router):
     ((identity, *_),) = turns(router, 5, until=bool)
     assert identity == b"\0zero-led"
     d.close()
+
+
+def test_a_connection_that_ends_while_its_requests_wait_for_the_loop_is_closed_then(router):
+    """While the daemon is busy, a client that sent a request and left is closed at once (not
+    polled again and again until the loop runs); nothing of it is handed on."""
+    s = raw(router, identity=b"leaver")
+    seen = {}
+
+    def busy() -> None:
+        assert s.recv(len(GREETING) + len(READY)), "no handshake while busy"
+        s.sendall(frame_head(2) + b"hi")
+        time.sleep(0.1)
+        s.close()
+        end = time.monotonic() + 3
+        while router.connections and time.monotonic() < end:
+            time.sleep(0.02)
+        seen["open"] = router.connections
+
+    router.handshakes_during(busy)
+    assert seen["open"] == 0
+    assert turns(router, 0.3) == [] and router.ended() == [(b"leaver", os.getuid())]

@@ -95,6 +95,9 @@ class Router:
             if not events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                 continue
             if self._held is not None and c.state == OPEN:  # its requests wait for the main loop
+                if events & (select.EPOLLHUP | select.EPOLLERR):  # gone: nobody to answer
+                    self.close_conn(c)
+                    continue
                 self._held.add(c)
                 self.epoll.modify(fd, select.EPOLLOUT if c.writing else 0)
             elif not c.read(self._buf, self._view, out):
