@@ -64,7 +64,8 @@ class Daemon:
         per_peer = 2 * settings.max_sessions_per_peer
         self.router = Router(2 * settings.max_frame_bytes, self.max_connections, per_peer)
         # the endpoint first: a second daemon on a served socket is refused before it backs (and
-        # pins) a pool; clients that connect meanwhile are answered once the loop runs
+        # pins) a pool; clients that connect meanwhile get their handshake, their requests are
+        # answered once the loop runs
         self._bind()
         try:
             self.router.handshakes_during(lambda: self._open(settings))
@@ -218,7 +219,7 @@ class Daemon:
         self._drop_disconnected()
 
     def _refuse_message(self, envelope: list[bytes], frames: int, nbytes: int) -> None:
-        cap = 2 * self.settings.max_frame_bytes
+        cap = self.router.cap
         if nbytes > cap:
             message = f"a message is one frame of at most {cap} bytes, got {frames} frames, {nbytes} bytes"
             self._error(envelope, 0, ErrorCode.TOO_LARGE, message, "?")

@@ -124,7 +124,7 @@ class Router:
             stop.set()
             thread.join()
             for c in self._held:
-                if c.fd in self.conns:
+                if self.conns.get(c.fd) is c:  # (not closed since; its fd not another's now)
                     self.epoll.modify(c.fd, select.EPOLLIN | select.EPOLLOUT if c.writing else select.EPOLLIN)
             self._held = None
 
