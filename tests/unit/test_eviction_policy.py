@@ -255,7 +255,7 @@ def shadowed(held_keys: int = 100) -> policies.Reuse:
     r.B = 1000.0
     r.bonus = [round(r.s * r.B * x) for x in policies.SHAPE]
     r.observe(NS, [], 0, held_keys)
-    r.flush(held_keys)  # sets the sampling from the pool's keys
+    r.flush()  # sets the sampling from the pool's keys
     return r
 
 
@@ -263,7 +263,7 @@ def window(r: policies.Reuse, keys: list[bytes], hit: int, held_keys: int = 100)
     """LOOKUPs of ``keys``, each found ``hit`` deep in the pool, until one comparison is made."""
     for _ in range(-(-shadows.WINDOW // len(keys))):
         r.observe(NS, keys, hit, held_keys)
-    r.flush(held_keys)
+    r.flush()
 
 
 def test_reuse_guard_takes_lookups_through_its_shadow_in_batches_in_order():
@@ -297,7 +297,7 @@ def test_reuse_guard_moves_nothing_while_the_pool_hits_a_little_less_than_lru():
     r.guard.gate = 0.5
     keys = [key(i) for i in range(64)]
     r.observe(NS, keys, 0, 100)
-    r.flush(100)  # the shadow holds them all from now on
+    r.flush()  # the shadow holds them all from now on
     r.guard.duel = [0, 0, 0]
     window(r, keys, 62)  # 496 of 512 against the shadow's 512: within the noise
     assert r.guard.gate == 0.5
@@ -308,15 +308,15 @@ def test_reuse_guard_counts_the_shadows_hit_as_a_prefix_like_the_pools():
     r = shadowed(held_keys=4)
     keys = [key(i) for i in range(6)]
     r.observe(NS, keys, 0, 4)  # tail first, so the tail goes first: the shadow keeps the head
-    r.flush(4)
+    r.flush()
     assert list(r.guard.shadow) == [NS + key(i) for i in (3, 2, 1, 0)]
     r.guard.duel = [0, 0, 0]
     r.observe(NS, keys[:4], 0, 4)
-    r.flush(4)
+    r.flush()
     assert r.guard.duel == [4, 0, 4]
     r.guard.duel = [0, 0, 0]
     r.observe(NS, [key(9)] + keys[:4], 0, 4)  # 9 is missing: no hit, though 0..3 are there
-    r.flush(4)
+    r.flush()
     assert r.guard.duel == [5, 0, 0]
 
 
@@ -324,11 +324,11 @@ def test_reuse_guard_samples_one_key_in_two_to_the_k_of_a_large_pool():
     r = policies.Reuse()
     keys = [block_key(i.to_bytes(8, "little")) for i in range(2048)]  # hashes, as chunk keys are
     r.observe(NS, keys, 0, 10_000)
-    r.flush(10_000)
+    r.flush()
     assert not r.guard.shadow and r.guard.duel == [0, 0, 0]  # nothing evicted yet: nothing to judge
     r.guard.full = True
     r.observe(NS, keys, 0, 10_000)  # 10,000 keys held: 1 in 8 sampled, the shadow holds 1,250
-    r.flush(10_000)
+    r.flush()
     assert r.guard.shift == 3 and r.status()["shadow_sampling"] == 0.125
     sampled = [k for k in keys if int.from_bytes(k[-2:], "big") % 8 == 0]
     assert r.guard.duel[0] == len(sampled) and 200 < len(sampled) < 320
@@ -345,17 +345,17 @@ def test_reuse_guard_samples_fewer_keys_once_the_pool_holds_many_more():
     r.guard.full = True
     keys = [block_key(i.to_bytes(8, "little")) for i in range(1500)]
     r.observe(NS, keys, 0, 1_500)
-    r.flush(1_500)
+    r.flush()
     assert r.guard.shift == 0 and len(r.guard.shadow) == 1_500
     r.observe(NS, [], 0, 3_000)
-    r.flush(3_000)  # 3,000 keys: 1 in 2 would do, but one step is within the hysteresis
+    r.flush()  # 3,000 keys: 1 in 2 would do, but one step is within the hysteresis
     assert r.guard.shift == 0 and len(r.guard.shadow) == 1_500
     r.observe(NS, [], 0, 10_000)
-    r.flush(10_000)  # 1 in 8: the shadow keeps exactly the keys that sample takes, in their order
+    r.flush()  # 1 in 8: the shadow keeps exactly the keys that sample takes, in their order
     kept = [NS + k for k in reversed(keys) if int.from_bytes(k[-2:], "big") % 8 == 0]
     assert r.guard.shift == 3 and list(r.guard.shadow) == kept and r.guard.duel == [0, 0, 0]
     r.observe(NS, [], 0, 1_000)
-    r.flush(1_000)  # far fewer keys again: every key, the shadow started over
+    r.flush()  # far fewer keys again: every key, the shadow started over
     assert r.guard.shift == 0 and not r.guard.shadow
 
 
@@ -367,13 +367,13 @@ def test_reuse_guard_forgets_a_cleared_namespaces_keys_and_keeps_the_others():
     keys = [key(i) for i in range(4)]
     r.observe(NS, keys, 0, 100)
     r.observe(other, keys, 0, 100)
-    r.flush(100)
+    r.flush()
     r.observe(NS, keys[:1], 0, 100)  # pending when the CLEAR comes
     r.forget(NS)
     assert set(r.guard.shadow) == {other + k for k in keys} and not r.guard.pending
     r.guard.duel = [0, 0, 0]
     r.observe(NS, keys, 0, 100)
-    r.flush(100)
+    r.flush()
     assert r.guard.duel == [4, 0, 0]  # no shadow hit on the cleared namespace's keys
     r.forget(None)
     assert not r.guard.shadow
@@ -386,9 +386,22 @@ def test_clearing_a_namespace_clears_it_from_the_policys_shadow():
     try:
         pool.policy.guard.full = True  # as once the pool has evicted
         pool.policy.observe(NS, [key(1)], 0, 100)
-        pool.policy.flush(100)
+        pool.policy.flush()
         assert pool.policy.guard.shadow
         pool.clear(NS)
         assert not pool.policy.guard.shadow
     finally:
         pool.close()
+
+
+def test_reuse_guard_keeps_only_the_sampled_keys_of_lookups_waiting_for_its_shadow():
+    """A LOOKUP's keys are sampled when it is observed: the batch waiting for the shadow holds
+    1 key in 2**k of it, not the whole key list."""
+    r = policies.Reuse()
+    r.guard.full = True
+    keys = [block_key(i.to_bytes(8, "little")) for i in range(2048)]
+    r.observe(NS, keys, 1024, 10_000)  # 1 in 8 sampled
+    sampled = [i for i, k in enumerate(keys) if int.from_bytes(k[-2:], "big") % 8 == 0]
+    assert r.guard.pending == [([NS + keys[i] for i in sampled], sum(i < 1024 for i in sampled))]
+    r.flush()
+    assert not r.guard.pending and r.guard.duel[0] == len(sampled)

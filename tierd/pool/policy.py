@@ -296,9 +296,9 @@ class Reuse:
         guard's LRU shadow sees it (tierd.pool.shadow). The pool's lock held."""
         self._guarded(self.guard.observe, ns, keys, hit, held)
 
-    def flush(self, held: int) -> None:
+    def flush(self) -> None:
         """The guard takes the LOOKUPs it holds through its shadow now."""
-        self._guarded(self.guard.flush, held)
+        self._guarded(self.guard.flush)
 
     def _guarded(self, step, *args) -> None:
         """One step of the guard; the bonus follows its gate when that moved."""

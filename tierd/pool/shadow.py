@@ -39,45 +39,43 @@ class Shadow:
         self.full = False  # the pool evicted something yet
         self.shift = -1  # sample 1 key in 2**shift (-1: not yet)
         self.duel = [0, 0, 0]  # sampled keys since the last comparison: looked up, hit here, hit in LRU
-        self.pending: list[tuple[bytes, Sequence[bytes], int]] = []  # LOOKUPs not through the shadow yet
-        self.pending_keys = 0
+        self.cap = 0  # keys the shadow holds at most: the pool's keys, sampled as its keys are
+        # LOOKUPs not through the shadow yet: (their sampled keys, how many of them the pool found)
+        self.pending: list[tuple[list[bytes], int]] = []
+        self.pending_keys = 0  # keys those LOOKUPs named
 
     def observe(self, ns: bytes, keys: Sequence[bytes], hit: int, held: int) -> None:
         """A LOOKUP of ``keys`` found the first ``hit`` (the pool holds ``held`` keys now): its
-        sampled keys go through the shadow BATCH LOOKUPs (or BATCH_KEYS keys) at a time, in order."""
+        sampled keys are picked now, while they are fresh in the CPU's cache (only they are kept),
+        and go through the shadow BATCH LOOKUPs (or BATCH_KEYS keys looked up) at a time, in order."""
         if not self.full:  # no eviction yet: no order to judge
             return
-        self.pending.append((ns, keys, hit))
+        # the keys the pool holds now are its capacity: it has evicted, so it is full, or a
+        # namespace or size class is; a pool that fills up later samples fewer keys
+        ideal = min(SHIFT_MAX, int(math.log2(held / SHADOW_KEYS))) if held > SHADOW_KEYS else 0
+        if self.shift < 0 or abs(ideal - self.shift) > 1:  # (by more than one: no flapping at a boundary)
+            self.flush()  # what was sampled the old way goes through first
+            self._resample(ideal)
+        self.cap = held >> self.shift
+        mine = sample(keys, self.shift) if self.shift else range(len(keys))
+        if mine:  # the sampled keys, and how many of them lie within the pool's hit
+            self.pending.append(([ns + keys[i] for i in mine], bisect.bisect_left(mine, hit)))
         self.pending_keys += len(keys)
         if len(self.pending) >= BATCH or self.pending_keys >= BATCH_KEYS:
-            self.flush(held)
+            self.flush()
 
-    def flush(self, held: int) -> None:
+    def flush(self) -> None:
         """Take the LOOKUPs ``observe`` holds through the shadow now."""
         pending, self.pending, self.pending_keys = self.pending, [], 0
-        if not pending:
-            return
-        # the keys the pool holds now are its capacity: it has evicted (by the first flush), so it
-        # is full, or a namespace or size class is; a pool that fills up later samples fewer keys
-        ideal = min(SHIFT_MAX, int(math.log2(held / SHADOW_KEYS))) if held > SHADOW_KEYS else 0
-        shift = self.shift
-        if shift < 0 or abs(ideal - shift) > 1:  # (by more than one: no flapping at a boundary)
-            self._resample(ideal)
-            shift = ideal
-        shadow, duel = self.shadow, self.duel
-        cap = held >> shift
-        for ns, keys, hit in pending:
-            mine = sample(keys, shift) if shift else range(len(keys))
-            if not mine:
-                continue
-            sks = [ns + keys[i] for i in mine]
+        shadow, duel, cap = self.shadow, self.duel, self.cap
+        for sks, here in pending:
             found = 0
             for sk in sks:  # a hit is a prefix: the shadow's ends at its first missing sampled key
                 if sk not in shadow:
                     break
                 found += 1
             duel[0] += len(sks)
-            duel[1] += bisect.bisect_left(mine, hit)  # the sampled keys within the pool's hit
+            duel[1] += here
             duel[2] += found
             deque(map(shadow.pop, sks, repeat(None)), 0)
             shadow.update(dict.fromkeys(reversed(sks)))  # tail first: the head ends up the most recent
@@ -96,8 +94,7 @@ class Shadow:
             return
         for sk in [sk for sk in self.shadow if sk.startswith(ns)]:  # (namespace ids have one length)
             del self.shadow[sk]
-        self.pending = [p for p in self.pending if p[0] != ns]
-        self.pending_keys = sum(len(p[1]) for p in self.pending)
+        self.pending = [p for p in self.pending if not p[0][0].startswith(ns)]
 
     def _resample(self, shift: int) -> None:
         """Sample 1 key in 2**``shift`` from now on: the shadow keeps the keys of a sparser sample
