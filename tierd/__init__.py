@@ -43,7 +43,8 @@ State.
 Planning: STORE decided from (request, geometry) alone, RETRIEVE from what the pool holds.
     tierd/planner.py      STORE: the objects each chunk asks for; RETRIEVE: objects, copy items,
                           failures
-    tierd/pool/           host memory: segments, slabs and the allocator (alloc), a STORE's room
+    tierd/pool/           host memory: segments (backed, in huge pages where allowed: pages),
+                          slabs and the allocator (alloc), a STORE's room
                           (reserve), eviction (evict, its order in policy, the reuse policy's LRU
                           shadow in shadow), the index, recency and LOOKUP's fold, the pool folder
                           a warm restart reads (persist)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tierd.pool.pages import SMALL_PAGES
+
 
 def _bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -93,7 +95,9 @@ def _memory(s: dict) -> str:
         grow = f"the next grows {_bytes(step)}" if step else "none can grow"
         backed += f" ({n} segment{'' if n == 1 else 's'}; {grow})"
     ceiling = _bytes(s["memory_configured_bytes"])
-    return f"{_bytes(s['memory_used_bytes'])} used / {backed} / {ceiling} ceiling"
+    huge = s.get("memory_huge_pages")
+    pages = "" if huge is None else f"; huge pages {huge}" + (" (4 KiB pages)" if huge in SMALL_PAGES else "")
+    return f"{_bytes(s['memory_used_bytes'])} used / {backed} / {ceiling} ceiling{pages}"
 
 
 def _warm(w: dict) -> str:

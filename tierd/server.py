@@ -27,6 +27,7 @@ from tierd.config import Settings
 from tierd.jobs import Call, Tier
 from tierd.outcomes import Outcomes
 from tierd.peer import Peer
+from tierd.pool.pages import SMALL_PAGES
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
@@ -160,6 +161,13 @@ class Daemon:
             self.pool.backed_bytes / 2**30,
             ", pinned" if self.cuda else "",
         )
+        huge = self.pool.segments.huge_pages()
+        if huge in SMALL_PAGES:
+            log.info(
+                "the pool's shared memory is in 4 KiB pages (the kernel's huge-page setting for it: %s);"
+                " huge pages make every copy through it faster (README, 'Huge pages')",
+                huge,
+            )
         spin = self.settings.busy_poll_us / 1e6  # (--busy-poll-us: from the last socket event on)
         active = 0.0
         while True:

@@ -129,6 +129,7 @@ def build_status(daemon) -> dict:
             "memory_next_segment_bytes": pool.segments.next_segment_bytes(),
             "memory_used_bytes": pool.used_bytes,
             "memory_pinned_bytes": daemon.cuda.pinned_bytes if daemon.cuda else 0,
+            "memory_huge_pages": pool.segments.huge_pages(),
             "largest_free_bytes": free,
             "largest_storable_bytes": storable,
             "objects": pool.objects,

@@ -11,6 +11,8 @@ from kv import FakeRank, GroupGeom, keys
 from prometheus_client.parser import text_string_to_metric_families
 from util import chunk
 
+from tierd.pool import pages
+
 MIB = 1 << 20
 ROOM = (
     "memory_total_bytes",
@@ -48,6 +50,7 @@ def test_the_pools_room_and_backing_are_gauges_equal_to_status(daemon_factory, c
         assert (got["tierd_largest_free_bytes"], got["tierd_largest_storable_bytes"]) == (0, 0)
         assert got["tierd_leased_bytes"] == 40 * MIB  # the leased object: 4 blocks x 10 layers x 1 MiB
         assert got["tierd_memory_total_bytes"] == 64 * MIB and got["tierd_memory_segments"] >= 1
+        assert st["memory_huge_pages"] == pages.huge_pages()  # a memfd pool: the kernel's shmem setting
 
         c.release(lease)
         st, got = d.status(), gauges(d)

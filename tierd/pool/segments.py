@@ -36,6 +36,8 @@ from typing import Protocol
 
 import numpy as np
 
+from tierd.pool import pages
+
 
 class Pinner(Protocol):
     def pin(self, addr: int, nbytes: int) -> None: ...
@@ -73,7 +75,8 @@ class Segment:
                 raise ValueError(f"{path} holds {os.fstat(self._fd).st_size} bytes, not {nbytes}")
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             self._map = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-            if not _populate(self._map, nbytes):  # a kernel before 5.14: backed at mapping instead
+            pages.advise_huge(self._map)
+            if not pages.populate(self._map, nbytes):  # a kernel before 5.14: backed at mapping instead
                 self._map.close()
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 self._map = mmap.mmap(self._fd, nbytes, flags=flags, prot=prot)
@@ -248,6 +251,10 @@ class SegmentSet:
             self.close()
             raise
 
+    def huge_pages(self) -> str:
+        """The kernel's huge-page setting for the segments' memory (tierd.pool.pages)."""
+        return pages.huge_pages(self.folder.path if self.folder is not None else None)
+
     def grow_to(self, initial: int) -> None:
         """Back ``initial`` bytes (rounded up to the grain, at most the ceiling) now: whole
         segments, then a last one of what is left (not a whole segment more)."""
@@ -326,24 +333,6 @@ class SegmentSet:
             seg.close(self.pinner)
         self.segments.clear()
         self.backed = 0
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _populate(mapping: mmap.mmap, nbytes: int) -> bool:
-    """Back every page of ``mapping`` now, without holding the GIL (Python's MAP_POPULATE mmap
-    holds it for the whole backing: about a second per GiB, in which no other thread of the
-    daemon runs). False where the kernel does not know MADV_POPULATE_WRITE."""
-    anchor = ctypes.c_char.from_buffer(mapping)
-    try:
-        done = _libc.madvise(
-            ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE
-        )
-    finally:
-        del anchor  # (the mapping can be closed again)
-    return done == 0
 
 
 def _fallocate(fd: int, nbytes: int, path: str) -> None:

@@ -112,7 +112,11 @@ int64_t tierd_mapcopy(const uint64_t *dst, const uint64_t *src, const uint64_t *
 /* A shared read-write mapping of the first size bytes of fd, or NULL (errno). */
 void *tierd_mapcopy_map(int fd, uint64_t size) {
     void *p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    return p == MAP_FAILED ? NULL : p;
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, (size_t)size, MADV_HUGEPAGE); /* huge pages where the memory's setting allows (advisory) */
+#endif
+    return p;
 }
 
 int tierd_mapcopy_unmap(void *p, uint64_t size) { return munmap(p, (size_t)size); }
