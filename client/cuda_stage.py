@@ -196,15 +196,15 @@ class Stager:
             if t is not None:
                 t("plan")
             if mod is not None and gc.kernel_ok:
-                desc = ring.upload(np.stack([ids, offs]), stream)
+                desc, _keep = ring.upload_raw(np.stack([ids, offs]), stream, mod)
                 if t is not None:
                     t("upload")
                 fn = mod.scatter if scatter else mod.gather
                 fn(
                     gc.table.data_ptr(),
                     gc.layers,
-                    desc[0].data_ptr(),
-                    desc[1].data_ptr(),
+                    desc,
+                    desc + 8 * len(ids),
                     len(ids),
                     self.buf.data_ptr(),
                     bpc * bb,
@@ -297,14 +297,40 @@ class _DescRing:
         self.host_np = self.host.numpy()
         self.dev = torch.empty(words, dtype=torch.int64, device=device)
         self.words = words
+        self.host_ptr, self.dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
         self.head = 0
         self.held: collections.deque = collections.deque()  # (begin, end, event), oldest first
 
     def upload(self, desc: np.ndarray, stream):
+        """``desc`` to the device on ``stream``: a device tensor of its shape (for torch's ops)."""
         torch = self.torch
         n = desc.size
         if n > self.words:
             return _upload(torch, desc, stream, self.dev.device)
+        at = self._room(desc)
+        dev = self.dev[at : at + n]
+        with torch.cuda.stream(stream):
+            dev.copy_(self.host[at : at + n], non_blocking=True)
+        self._hold(at, n, stream)
+        return dev.view(desc.shape)
+
+    def upload_raw(self, desc: np.ndarray, stream, mod) -> tuple[int, object]:
+        """``upload`` for the native kernels: the device address of ``desc`` (C order) and what must
+        stay referenced until the kernel that reads it is queued. One call of the native module's
+        copy instead of torch's slicing, stream switch and ``copy_``: a one-chunk request's upload
+        took several times its work in those (each a cold, long path in the engine's process)."""
+        n = desc.size
+        if n > self.words:
+            dev = _upload(self.torch, desc, stream, self.dev.device)
+            return dev.data_ptr(), dev
+        at = self._room(desc)
+        mod.memcpy_many([self.dev_ptr + 8 * at], [self.host_ptr + 8 * at], [8 * n], False, stream.cuda_stream)
+        self._hold(at, n, stream)
+        return self.dev_ptr + 8 * at, None
+
+    def _room(self, desc: np.ndarray) -> int:
+        """Where ``desc`` goes in the ring (written into its host half already)."""
+        n = desc.size
         at = self.head if self.head + n <= self.words else 0
         while self.held and self.held[0][2].query():
             self.held.popleft()
@@ -312,13 +338,14 @@ class _DescRing:
             self.held.popleft()[2].synchronize()  # a whole ring's uploads ago: done long since
         self.head = at + n
         np.copyto(self.host_np[at : at + n], desc.reshape(-1))
-        dev = self.dev[at : at + n]
-        with torch.cuda.stream(stream):
-            dev.copy_(self.host[at : at + n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
+        return at
+
+    def _hold(self, at: int, n: int, stream) -> None:
+        """The host region [at, at + n) is written again only once the upload queued on ``stream``
+        from it is complete."""
+        ev = self.torch.cuda.Event()
+        ev.record(stream)
         self.held.append((at, at + n, ev))
-        return dev.view(desc.shape)
 
 
 def _overlaps(held, begin: int, end: int) -> bool:
