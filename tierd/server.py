@@ -165,7 +165,7 @@ class Daemon:
         if huge in SMALL_PAGES:
             log.info(
                 "the pool's shared memory is in 4 KiB pages (the kernel's huge-page setting for it: %s);"
-                " huge pages make every copy through it faster (README, 'Huge pages')",
+                " CPU copies through it run faster in huge pages (README, 'Huge pages')",
                 huge,
             )
         spin = self.settings.busy_poll_us / 1e6  # (--busy-poll-us: from the last socket event on)

@@ -13,11 +13,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def advise_huge(mapping: mmap.mmap) -> None:
-    """Ask for huge pages where the pages are not backed yet (MADV_HUGEPAGE): a copy through
+    """Ask for huge pages where the pages are not backed yet (MADV_HUGEPAGE): a CPU copy through
     shared memory in 4 KiB pages misses the TLB every 4 KiB and runs below memcpy's speed (README,
-    "Huge pages"). The kernel grants them only where its setting for shared memory allows it
-    (memfd: ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` advise, within_size or always;
-    a tmpfs file: that mount's ``huge=``); elsewhere this changes nothing."""
+    "Huge pages"; a GPU's DMA is not affected). The kernel grants them only where its setting
+    for shared memory allows it (memfd: ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
+    advise, within_size or always; a tmpfs file: that mount's ``huge=``); elsewhere this changes
+    nothing."""
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):  # a kernel or platform without transparent huge pages
