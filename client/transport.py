@@ -46,6 +46,12 @@ TICK_MS = 50  # the I/O thread's longest sleep: heartbeats, deadlines and claims
 SPIN_S = 0.0003
 
 
+def routing_identity() -> bytes:
+    """A random 16-byte routing identity that does not start with a zero byte: ZeroMQ reserves
+    those for identities a ROUTER makes up itself."""
+    return b"t" + uuid.uuid4().bytes[1:]
+
+
 class Transport(FastPath, ChannelSide):
     """Subclasses react through three hooks, all called on the I/O thread: ``_on_connect`` (a
     ZMTP handshake completed), ``_on_reply`` (a reply matched a request) and ``_tick`` (every
@@ -71,7 +77,7 @@ class Transport(FastPath, ChannelSide):
         self._closed = threading.Event()
         self._connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
         self._ever_connected = False
-        self._identity = uuid.uuid4().bytes  # the DEALER's, named on the lookup channel too
+        self._identity = routing_identity()  # the DEALER's, named on the lookup channel too
         self._init_channel(url, channel)
         self._thread = threading.Thread(target=self._loop, name=f"tierd-client-{name}", daemon=True)
 
