@@ -97,6 +97,7 @@ class ApiServer:
         extra_args: tuple[str, ...] = (),
         pythonpath: tuple[str, ...] = (),
         start_timeout: float = 900,
+        env: dict[str, str] | None = None,
     ):
         self.port = free_port()
         cmd = [
@@ -121,7 +122,7 @@ class ApiServer:
         ]
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-        env = dict(os.environ, **SERVER_ENV)
+        env = dict(os.environ, **SERVER_ENV, **(env or {}))
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")]).strip(os.pathsep)
         self.logfile = logfile
         self._fh = open(logfile, "ab")

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
 
 from conftest import DaemonProcess, free_port  # noqa: E402
-from conftest_vllm import VLLM_CPU_ENV  # noqa: E402
+from conftest_vllm import SERVER_CPU_ENV, VLLM_CPU_ENV  # noqa: E402
 from tiny_model import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=240)]
@@ -99,7 +99,7 @@ def start_server(d: DaemonProcess, tmp: Path):
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"tierd.url": d.endpoint},
     }
-    env = {**os.environ, **VLLM_CPU_ENV}
+    env = {**os.environ, **VLLM_CPU_ENV, **SERVER_CPU_ENV}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's default: EngineCore and Worker processes
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(

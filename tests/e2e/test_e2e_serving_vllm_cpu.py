@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import DaemonProcess  # noqa: E402
-from conftest_vllm import tiny_model  # noqa: E402,F401 - fixture
+from conftest_vllm import SERVER_CPU_ENV, tiny_model  # noqa: E402,F401 - fixture
 from serving import ApiServer, bench_serve, prefix_workload, tierd_kv_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=80)]
@@ -54,7 +54,12 @@ def test_a_server_under_load_whose_cache_was_dropped_gets_its_prefixes_from_the_
     runs = {}
     try:
         server = ApiServer(
-            tiny_model, tmp_path / "server.log", kv, max_model_len=2048, extra_args=ENGINE_ARGS
+            tiny_model,
+            tmp_path / "server.log",
+            kv,
+            max_model_len=2048,
+            extra_args=ENGINE_ARGS,
+            env=SERVER_CPU_ENV,
         )
         try:
             for phase in ("cold", "warm"):
