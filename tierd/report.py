@@ -178,6 +178,11 @@ def bench_table(r: dict) -> str:
             else ""
         )
         rows.append(("both ways", f"{r['both_gbps']:.2f} GB/s{ratio}"))
+    if "huge_pages" in r:
+        hp = r["huge_pages"]
+        small = any(v in SMALL_PAGES for v in hp.values())
+        why = "  (4 KiB pages: slower than the baseline's huge pages, whatever tierd does: README)"
+        rows.append(("huge pages", f"memfd {hp['memfd']}, /dev/shm {hp['dev_shm']}" + (why if small else "")))
     if "per_block_gbps" in r:
         rows.append(("per-block memcpy baseline", f"{r['per_block_gbps']:.2f} GB/s"))
     if "baseline_d2h_gbps" in r:

@@ -13,6 +13,8 @@ import pytest
 from conftest import ROOT
 
 from tierd.bench.common import fill_pattern
+from tierd.pool import pages
+from tierd.report import bench_table
 
 
 def test_the_bench_pattern_fills_a_strided_view_in_place():
@@ -43,6 +45,9 @@ def test_the_cpu_bench_restores_every_byte_in_each_layout(runs):
     assert r["store_gbps"] > 0 and r["retrieve_gbps"] > 0
     # the first round, reported apart (a loaded host can round a tiny first round down to 0.0)
     assert all(isinstance(r[k], float) and r[k] >= 0 for k in ("store_first_gbps", "retrieve_first_gbps"))
+    # the page size the copies ran in, beside a baseline that has huge pages
+    assert r["huge_pages"] == {"memfd": pages.huge_pages(), "dev_shm": pages.huge_pages("/dev/shm")}
+    assert "huge pages" in bench_table(r)
 
 
 def test_runs_lay_out_only_the_one_rank_cpu_bench():

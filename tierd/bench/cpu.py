@@ -16,6 +16,7 @@ import uuid
 import numpy as np
 
 from tierd.bench.common import BenchError, Progress, fill_pattern, memcpy_gbps, private_daemon
+from tierd.pool import pages
 from tierd.protocol.keys import KEY_BYTES
 
 
@@ -142,5 +143,8 @@ def run_cpu_bench(
         "retrieve_ratio": round(retrieve_gbps / baseline, 3),
         "store_first_gbps": round(total / store_s[0] / 1e9, 3),
         "retrieve_first_gbps": round(total / retrieve_s[0] / 1e9, 3),
+        # the kernel's huge-page settings for the shared memory the copies go through (a daemon's
+        # pool without --pool-dir, the bench's buffers): the memcpy baseline has huge pages
+        "huge_pages": {"memfd": pages.huge_pages(), "dev_shm": pages.huge_pages("/dev/shm")},
         "verified": verified,
     }
