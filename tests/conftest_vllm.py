@@ -13,12 +13,6 @@ from tiny_model import build_tiny_llama
 
 # What every vLLM-on-CPU test process should run with: in-process engine core (starts 2.5x faster and
 # needs no __main__ guard), a 1 GiB KV cache, no telemetry, no hub access.
-# An OpenAI server's worker process binds itself to core 0 of a 2-core machine (vLLM's automatic
-# binding keeps the other core for the frontend), so two servers started by two test workers at
-# once would share one core while the other idles: unbound, with the one compute thread the
-# binding gave it, each runs where the kernel finds room.
-SERVER_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-
 VLLM_CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -29,6 +23,12 @@ VLLM_CPU_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+# An OpenAI server's worker process binds itself to core 0 of a 2-core machine (vLLM's automatic
+# binding keeps the other core for the frontend), so two servers started by two test workers at
+# once would share one core while the other idles: unbound, with the one compute thread the
+# binding gave it, each runs where the kernel finds room.
+SERVER_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")

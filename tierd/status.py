@@ -113,6 +113,7 @@ def public_namespace(ns) -> dict:
 def build_status(daemon) -> dict:
     """The /status object (docs/protocol.md section 16), on the main loop."""
     pool, counts, reg = daemon.pool, daemon.stats.counts, daemon.registry
+    huge = pool.segments.huge_pages()  # (reads the kernel's settings: not under the pool's lock)
     with pool.lock:
         free, storable = pool.room()
         out = {
@@ -129,7 +130,7 @@ def build_status(daemon) -> dict:
             "memory_next_segment_bytes": pool.segments.next_segment_bytes(),
             "memory_used_bytes": pool.used_bytes,
             "memory_pinned_bytes": daemon.cuda.pinned_bytes if daemon.cuda else 0,
-            "memory_huge_pages": pool.segments.huge_pages(),
+            "memory_huge_pages": huge,
             "largest_free_bytes": free,
             "largest_storable_bytes": storable,
             "objects": pool.objects,

@@ -46,7 +46,8 @@ def huge_pages(folder: str | None = None, thp: str = _THP, mountinfo: str = "/pr
     """The kernel's huge-page setting for the pool's memory (``advise_huge``): memfd's
     (``shmem_enabled``: never, advise, within_size, always; deny and force override every tmpfs
     too), or with ``folder`` its tmpfs mount's ``huge=`` (never unless the mount says otherwise).
-    "unsupported" where the kernel has no transparent huge pages for shared memory."""
+    "unsupported" where the kernel has no transparent huge pages for shared memory; "unknown"
+    where the mount table cannot be read."""
     try:
         with open(thp) as f:
             words = f.read().split()

@@ -66,11 +66,10 @@ int tierd_mapcopy_armed(void) {
 /* A range at least this long is copied with non-temporal stores where the CPU has them. The C
  * library switches to them only for copies near the size of the last-level cache; below that its
  * stores first read every destination line into the cache, and a KV range (a layer of a chunk,
- * 128 KiB to a few MiB) copied that way moved at 0.55-0.65 of a large memcpy's rate. Ranges are
- * often far shorter: vLLM's CPU layout keeps K and V apart, so a block is two ranges per layer
- * (32 KiB for 64 KiB blocks, 4 KiB for 8 KiB ones). tierd bench --runs 2 on a 2-core VM, store and
- * retrieve of the same-run memcpy: from 4 KiB 0.80-0.94 (64 KiB blocks) and 0.44-0.52 (8 KiB),
- * from 16 KiB 0.75-0.80 and 0.34-0.40, from 64 KiB 0.50-0.59 and 0.40-0.43. */
+ * 128 KiB to a few MiB) copied that way moved well below a large memcpy's rate. Ranges are often
+ * far shorter: vLLM's CPU layout keeps K and V apart, so a block is two ranges per layer (32 KiB
+ * for 64 KiB blocks, 4 KiB for 8 KiB ones), and those gain from streaming too (tierd bench --runs 2
+ * measures it against the same run's memcpy). */
 #define STREAM_MIN (4u << 10)
 
 static void copy_range(char *dst, const char *src, size_t n) {
