@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -131,25 +132,56 @@ class Stager:
         skip=None,
         after: bytes | None = None,
         ready=None,
+        prepared: Prepared | None = None,
     ):
         """Staging from ``at`` into the blocks of ``chunks``, except ``skip`` ((group, id) pairs not
         restored), once the daemon's interprocess event ``after`` (its DMA) is done and, if given,
         the engine's event ``ready`` (recorded where the blocks may be overwritten: after the
         forward that last read them, after vLLM zeroed them); returns a CUDA event done when the
-        blocks may be read."""
+        blocks may be read. ``prepared``: ``prepare_scatter``'s plan of the same chunks, used when
+        nothing is skipped (and let go of in any case)."""
         t = _Stages(self.timings, "scatter")
         with self.lock, self.torch.cuda.device(self.device):
             t("lock")
-            if ready is not None:
-                self.scatter_stream.wait_event(ready)
-            if after:
-                self.scatter_stream.wait_event(self._peer_event(after))
-            t("waits")
-            self._copy(chunks, at, null, scatter=True, skip=skip, t=t)
+            try:
+                if ready is not None:
+                    self.scatter_stream.wait_event(ready)
+                if after:
+                    self.scatter_stream.wait_event(self._peer_event(after))
+                t("waits")
+                if prepared is not None and not skip:
+                    self._launch(prepared.plans, scatter=True, t=t)
+                else:
+                    self._copy(chunks, at, null, scatter=True, skip=skip, t=t)
+            finally:
+                if prepared is not None:
+                    self._let_go(prepared)
             done = self.torch.cuda.Event()
             done.record(self.scatter_stream)
             t("event")
             return done
+
+    def prepare_scatter(self, chunks: list[list[list[int]]], at: int, null: int = -1) -> Prepared | None:
+        """A scatter's plan and block descriptors, uploaded now (while the daemon copies) so that
+        ``scatter(prepared=...)`` only waits and launches when its answer comes; None where the
+        scatter would not run the native kernels. What is prepared must be passed to ``scatter``
+        or ``release``d: until then its descriptors hold their place in the upload ring."""
+        if self.impl == "torch" or native.get() is None or not all(g.kernel_ok for g in self.groups):
+            return None
+        with self.lock, self.torch.cuda.device(self.device):
+            return Prepared(self._plan(chunks, at, null, scatter=True, skip=None, pin=True))
+
+    def release(self, prepared: Prepared | None) -> None:
+        """Let go of a prepared scatter that will not run."""
+        if prepared is not None:
+            with self.lock:
+                self._let_go(prepared)
+
+    def _let_go(self, prepared: Prepared) -> None:
+        ring = self.rings[True]
+        for plan in prepared.plans:
+            ring.unpin(plan.desc)
+        prepared.plans = []
 
     def _peer_event(self, handle: bytes):
         """The daemon's interprocess event ``handle``, opened once (it records the same one again)."""
@@ -180,32 +212,50 @@ class Stager:
             stream.wait_stream(self.stream)
 
     def _copy(self, chunks, at, null, scatter: bool, skip, t=None) -> None:
-        torch = self.torch
+        self._launch(self._plan(chunks, at, null, scatter, skip, t=t), scatter, t)
+
+    def _plan(self, chunks, at, null, scatter: bool, skip, t=None, pin: bool = False) -> list[tuple]:
+        """Per group with blocks to copy, a ``_Kernel`` (its descriptors uploaded on the copy's
+        stream; ``pin``: their place in the ring is held until ``_DescRing.unpin``) or a ``_Torch``."""
         mod = None if self.impl == "torch" else native.get()
         if mod is None and self.impl == "kernel":
             mod = native.load()
             if mod is None:
                 raise RuntimeError(f"native kernels unavailable: {native.state()['error']}")
         stream = self.scatter_stream if scatter else self.stream
+        ring = self.rings[scatter]
+        plans = []
         for g, gc in enumerate(self.groups):
             ids, offs, item, pos = self._jobs(chunks, at, g, null, skip)
             if not len(ids):
                 continue
-            bpc, bb = self.blocks_per_chunk[g], gc.block_bytes
-            ring = self.rings[scatter]
             if t is not None:
                 t("plan")
             if mod is not None and gc.kernel_ok:
-                desc, _keep = ring.upload_raw(np.stack([ids, offs]), stream, mod)
+                desc, keep = ring.upload_raw(np.stack([ids, offs]), stream, mod, pin=pin)
+                plans.append(_Kernel(g, len(ids), desc, keep))
                 if t is not None:
                     t("upload")
+            else:
+                plans.append(_Torch(g, np.stack([ids, item, pos]), len(chunks), at + self.group_offsets[g]))
+        return plans
+
+    def _launch(self, plans: list[tuple], scatter: bool, t=None) -> None:
+        """Queue ``_plan``'s copies on the copy's stream."""
+        torch = self.torch
+        stream = self.scatter_stream if scatter else self.stream
+        for plan in plans:
+            gc = self.groups[plan.group]
+            bpc, bb = self.blocks_per_chunk[plan.group], gc.block_bytes
+            if isinstance(plan, _Kernel):
+                mod = native.get()
                 fn = mod.scatter if scatter else mod.gather
                 fn(
                     gc.table.data_ptr(),
                     gc.layers,
-                    desc,
-                    desc + 8 * len(ids),
-                    len(ids),
+                    plan.desc,
+                    plan.desc + 8 * plan.count,
+                    plan.count,
                     self.buf.data_ptr(),
                     bpc * bb,
                     bb,
@@ -218,18 +268,18 @@ class Stager:
                 if t is not None:
                     t("launch")
                 continue
-            dev = ring.upload(np.stack([ids, item, pos]), stream)
+            dev = self.rings[scatter].upload(plan.desc, stream)
             fn = cuda_gather.torch_scatter if scatter else cuda_gather.torch_gather
             with torch.cuda.stream(stream):
                 fn(
                     gc.views,
                     self.buf,
-                    len(chunks),
+                    plan.chunks,
                     bpc,
                     dev[0],
                     dev[1],
                     dev[2],
-                    base=at + self.group_offsets[g],
+                    base=plan.base,
                     item_stride=self.chunk_bytes,
                 )
 
@@ -254,6 +304,34 @@ class Stager:
             np.asarray(item, dtype=np.int64),
             np.asarray(pos, dtype=np.int64),
         )
+
+
+class _Kernel(NamedTuple):
+    """A group's copy by the native kernels: ``count`` blocks, their descriptors at ``desc`` (a
+    device address) kept alive by ``keep`` until the kernel is queued."""
+
+    group: int
+    count: int
+    desc: int
+    keep: object
+
+
+class _Torch(NamedTuple):
+    """A group's copy by the torch fallback: ``desc`` rows ids, chunk and position."""
+
+    group: int
+    desc: np.ndarray
+    chunks: int
+    base: int  # the group's first staging byte
+
+
+class Prepared:
+    """A scatter planned ahead (``Stager.prepare_scatter``)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self, plans: list[_Kernel]):
+        self.plans = plans
 
 
 class _Stages:
@@ -300,38 +378,52 @@ class _DescRing:
         self.host_ptr, self.dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
         self.head = 0
         self.held: collections.deque = collections.deque()  # (begin, end, event), oldest first
+        self.pinned: dict[int, tuple[int, int]] = {}  # device address -> (begin, end): upload_raw(pin=True)
 
     def upload(self, desc: np.ndarray, stream):
         """``desc`` to the device on ``stream``: a device tensor of its shape (for torch's ops)."""
         torch = self.torch
         n = desc.size
-        if n > self.words:
+        at = self._room(desc) if n <= self.words else None
+        if at is None:
             return _upload(torch, desc, stream, self.dev.device)
-        at = self._room(desc)
         dev = self.dev[at : at + n]
         with torch.cuda.stream(stream):
             dev.copy_(self.host[at : at + n], non_blocking=True)
         self._hold(at, n, stream)
         return dev.view(desc.shape)
 
-    def upload_raw(self, desc: np.ndarray, stream, mod) -> tuple[int, object]:
+    def upload_raw(self, desc: np.ndarray, stream, mod, pin: bool = False) -> tuple[int, object]:
         """``upload`` for the native kernels: the device address of ``desc`` (C order) and what must
         stay referenced until the kernel that reads it is queued. One call of the native module's
         copy instead of torch's slicing, stream switch and ``copy_``: a one-chunk request's upload
-        took several times its work in those (each a cold, long path in the engine's process)."""
+        took several times its work in those (each a cold, long path in the engine's process).
+        ``pin``: the kernel is queued later, after other uploads may have come: the device region
+        is not written again until ``unpin`` (stream order alone protects it only up to its
+        reader's launch)."""
         n = desc.size
-        if n > self.words:
+        at = self._room(desc) if n <= self.words else None
+        if at is None:  # too large, or the ring's next region is pinned: a buffer of its own
             dev = _upload(self.torch, desc, stream, self.dev.device)
             return dev.data_ptr(), dev
-        at = self._room(desc)
         mod.memcpy_many([self.dev_ptr + 8 * at], [self.host_ptr + 8 * at], [8 * n], False, stream.cuda_stream)
         self._hold(at, n, stream)
+        if pin:
+            self.pinned[self.dev_ptr + 8 * at] = (at, at + n)
         return self.dev_ptr + 8 * at, None
 
-    def _room(self, desc: np.ndarray) -> int:
-        """Where ``desc`` goes in the ring (written into its host half already)."""
+    def unpin(self, addr: int) -> None:
+        """The kernel reading the descriptors at device address ``addr`` is queued (or will not
+        be): stream order protects them from here on."""
+        self.pinned.pop(addr, None)
+
+    def _room(self, desc: np.ndarray) -> int | None:
+        """Where ``desc`` goes in the ring (written into its host half already); None when that
+        region is pinned."""
         n = desc.size
         at = self.head if self.head + n <= self.words else 0
+        if any(_overlaps(p, at, at + n) for p in self.pinned.values()):
+            return None
         while self.held and self.held[0][2].query():
             self.held.popleft()
         while any(_overlaps(h, at, at + n) for h in self.held):  # oldest first, until none overlaps

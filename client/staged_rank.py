@@ -250,7 +250,12 @@ class StagedRank:
         scattered: Future = Future()
         fut = kw["job"].reply = self.client.call_async("RETRIEVE", body, timeout=self.timeout_s)
         stamp(rec, "sent")
-        fut.add_done_callback(lambda f: self._scatter(f, batch, at, scattered, kw.get("after"), rec))
+        ids = [blocks_of(c) for c in batch]
+        try:  # while the daemon copies: the answer then only has the scatter launched
+            prepared = self.stager.prepare_scatter(ids, at, null=self.null)
+        except Exception:  # noqa: BLE001 - planned again when the answer comes, and fails there
+            prepared = None
+        fut.add_done_callback(lambda f: self._scatter(f, ids, at, scattered, kw.get("after"), rec, prepared))
         ring.hold(at, size, scattered)
         return scattered
 
@@ -319,25 +324,25 @@ class StagedRank:
             finally:
                 then()
 
-    def _scatter(self, fut: Future, batch: list[dict], at: int, out: Future, ready=None, rec=None) -> None:
-        """On the daemon's answer (the client's I/O thread): scatter what was restored."""
+    def _scatter(
+        self, fut: Future, ids: list, at: int, out: Future, ready=None, rec=None, prepared=None
+    ) -> None:
+        """On the daemon's answer (the client's I/O thread): scatter what was restored (``ids``:
+        per chunk, per group, the block ids; ``prepared``: their scatter planned ahead)."""
         stamp(rec, "answered")
         exc = fut.exception()
         if exc is not None:
+            self.stager.release(prepared)
             out.set_exception(exc)
             return
         reply = fut.result()
         try:
             skip = {(int(g), int(b)) for g, b in reply.get("failed", ())}
             done = self.stager.scatter(
-                [blocks_of(c) for c in batch],
-                at,
-                null=self.null,
-                skip=skip,
-                after=reply.get("event"),
-                ready=ready,
+                ids, at, null=self.null, skip=skip, after=reply.get("event"), ready=ready, prepared=prepared
             )
         except BaseException as e:  # noqa: BLE001 - the load failed: the engine recomputes
+            self.stager.release(prepared)
             out.set_exception(e)
             return
         stamp(rec, "scattered")

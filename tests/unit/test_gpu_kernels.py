@@ -121,3 +121,66 @@ def test_gather_kernel_at_llama_scale(kind, mod):
     check_objects(case, items, ids)
     assert gbps > 200
     assert np.count_nonzero(host_t.numpy()) > 0
+
+
+def _scatter_setup(case, words: int = 0):
+    """A stager over a zeroed copy of ``case``'s buffer with random staging bytes (``words``: its
+    scatter descriptor ring that small), and a reference stager with the same staging."""
+    from tierd_client.cuda_stage import _DescRing
+
+    lay = page_layout(case, case.buf.numel())
+    target, ref_target = torch.zeros_like(case.buf), torch.zeros_like(case.buf)
+    stager, ref = Stager(lay, [target], 1 << 20, "kernel"), Stager(lay, [ref_target], 1 << 20, "kernel")
+    stager.buf.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=stager.buf.device))
+    ref.buf.copy_(stager.buf)
+    if words:
+        stager.rings[True] = _DescRing(torch, stager.device, words=words)
+    torch.cuda.synchronize()
+    return stager, target, ref, ref_target
+
+
+def _blocks(case, buf, ids):
+    from tierd_client.cuda_gather import layer_views
+
+    return [v[ids] for v in layer_views(case.group, [buf])]
+
+
+def _same(case, a, b, ids) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(_blocks(case, a, ids), _blocks(case, b, ids)))
+
+
+@pytest.mark.parametrize("skip", [set(), {(0, 1), (0, 2)}], ids=["all", "skipped"])
+def test_a_scatter_prepared_before_its_answer_restores_what_one_planned_at_the_answer_does(skip, mod):
+    """A RETRIEVE's scatter is planned and its descriptors uploaded while the daemon copies; the
+    answer then launches it. Same bytes as planning at the answer, and with failed blocks in the
+    answer the prepared plan is set aside for one that skips them."""
+    case = vllm_case(torch, "LBNHC", f"cuda:{DEV}", layers=2, blocks=16, bpc=2)
+    stager, target, ref, ref_target = _scatter_setup(case)
+    chunks = [[[5, 1]], [[2, 7]]]
+    prepared = stager.prepare_scatter(chunks, 4096)
+    assert prepared is not None and prepared.plans
+    stager.scatter(chunks, 4096, skip=skip, prepared=prepared).synchronize()
+    ref.scatter(chunks, 4096, skip=skip).synchronize()
+    assert torch.equal(target, ref_target)
+    assert not stager.rings[True].pinned  # its ring place is let go either way
+    assert _same(case, target, ref_target, [5, 1, 2, 7]) and target.count_nonzero() > 0
+
+
+def test_prepared_scatter_descriptors_outlive_uploads_that_wrap_the_ring(mod):
+    """Descriptors uploaded ahead are read by a kernel queued later: uploads in between that wrap
+    the ring must not overwrite them (stream order protects a region only up to its reader's
+    launch). Control: with the pin let go at once, the wrap overwrites them and the prepared
+    scatter writes another request's blocks."""
+    case = vllm_case(torch, "LBNHC", f"cuda:{DEV}", layers=2, blocks=16, bpc=2)
+    mine, others = [[[0, 1]], [[2, 3]]], [[[8, 9]], [[10, 11]]]
+    for pinned in (True, False):
+        stager, target, ref, ref_target = _scatter_setup(case, words=64)
+        prepared = stager.prepare_scatter(mine, 0)
+        if not pinned:
+            for plan in prepared.plans:
+                stager.rings[True].unpin(plan.desc)
+        for _ in range(12):  # 8 words each: the ring of 64 wraps onto the prepared region
+            stager.scatter(others, 8192)
+        stager.scatter(mine, 0, prepared=prepared).synchronize()
+        ref.scatter(mine, 0).synchronize()
+        assert _same(case, target, ref_target, [0, 1, 2, 3]) is pinned, f"pinned={pinned}"
