@@ -28,6 +28,7 @@ def open_pool(settings: Settings, cuda) -> Pool:
         eviction_log=settings.eviction_log,
         eviction_policy=settings.eviction_policy,
         grow_bytes=settings.l1_grow_mb << 20,
+        grow_ahead=settings.l1_grow_ahead,
         pool_dir=settings.pool_dir,
         meta=warm.pool_meta(settings),
         index_dir=settings.pool_index_dir,

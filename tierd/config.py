@@ -34,6 +34,12 @@ class Settings:
         "from this up to --l1-segment-mb (a first 1 MiB object backs 64 MiB).",
         min=1,
     )
+    l1_grow_ahead: bool = _opt(
+        True,
+        "Once the pool has grown on demand, back the next step's memory on a thread of its own before it "
+        "is needed (at most one step ahead, under the ceiling), so a growth holds no request; off: each "
+        "step is backed when a store needs it, on the daemon's main loop (without --pool-dir only).",
+    )
     socket: str = _opt(
         None,
         "ZeroMQ endpoint to bind: ipc://PATH (default under $XDG_RUNTIME_DIR or /tmp) or tcp://HOST:PORT.",

@@ -179,6 +179,9 @@ class Stager:
     def __init__(self, chunk_bytes=100, nbytes=2000, slow=False):
         self.chunk_bytes, self.nbytes, self.groups, self.slow = chunk_bytes, nbytes, [None], slow
         self.gathered: list[Event] = []
+        self.prepared: list[tuple] = []  # (chunks, at) of every scatter prepared
+        self.scattered: list = []  # what each scatter was handed as prepared
+        self.released: list = []
 
     def gather(self, chunks, at, after=None, null=-1, fence=True):
         return None
@@ -187,7 +190,15 @@ class Stager:
         self.gathered.append(Event(done=not self.slow))
         return self.gathered[-1]
 
-    def scatter(self, chunks, at, null=-1, skip=None, after=None, ready=None):
+    def prepare_scatter(self, chunks, at, null=-1):
+        self.prepared.append((chunks, at))
+        return ("prepared", len(self.prepared))
+
+    def release(self, prepared):
+        self.released.append(prepared)
+
+    def scatter(self, chunks, at, null=-1, skip=None, after=None, ready=None, prepared=None):
+        self.scattered.append(prepared)
         return Event()
 
 
@@ -333,3 +344,23 @@ def test_a_waiting_caller_reads_the_answer_itself_only_for_a_job_alone_in_flight
     with pytest.raises(TimeoutError):
         job.result(0.01)
     assert job.reply.pumped == (1 if alone else 0)
+
+
+def test_a_retrieves_scatter_is_prepared_while_the_daemon_copies_and_let_go_when_the_answer_fails():
+    """The scatter's plan and descriptors are made right after the RETRIEVE is sent, so the answer
+    only launches it; an answer that fails lets the prepared plan go (its upload-ring place)."""
+    client, stager = Client(), Stager()
+    rank = StagedRank(client, "e/0", stager)
+    try:
+        fut = rank.retrieve([chunk(b"a" * 16, [1, 2])])
+        assert [c for c, _ in stager.prepared] == [[[[1, 2]]]] and stager.scattered == []
+        client.answer(0, {"ok": [True], "failed": []})
+        assert fut.result(1)["ok"] == [True]
+        assert stager.scattered == [("prepared", 1)] and stager.released == []
+        failing = rank.retrieve([chunk(b"b" * 16, [3])])
+        client.futs[1].set_exception(RuntimeError("the daemon went away"))
+        with pytest.raises(RuntimeError):
+            failing.result(1)
+        assert stager.released == [("prepared", 2)] and stager.scattered == [("prepared", 1)]
+    finally:
+        rank.close()

@@ -126,7 +126,7 @@ def test_gather_kernel_at_llama_scale(kind, mod):
 def _scatter_setup(case, words: int = 0):
     """A stager over a zeroed copy of ``case``'s buffer with random staging bytes (``words``: its
     scatter descriptor ring that small), and a reference stager with the same staging."""
-    from tierd_client.cuda_stage import _DescRing
+    from tierd_client.desc_ring import DescRing
 
     lay = page_layout(case, case.buf.numel())
     target, ref_target = torch.zeros_like(case.buf), torch.zeros_like(case.buf)
@@ -134,7 +134,7 @@ def _scatter_setup(case, words: int = 0):
     stager.buf.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=stager.buf.device))
     ref.buf.copy_(stager.buf)
     if words:
-        stager.rings[True] = _DescRing(torch, stager.device, words=words)
+        stager.rings[True] = DescRing(torch, stager.device, words=words)
     torch.cuda.synchronize()
     return stager, target, ref, ref_target
 

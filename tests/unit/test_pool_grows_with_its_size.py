@@ -7,6 +7,9 @@ Regression: every growth backed a whole --l1-segment-mb segment: 1 GiB for a 1.2
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 from pool_dirs import shm_dir  # noqa: F401 - fixture
 
@@ -103,3 +106,76 @@ def test_a_warm_restart_keeps_the_grown_segments_whatever_the_grow_step(shm_dir,
         assert [seg.nbytes for seg in pool.segments.segments] == sizes and pool.objects == 80
     finally:
         pool.close()
+
+
+@pytest.fixture
+def backings(monkeypatch):
+    """(thread id, bytes) of every memfd segment backed, in order."""
+    from tierd.pool import pages
+
+    seen, real = [], pages.memfd_backed
+
+    def recorded(name, nbytes):
+        seen.append((threading.get_ident(), nbytes))
+        return real(name, nbytes)
+
+    monkeypatch.setattr(pages, "memfd_backed", recorded)
+    return seen
+
+
+def steps(ceiling: int, ahead: bool) -> SegmentSet:
+    """Segments from 64 KiB up to 1 MiB, grown on demand (and ``ahead``) up to ``ceiling``."""
+    return SegmentSet(ceiling, 0, 1 * MIB, 4 * KIB, grow_bytes=64 * KIB, ahead=ahead)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "on-demand"])
+def test_a_growth_takes_over_memory_backed_ahead_on_a_thread_of_its_own(backings, ahead):
+    """Backing a step holds the daemon's main loop for 0.3 s per GiB (several times that in a VM):
+    with ``ahead`` every growth after the first on-demand one takes over a segment backed on
+    another thread beforehand; without it, each is backed on the caller's thread."""
+    s = steps(8 * MIB, ahead)
+    try:
+        for _ in range(4):  # 64 KiB each: segments of 64, 64 and 128 KiB
+            assert s.alloc(64 * KIB) is not None
+        assert [g.nbytes // KIB for g in s.segments] == [64, 64, 128]  # the steps do not change
+        me = threading.get_ident()
+        assert backings[0] == (me, 64 * KIB)  # the first growth: on demand, here
+        assert [(t != me, n // KIB) for t, n in backings[1:3]] == [(ahead, 64), (ahead, 128)]
+        if ahead:
+            assert s.spare is not None and s.spare.nbytes == 256 * KIB  # the next step, being backed
+        else:
+            assert s.spare is None and len(backings) == 3
+    finally:
+        s.close()
+
+
+def test_memory_backed_ahead_stays_under_the_ceiling_and_the_steps_are_unchanged():
+    ceiling = 4 * MIB + 96 * KIB
+    s = steps(ceiling, ahead=True)
+    try:
+        while s.alloc(64 * KIB) is not None:
+            assert s.backed + (s.spare.nbytes if s.spare is not None else 0) <= ceiling
+        sizes = [seg.nbytes // KIB for seg in s.segments]
+        assert sizes == [64, 64, 128, 256, 512, 1024, 1024, 1024, 96]
+        assert s.backed == ceiling and s.spare is None  # nothing left to back ahead
+    finally:
+        s.close()
+
+
+def test_a_spare_is_let_go_when_a_larger_block_needs_a_segment_of_its_own_and_when_the_pool_closes():
+    before = open_fds()
+    s = steps(16 * MIB, ahead=True)
+    try:
+        assert s.alloc(64 * KIB) is not None and s.spare.nbytes == 64 * KIB
+        assert s.alloc(2 * MIB) is not None  # larger than the step: grown at its own size
+        assert [g.nbytes for g in s.segments] == [64 * KIB, 2 * MIB]
+        assert s.spare is not None and s.spare.index == 2 and s.spare.wait(10)  # the next step
+        # two segments and the new spare, each a descriptor and its mapping's: the first spare's went
+        assert open_fds() == before + 6
+    finally:
+        s.close()
+    assert open_fds() == before

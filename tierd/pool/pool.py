@@ -93,6 +93,7 @@ class Pool(Recency, Allocation):
         eviction_log: int = 0,
         grow_bytes: int | None = None,
         eviction_policy: str = policy.DEFAULT,
+        grow_ahead: bool = False,
     ):
         """``pool_dir``: a tmpfs/hugetlbfs folder whose files back the pool and let a restart
         recover it; ``meta``: the caller's settings that shape objects (msgpack-able), which a
@@ -100,8 +101,7 @@ class Pool(Recency, Allocation):
         (default ``pool_dir``; required when that is hugetlbfs); ``ns_quota_bytes``: the bytes
         (slots) one namespace may hold, 0 for no quota; ``eviction_log``: the records ``evlog``
         keeps (0: it only counts); ``grow_bytes``: the smallest segment grown on demand, segments
-        doubling with the pool up to ``segment_bytes`` (tierd.pool.segments; default: all of
-        ``segment_bytes``)."""
+        doubling up to ``segment_bytes`` (default: all equal); ``grow_ahead``: tierd.pool.segments."""
         self.policy = policy.make(eviction_policy)  # eviction order (tierd.pool.policy)
         self.init_recency()
         self.init_allocation()
@@ -115,8 +115,8 @@ class Pool(Recency, Allocation):
             else Persist(pool_dir, index_dir, align, segment_bytes, meta, grow_bytes=grow_bytes)
         )
         if self.persist is None:
-            segments = SegmentSet(ceiling, initial, segment_bytes, align, pinner, grow_bytes=grow_bytes)
-            self.build(segments, None)
+            grow = {"grow_bytes": grow_bytes, "ahead": grow_ahead}
+            self.build(SegmentSet(ceiling, initial, segment_bytes, align, pinner, **grow), None)
         else:
             self.persist.open(self, ceiling, initial, pinner)
         self.warm_restart: dict | None = None if self.persist is None else self.persist.report
