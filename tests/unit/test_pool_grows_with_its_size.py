@@ -179,3 +179,32 @@ def test_a_spare_is_let_go_when_a_larger_block_needs_a_segment_of_its_own_and_wh
     finally:
         s.close()
     assert open_fds() == before
+
+
+class Pinner:
+    """Stands in for the CUDA host pinner: records pins (thread, address, bytes) and unpins."""
+
+    def __init__(self):
+        self.pins: list[tuple[int, int, int]] = []
+        self.unpins: list[int] = []
+
+    def pin(self, addr: int, nbytes: int) -> None:
+        self.pins.append((threading.get_ident(), addr, nbytes))
+
+    def unpin(self, addr: int) -> None:
+        self.unpins.append(addr)
+
+
+def test_memory_backed_ahead_is_pinned_on_its_own_thread_once_and_unpinned_when_let_go():
+    """cudaHostRegister also takes a while per GiB: a spare is pinned where it is backed, the
+    segment that takes it over does not pin it again, and a spare closed untaken is unpinned."""
+    pinner, me = Pinner(), threading.get_ident()
+    s = SegmentSet(16 * MIB, 0, 1 * MIB, 4 * KIB, pinner=pinner, grow_bytes=64 * KIB, ahead=True)
+    try:
+        assert s.alloc(64 * KIB) is not None and s.alloc(64 * KIB) is not None  # two segments
+        assert [(t == me, n // KIB) for t, _, n in pinner.pins[:2]] == [(True, 64), (False, 64)]
+        assert [a for _, a, _ in pinner.pins[:2]] == [g.addr for g in s.segments]  # once each
+        assert all(g.pinned for g in s.segments) and s.spare.wait(10)
+    finally:
+        s.close()
+    assert len(pinner.pins) == 3 and sorted(pinner.unpins) == sorted(a for _, a, _ in pinner.pins)

@@ -69,20 +69,24 @@ def memfd_backed(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
 
 class Spare:
     """Segment ``index``'s memory (``nbytes`` of memfd), backed on a thread of its own from the
-    moment it is made: backing costs about 0.3 s per GiB on a bare host and several times that
-    in a VM, during which a growth on the daemon's main loop would hold every request. ``take``
-    hands over the descriptor and mapping (waiting for the backing if it is not done); ``close``
-    lets them go untaken."""
+    moment it is made, and pinned there too with a ``pinner`` (cudaHostRegister takes a while per
+    GiB as well): backing costs about 0.3 s per GiB on a bare host and several times that in a
+    VM, during which a growth on the daemon's main loop would hold every request. ``take`` hands
+    over the descriptor, the mapping and whether it is pinned (waiting for the backing if it is
+    not done); ``close`` lets them go untaken."""
 
-    def __init__(self, index: int, nbytes: int):
-        self.index, self.nbytes = index, nbytes
-        self._out: tuple[int, mmap.mmap] | None = None
+    def __init__(self, index: int, nbytes: int, pinner=None):
+        self.index, self.nbytes, self.pinner = index, nbytes, pinner
+        self._out: tuple[int, mmap.mmap, bool] | None = None
         self._done = threading.Event()
         threading.Thread(target=self._run, name="tierd-pool-grow", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            self._out = memfd_backed(f"tierd-l1-{self.index}", self.nbytes)
+            fd, mapping = memfd_backed(f"tierd-l1-{self.index}", self.nbytes)
+            if self.pinner is not None:
+                self.pinner.pin(_address(mapping), self.nbytes)
+            self._out = (fd, mapping, self.pinner is not None)
         except Exception as exc:  # noqa: BLE001 - the growth then backs it on the main loop, as before
             log.warning("backing segment %d ahead of need failed: %s", self.index, exc)
         finally:
@@ -92,8 +96,9 @@ class Spare:
         """Whether the backing is over (done or failed), waiting at most ``timeout``."""
         return self._done.wait(timeout)
 
-    def take(self) -> tuple[int, mmap.mmap] | None:
-        """The backed descriptor and mapping (now the caller's), or None if backing failed."""
+    def take(self) -> tuple[int, mmap.mmap, bool] | None:
+        """The backed descriptor, its mapping and whether that is pinned (now the caller's), or
+        None if backing failed."""
         self.wait()
         out, self._out = self._out, None
         return out
@@ -101,8 +106,19 @@ class Spare:
     def close(self) -> None:
         out = self.take()
         if out is not None:
-            out[1].close()
-            os.close(out[0])
+            fd, mapping, pinned = out
+            if pinned:
+                self.pinner.unpin(_address(mapping))
+            mapping.close()
+            os.close(fd)
+
+
+def _address(mapping: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # (the mapping can be closed again)
 
 
 _THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"

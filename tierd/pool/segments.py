@@ -56,15 +56,16 @@ class Segment:
         path: str | None = None,
         create: bool = True,
         where: list[set[int]] | None = None,
-        backing: tuple[int, mmap.mmap] | None = None,
+        backing: tuple[int, mmap.mmap, bool] | None = None,
     ):
         """``where``: per order, the indexes of the segments with a free block of that order
         (the SegmentSet's, kept up to date here); ``backing``: a memfd and its mapping of
-        ``nbytes``, every page backed, that the segment takes over."""
+        ``nbytes``, every page backed, that the segment takes over, and whether ``pinner`` pinned it."""
         self.index = index
         self.nbytes = nbytes
+        pinned = False
         if backing is not None:  # memfd backed already (pages.Spare)
-            self._fd, self._map = backing
+            self._fd, self._map, pinned = backing
         elif path is None:
             self._fd, self._map = pages.memfd_backed(f"tierd-l1-{index}", nbytes)
         else:
@@ -84,8 +85,8 @@ class Segment:
                 raise
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self.pinned = False
-        if pinner is not None:
+        self.pinned = pinned
+        if pinner is not None and not pinned:
             pinner.pin(self.addr, nbytes)
             self.pinned = True
         self._free: list[set[int]] = [set() for _ in range(nbytes.bit_length())]  # order -> offsets
@@ -285,7 +286,7 @@ class SegmentSet:
         if self.ahead and self.spare is None:
             nbytes = self.next_segment_bytes()
             if nbytes > 0:
-                self.spare = pages.Spare(len(self.segments), nbytes)
+                self.spare = pages.Spare(len(self.segments), nbytes, self.pinner)
 
     def _add(self, nbytes: int, create: bool, backing=None) -> Segment:
         i = len(self.segments)
