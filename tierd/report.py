@@ -93,6 +93,8 @@ def _memory(s: dict) -> str:
     if "memory_segments" in s:  # (a daemon before segments that grow with the pool: not shown)
         n, step = s["memory_segments"], s["memory_next_segment_bytes"]
         grow = f"the next grows {_bytes(step)}" if step else "none can grow"
+        if s.get("memory_ahead_bytes"):
+            grow += ", backed ahead"
         backed += f" ({n} segment{'' if n == 1 else 's'}; {grow})"
     ceiling = _bytes(s["memory_configured_bytes"])
     huge = s.get("memory_huge_pages")

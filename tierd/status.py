@@ -128,6 +128,7 @@ def build_status(daemon) -> dict:
             "memory_total_bytes": pool.backed_bytes,
             "memory_segments": len(pool.segments.segments),
             "memory_next_segment_bytes": pool.segments.next_segment_bytes(),
+            "memory_ahead_bytes": pool.segments.ahead_bytes,
             "memory_used_bytes": pool.used_bytes,
             "memory_pinned_bytes": daemon.cuda.pinned_bytes if daemon.cuda else 0,
             "memory_huge_pages": huge,

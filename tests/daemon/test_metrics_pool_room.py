@@ -18,6 +18,7 @@ ROOM = (
     "memory_total_bytes",
     "memory_segments",
     "memory_next_segment_bytes",
+    "memory_ahead_bytes",
     "memory_pinned_bytes",
     "largest_free_bytes",
     "largest_storable_bytes",

@@ -16,6 +16,7 @@ from pool_dirs import shm_dir  # noqa: F401 - fixture
 from tierd.config import Settings
 from tierd.pool.pool import Pool
 from tierd.pool.segments import SegmentSet
+from tierd.report import status_table
 
 KIB, MIB = 1 << 10, 1 << 20
 NS = b"namespace-0"
@@ -31,6 +32,8 @@ def test_a_first_small_object_backs_one_64_mib_segment_not_a_whole_gib(tmp_path)
         st = d.status()
         assert st["memory_total_bytes"] == 64 * MIB and st["memory_segments"] == 1
         assert st["memory_next_segment_bytes"] == 64 * MIB and st["memory_used_bytes"] == 1280 * KIB
+        assert st["memory_ahead_bytes"] == 64 * MIB  # the next step, backed ahead (not in the total)
+        assert "1 segment; the next grows 64.00 MiB, backed ahead" in status_table(st)  # tierd status
         d.pool.abort([obj])
     finally:
         d.close()

@@ -325,6 +325,12 @@ class SegmentSet:
         step = min(self.segment_bytes, max(self.grow_bytes, 1 << max(0, self.backed.bit_length() - 1)))
         return min(self.ceiling - self.backed, _round_up(max(1 << k, step), self.grain))
 
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes backed (or being backed) ahead for the next growth, not in a segment yet."""
+        spare = self.spare
+        return 0 if spare is None else spare.nbytes
+
     def can_grow(self, k: int) -> bool:
         """Whether a new segment holding a block of order ``k`` fits under the ceiling."""
         return self.grow_error is None and self.ceiling - self.backed >= 1 << k
