@@ -38,7 +38,7 @@ class Settings:
         True,
         "Once the pool has grown on demand, back the next step's memory on a thread of its own before it "
         "is needed (at most one step ahead, under the ceiling), so a growth holds no request; off: each "
-        "step is backed when a store needs it, on the daemon's main loop (without --pool-dir only).",
+        "step is backed when a store needs it, on the daemon's main loop.",
     )
     socket: str = _opt(
         None,

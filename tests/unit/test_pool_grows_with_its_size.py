@@ -91,19 +91,30 @@ def fill(pool: Pool, n: int, nbytes: int) -> None:
         pool.commit([obj])
 
 
-@pytest.mark.parametrize("grow_after", [64 * KIB, None])
-def test_a_warm_restart_keeps_the_grown_segments_whatever_the_grow_step(shm_dir, grow_after):  # noqa: F811
+@pytest.mark.parametrize(("grow_after", "ahead"), [(64 * KIB, False), (None, False), (64 * KIB, True)])
+def test_a_warm_restart_keeps_the_grown_segments_whatever_the_grow_step(shm_dir, grow_after, ahead):  # noqa: F811
     """The grow step shapes only new segments: it is not among the settings a restart compares
-    (so a pool of 1 GiB segments written before the step existed restarts warm too)."""
-    pool = Pool(8 * MIB, 0, 4 * KIB, 1 * MIB, pool_dir=shm_dir, meta={"m": 1}, grow_bytes=64 * KIB)
+    (so a pool of 1 GiB segments written before the step existed restarts warm too). Backed
+    ahead, a pool folder's next segment is a file of its own until the pool takes it; one left
+    behind (a crash) is removed at the next start, which is warm all the same."""
+    pool = Pool(
+        8 * MIB, 0, 4 * KIB, 1 * MIB, pool_dir=shm_dir, meta={"m": 1}, grow_bytes=64 * KIB, grow_ahead=ahead
+    )
     try:
         fill(pool, 80, 4 * KIB)  # ten slabs of 32 KiB
         sizes = [seg.nbytes for seg in pool.segments.segments]
         assert sizes == [64 * KIB, 64 * KIB, 128 * KIB, 256 * KIB]
+        if ahead:  # the next step's file, being backed
+            assert pool.segments.spare.wait(10) and os.path.exists(f"{shm_dir}/segment-00004.ahead")
         pool.save()
     finally:
         pool.close()
+    names = sorted(os.listdir(shm_dir))
+    assert [n for n in names if n.startswith("segment")] == [f"segment-0000{i}" for i in range(4)]
+    with open(f"{shm_dir}/segment-00004.ahead", "wb") as fh:  # as a crash would leave it
+        fh.write(b"x" * 4096)
     pool = Pool(8 * MIB, 0, 4 * KIB, 1 * MIB, pool_dir=shm_dir, meta={"m": 1}, grow_bytes=grow_after)
+    assert not os.path.exists(f"{shm_dir}/segment-00004.ahead")
     try:
         assert pool.warm_restart["warm"], pool.warm_restart["reason"]
         assert [seg.nbytes for seg in pool.segments.segments] == sizes and pool.objects == 80
@@ -211,3 +222,25 @@ def test_memory_backed_ahead_is_pinned_on_its_own_thread_once_and_unpinned_when_
     finally:
         s.close()
     assert len(pinner.pins) == 3 and sorted(pinner.unpins) == sorted(a for _, a, _ in pinner.pins)
+
+
+def test_a_pool_folders_segment_backed_ahead_is_renamed_to_its_name_when_the_pool_takes_it(shm_dir):  # noqa: F811
+    from tierd.pool.pooldir import PoolDir
+
+    folder = PoolDir(shm_dir)
+    s = SegmentSet(8 * MIB, 0, 1 * MIB, 4 * KIB, folder=folder, grow_bytes=64 * KIB, ahead=True)
+    try:
+        assert s.alloc(64 * KIB) is not None and s.spare.wait(10)
+        assert sorted(os.listdir(shm_dir)) == ["lock", "segment-00000", "segment-00001.ahead"]
+        assert s.alloc(64 * KIB) is not None and s.spare.wait(10)  # takes it; the next one is backed
+        assert sorted(os.listdir(shm_dir)) == [
+            "lock",
+            "segment-00000",
+            "segment-00001",
+            "segment-00002.ahead",
+        ]
+        assert folder.segments() == [0, 1] and [g.nbytes for g in s.segments] == [64 * KIB, 64 * KIB]
+    finally:
+        s.close()
+        folder.close()
+    assert sorted(os.listdir(shm_dir)) == ["lock", "segment-00000", "segment-00001"]  # the spare went

@@ -67,23 +67,49 @@ def memfd_backed(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
         raise
 
 
+def file_backed(path: str, nbytes: int, create: bool = True) -> tuple[int, mmap.mmap]:
+    """File ``path`` of ``nbytes`` (created, or truncated, with ``create``; else it must have that
+    size) and its mapping, every page backed (``map_backed``). On tmpfs a file is backed whole first
+    (fallocate), so a full filesystem fails here, not with SIGBUS at a later copy."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot back {nbytes} bytes of {path}: {exc.strerror}") from None
+        elif os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, not {nbytes}")
+        return fd, map_backed(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        if create:
+            os.unlink(path)
+        raise
+
+
 class Spare:
-    """Segment ``index``'s memory (``nbytes`` of memfd), backed on a thread of its own from the
+    """Segment ``index``'s memory (``nbytes`` of memfd or a file), backed on a thread of its own from the
     moment it is made, and pinned there too with a ``pinner`` (cudaHostRegister takes a while per
     GiB as well): backing costs about 0.3 s per GiB on a bare host and several times that in a
     VM, during which a growth on the daemon's main loop would hold every request. ``take`` hands
     over the descriptor, the mapping and whether it is pinned (waiting for the backing if it is
     not done); ``close`` lets them go untaken."""
 
-    def __init__(self, index: int, nbytes: int, pinner=None):
-        self.index, self.nbytes, self.pinner = index, nbytes, pinner
+    def __init__(self, index: int, nbytes: int, pinner=None, path: str | None = None):
+        """``path``: a file to back instead of a memfd (a pool folder's; ``take``'s caller renames it)."""
+        self.index, self.nbytes, self.pinner, self.path = index, nbytes, pinner, path
         self._out: tuple[int, mmap.mmap, bool] | None = None
         self._done = threading.Event()
         threading.Thread(target=self._run, name="tierd-pool-grow", daemon=True).start()
 
     def _run(self) -> None:
         try:
-            fd, mapping = memfd_backed(f"tierd-l1-{self.index}", self.nbytes)
+            if self.path is None:
+                fd, mapping = memfd_backed(f"tierd-l1-{self.index}", self.nbytes)
+            else:
+                fd, mapping = file_backed(self.path, self.nbytes)
             if self.pinner is not None:
                 self.pinner.pin(_address(mapping), self.nbytes)
             self._out = (fd, mapping, self.pinner is not None)
@@ -111,6 +137,8 @@ class Spare:
                 self.pinner.unpin(_address(mapping))
             mapping.close()
             os.close(fd)
+            if self.path is not None:
+                os.unlink(self.path)
 
 
 def _address(mapping: mmap.mmap) -> int:

@@ -65,11 +65,14 @@ class Persist:
         segment_bytes: int,
         meta: dict | None,
         grow_bytes: int | None = None,
+        ahead: bool = False,
     ):
-        """``grow_bytes``: the pool's smallest segment grown on demand (tierd.pool.segments); not a
-        setting a restart compares: recovered segments keep their recorded sizes."""
+        """``grow_bytes``: the pool's smallest segment grown on demand, ``ahead``: whether the next
+        one is backed before it is needed (tierd.pool.segments); not settings a restart compares:
+        recovered segments keep their recorded sizes."""
         self.folder = PoolDir(pool_dir, index_dir)
         self.align, self.segment_bytes, self.grow_bytes = align, segment_bytes, grow_bytes
+        self.ahead = ahead
         settings = {
             "format": FORMAT,
             "pool_dir": self.folder.path,
@@ -114,7 +117,15 @@ class Persist:
         t0 = time.perf_counter()
         model = self.recover(self.align, ceiling)
         segments = lambda restore: SegmentSet(
-            ceiling, 0, self.segment_bytes, self.align, pinner, self.folder, restore, self.grow_bytes
+            ceiling,
+            0,
+            self.segment_bytes,
+            self.align,
+            pinner,
+            self.folder,
+            restore,
+            self.grow_bytes,
+            self.ahead,
         )
         try:
             pool.build(segments(model.segments if model else ()), model)

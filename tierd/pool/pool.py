@@ -109,13 +109,11 @@ class Pool(Recency, Allocation):
         self.evlog = EvictionLog(eviction_log)
         self._replacing: set[Obj] = set()  # objects being written in place of a committed one
         segment_bytes = min(segment_bytes, ceiling)
+        grow = {"grow_bytes": grow_bytes, "ahead": grow_ahead}
         self.persist = (
-            None
-            if pool_dir is None
-            else Persist(pool_dir, index_dir, align, segment_bytes, meta, grow_bytes=grow_bytes)
+            None if pool_dir is None else Persist(pool_dir, index_dir, align, segment_bytes, meta, **grow)
         )
         if self.persist is None:
-            grow = {"grow_bytes": grow_bytes, "ahead": grow_ahead}
             self.build(SegmentSet(ceiling, initial, segment_bytes, align, pinner, **grow), None)
         else:
             self.persist.open(self, ceiling, initial, pinner)

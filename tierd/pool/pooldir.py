@@ -9,9 +9,10 @@ be written with write(2), only mapped, so with segments there the index and jour
 tmpfs ``index_dir``. Files are mode 0600: they hold every tenant's KV bytes. Only the names
 below are ever created or removed; other files in the folders are left alone.
 
-Names: ``segment-NNNNN`` (segment N, N from 0) in the pool folder; ``index``, ``journal``,
-``*.tmp`` (a file being replaced by rename) in the index folder (the pool folder by default);
-``lock`` in both.
+Names: ``segment-NNNNN`` (segment N, N from 0) and ``segment-NNNNN.ahead`` (its memory backed
+before the pool needs it, renamed to the former when it does; any left at start are removed) in
+the pool folder; ``index``, ``journal``, ``*.tmp`` (a file being replaced by rename) in the index
+folder (the pool folder by default); ``lock`` in both.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ HUGETLBFS_MAGIC = 0x958458F6
 _ACCEPTED = {TMPFS_MAGIC: "tmpfs", HUGETLBFS_MAGIC: "hugetlbfs"}
 _OCTAL = re.compile(r"\\([0-7]{3})")
 _SEGMENT = re.compile(r"segment-(\d{5})\Z")
+_AHEAD = re.compile(r"segment-\d{5}\.ahead\Z")
 
 
 class PoolDirError(RuntimeError):
@@ -59,6 +61,9 @@ class PoolDir:
         except BaseException:
             self.close()
             raise
+        for name in os.listdir(self.path):  # backed ahead by a pool that did not take it
+            if _AHEAD.match(name):
+                os.unlink(os.path.join(self.path, name))
 
     def file(self, name: str) -> str:
         """A file of the index folder."""
@@ -66,6 +71,10 @@ class PoolDir:
 
     def segment(self, i: int) -> str:
         return os.path.join(self.path, f"segment-{i:05d}")
+
+    def ahead(self, i: int) -> str:
+        """Segment ``i``'s file while it is backed ahead of need (tierd.pool.segments)."""
+        return self.segment(i) + ".ahead"
 
     def segments(self) -> list[int]:
         """Indices of the segment files present, sorted."""

@@ -59,30 +59,17 @@ class Segment:
         backing: tuple[int, mmap.mmap, bool] | None = None,
     ):
         """``where``: per order, the indexes of the segments with a free block of that order
-        (the SegmentSet's, kept up to date here); ``backing``: a memfd and its mapping of
+        (the SegmentSet's, kept up to date here); ``backing``: a descriptor and its mapping of
         ``nbytes``, every page backed, that the segment takes over, and whether ``pinner`` pinned it."""
         self.index = index
         self.nbytes = nbytes
         pinned = False
-        if backing is not None:  # memfd backed already (pages.Spare)
+        if backing is not None:  # backed already (pages.Spare)
             self._fd, self._map, pinned = backing
         elif path is None:
             self._fd, self._map = pages.memfd_backed(f"tierd-l1-{index}", nbytes)
         else:
-            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
-            self._fd = os.open(path, flags, 0o600)
-            try:
-                if create:
-                    os.ftruncate(self._fd, nbytes)
-                    _fallocate(self._fd, nbytes, path)  # a full tmpfs fails here, not with SIGBUS later
-                elif os.fstat(self._fd).st_size != nbytes:
-                    raise ValueError(f"{path} holds {os.fstat(self._fd).st_size} bytes, not {nbytes}")
-                self._map = pages.map_backed(self._fd, nbytes)
-            except BaseException:
-                os.close(self._fd)
-                if create:
-                    os.unlink(path)
-                raise
+            self._fd, self._map = pages.file_backed(path, nbytes, create)
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.pinned = pinned
@@ -227,7 +214,7 @@ class SegmentSet:
         ``restore``: sizes of segment files 0.. to map as they are (a recovered pool);
         ``grow_bytes``: the smallest segment grown on demand (default ``segment_bytes``: all equal);
         ``ahead``: once the pool has grown on demand, the next segment's memory is backed on a
-        thread of its own before it is needed (memfd only; ``_look_ahead``)."""
+        thread of its own before it is needed (``_look_ahead``)."""
         if align <= 0 or align & (align - 1):
             raise ValueError(f"alignment {align} is not a power of two")
         self.grain = max(align, folder.grain if folder is not None else 1)  # powers of two: the lcm
@@ -244,7 +231,7 @@ class SegmentSet:
         self.backed = 0
         self.watch = None  # told of every segment grown (the pool's journal)
         self.grow_error: str | None = None  # why growing failed (then it is not tried again)
-        self.ahead = ahead and folder is None
+        self.ahead = ahead
         self.spare: pages.Spare | None = None  # the next segment, being backed (``_look_ahead``)
         try:
             for nbytes in restore:
@@ -271,6 +258,8 @@ class SegmentSet:
         if spare is not None:
             if spare.index == len(self.segments) and spare.nbytes == nbytes:
                 backing = spare.take()  # None if backing it failed: then here, as without one
+                if backing is not None and spare.path is not None:  # a pool folder's: its own name now
+                    os.rename(spare.path, self.folder.segment(spare.index))
             else:  # a growth for a larger block than the step
                 spare.close()
         seg = self._add(nbytes, create=True, backing=backing)
@@ -286,7 +275,9 @@ class SegmentSet:
         if self.ahead and self.spare is None:
             nbytes = self.next_segment_bytes()
             if nbytes > 0:
-                self.spare = pages.Spare(len(self.segments), nbytes, self.pinner)
+                i = len(self.segments)
+                path = None if self.folder is None else self.folder.ahead(i)
+                self.spare = pages.Spare(i, nbytes, self.pinner, path)
 
     def _add(self, nbytes: int, create: bool, backing=None) -> Segment:
         i = len(self.segments)
@@ -363,13 +354,6 @@ class SegmentSet:
             seg.close(self.pinner)
         self.segments.clear()
         self.backed = 0
-
-
-def _fallocate(fd: int, nbytes: int, path: str) -> None:
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot back {nbytes} bytes of {path}: {exc.strerror}") from None
 
 
 def _round_up(n: int, align: int) -> int:
