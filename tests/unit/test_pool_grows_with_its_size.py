@@ -244,3 +244,24 @@ def test_a_pool_folders_segment_backed_ahead_is_renamed_to_its_name_when_the_poo
         s.close()
         folder.close()
     assert sorted(os.listdir(shm_dir)) == ["lock", "segment-00000", "segment-00001"]  # the spare went
+
+
+def test_a_spare_that_cannot_be_named_is_let_go_and_the_growth_backs_its_segment_as_before(
+    shm_dir, monkeypatch
+):  # noqa: F811
+    from tierd.pool import pages
+    from tierd.pool.pooldir import PoolDir
+
+    def refuse(src, dst):
+        raise OSError(13, "refused")
+
+    folder = PoolDir(shm_dir)
+    s = SegmentSet(8 * MIB, 0, 1 * MIB, 4 * KIB, folder=folder, grow_bytes=64 * KIB, ahead=True)
+    try:
+        assert s.alloc(64 * KIB) is not None and s.spare.wait(10)
+        monkeypatch.setattr(pages.os, "rename", refuse)
+        assert s.alloc(64 * KIB) is not None and s.spare.wait(10)
+        assert folder.segments() == [0, 1] and "segment-00001.ahead" not in os.listdir(shm_dir)
+    finally:
+        s.close()
+        folder.close()

@@ -90,15 +90,14 @@ def file_backed(path: str, nbytes: int, create: bool = True) -> tuple[int, mmap.
 
 
 class Spare:
-    """Segment ``index``'s memory (``nbytes`` of memfd or a file), backed on a thread of its own from the
-    moment it is made, and pinned there too with a ``pinner`` (cudaHostRegister takes a while per
-    GiB as well): backing costs about 0.3 s per GiB on a bare host and several times that in a
-    VM, during which a growth on the daemon's main loop would hold every request. ``take`` hands
-    over the descriptor, the mapping and whether it is pinned (waiting for the backing if it is
-    not done); ``close`` lets them go untaken."""
+    """Segment ``index``'s memory (``nbytes`` of memfd, or the file ``path``), backed on a thread
+    of its own from the moment it is made, and pinned there too with a ``pinner``
+    (cudaHostRegister takes a while per GiB as well): backing costs about 0.3 s per GiB on a bare
+    host and several times that in a VM, during which a growth on the daemon's main loop would
+    hold every request. ``take`` hands over the descriptor, the mapping and whether it is pinned
+    (waiting for the backing if it is not done); ``close`` lets them go untaken."""
 
     def __init__(self, index: int, nbytes: int, pinner=None, path: str | None = None):
-        """``path``: a file to back instead of a memfd (a pool folder's; ``take``'s caller renames it)."""
         self.index, self.nbytes, self.pinner, self.path = index, nbytes, pinner, path
         self._out: tuple[int, mmap.mmap, bool] | None = None
         self._done = threading.Event()
@@ -122,23 +121,33 @@ class Spare:
         """Whether the backing is over (done or failed), waiting at most ``timeout``."""
         return self._done.wait(timeout)
 
-    def take(self) -> tuple[int, mmap.mmap, bool] | None:
-        """The backed descriptor, its mapping and whether that is pinned (now the caller's), or
-        None if backing failed."""
+    def take(self, name: str | None = None) -> tuple[int, mmap.mmap, bool] | None:
+        """The backed descriptor, its mapping and whether that is pinned (now the caller's), the
+        file renamed to ``name`` first if given; None if backing or renaming failed."""
         self.wait()
         out, self._out = self._out, None
+        if out is not None and self.path is not None and name is not None:
+            try:
+                os.rename(self.path, name)
+            except OSError as exc:
+                log.warning("segment %d was backed ahead but cannot be named %s: %s", self.index, name, exc)
+                self._release(out)
+                return None
         return out
 
     def close(self) -> None:
         out = self.take()
         if out is not None:
-            fd, mapping, pinned = out
-            if pinned:
-                self.pinner.unpin(_address(mapping))
-            mapping.close()
-            os.close(fd)
-            if self.path is not None:
-                os.unlink(self.path)
+            self._release(out)
+
+    def _release(self, out: tuple[int, mmap.mmap, bool]) -> None:
+        fd, mapping, pinned = out
+        if pinned:
+            self.pinner.unpin(_address(mapping))
+        mapping.close()
+        os.close(fd)
+        if self.path is not None:
+            os.unlink(self.path)
 
 
 def _address(mapping: mmap.mmap) -> int:

@@ -257,9 +257,8 @@ class SegmentSet:
         spare, self.spare, backing = self.spare, None, None
         if spare is not None:
             if spare.index == len(self.segments) and spare.nbytes == nbytes:
-                backing = spare.take()  # None if backing it failed: then here, as without one
-                if backing is not None and spare.path is not None:  # a pool folder's: its own name now
-                    os.rename(spare.path, self.folder.segment(spare.index))
+                name = None if self.folder is None else self.folder.segment(spare.index)
+                backing = spare.take(name)  # None if that failed: then backed here, as without one
             else:  # a growth for a larger block than the step
                 spare.close()
         seg = self._add(nbytes, create=True, backing=backing)
