@@ -1,6 +1,7 @@
 """How long a growth of the pool holds the daemon's main loop: backed on demand, or ahead.
 
     python benchmarks/pool_growth.py [--ceiling-gb 2] [--fill-gbps 2] [--rounds 2]
+    python benchmarks/pool_growth.py --daemon [--ceiling-gb 2] [--rounds 2]
 
 The pool's segments (tierd.pool.segments, the steps of a default ``tierd serve``: 64 MiB, then as
 large as the pool already is, up to 1 GiB) are filled with 16 MiB blocks, as a store's slabs are
@@ -10,14 +11,23 @@ or STORE of any engine is answered. ``on-demand`` backs each step in the allocat
 (``--no-l1-grow-ahead``); ``ahead`` takes over memory backed on a thread of its own after the
 previous growth (the default). The two alternate, round by round. Prints per mode the growths,
 the longest allocation and the sum of the allocations that grew the pool.
+
+``--daemon``: what an engine sees instead. A private ``tierd serve`` (``--no-l1-grow-ahead`` or
+not) is filled to its ceiling over the wire at ``--fill-gbps``, STOREs of 16 one-MiB chunks from
+shared memory, while a second client PINGs it every 2 ms; prints the PINGs' p50, p99 and longest
+round trip.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import tempfile
+import threading
 import time
+import uuid
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -47,13 +57,81 @@ def fill(ceiling: int, ahead: bool, gbps: float) -> dict:
         s.close()
 
 
+def serve(ceiling: int, ahead: bool, gbps: float) -> dict:
+    """PING round trips while a real daemon's pool is filled to ``ceiling`` (module doc)."""
+    from tierd.testing import ServeProcess
+    from tierd_client import TierdClient
+    from tierd_client.layouts import block_span, group, layout, namespace
+    from tierd_client.shm import SharedBuffer
+
+    nb, bb = 16, MIB
+    with tempfile.TemporaryDirectory(prefix="tierd-pg-") as folder:
+        args = ["--l1-grow-mb", "64"] + ([] if ahead else ["--no-l1-grow-ahead"])
+        d = ServeProcess(folder, *args, pool_mb=ceiling / MIB, http_port=-1, log_level="warning")
+        buf = SharedBuffer(nb * bb)
+        writer, pinger = TierdClient(d.endpoint, timeout_s=30), TierdClient(d.endpoint, timeout_s=30)
+        try:
+            writer.wait_ready(10)
+            pinger.wait_ready(10)
+            spans = [block_span((nb, bb), (bb, 1), 1, 0, tensor=0, offset=0)]
+            ns = namespace("growth", uuid.uuid4().hex)
+            writer.register("w", layout(ns, 0, 16, [buf.ref()], [group("full", 16, spans)]))
+            pings, done = [], threading.Event()
+
+            def ping() -> None:
+                while not done.is_set():
+                    t0 = time.perf_counter()
+                    pinger.ping()
+                    pings.append(time.perf_counter() - t0)
+                    time.sleep(0.002)
+
+            th = threading.Thread(target=ping)
+            th.start()
+            stored = 0
+            while stored < ceiling:
+                chunks = [{"key": uuid.uuid4().bytes, "blocks": [[j]]} for j in range(nb)]
+                t0 = time.perf_counter()
+                res = writer.store("w", chunks)
+                stored += bb * res["results"].count("stored")
+                time.sleep(max(0.0, nb * bb / (gbps * 1e9) - (time.perf_counter() - t0)))
+            done.set()
+            th.join()
+        finally:
+            writer.close()
+            pinger.close()
+            buf.close()
+            d.kill()
+    pings.sort()
+    return {
+        "pings": len(pings),
+        "p50": statistics.median(pings),
+        "p99": pings[int(len(pings) * 0.99)],
+        "max": pings[-1],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ceiling-gb", type=float, default=2.0)
     ap.add_argument("--fill-gbps", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--daemon", action="store_true", help="PINGs to a real daemon while it fills")
     args = ap.parse_args()
     ceiling = int(args.ceiling_gb * 1024) * MIB
+    if args.daemon:
+        print(
+            f"tierd serve, {args.ceiling_gb:g} GiB ceiling filled by STOREs of 16 MiB at {args.fill_gbps:g} "
+            "GB/s; PINGs every 2 ms:"
+        )
+        for r in range(args.rounds):
+            for ahead in (False, True) if r % 2 == 0 else (True, False):
+                f = serve(ceiling, ahead, args.fill_gbps)
+                mode = "ahead" if ahead else "on-demand"
+                print(
+                    f"  round {r + 1} {mode:9s}: {f['pings']} PINGs, p50 {f['p50'] * 1e3:.2f} ms, "
+                    f"p99 {f['p99'] * 1e3:.1f} ms, longest {f['max'] * 1e3:.1f} ms"
+                )
+        return
     print(f"{args.ceiling_gb:g} GiB ceiling, filled with 16 MiB blocks at {args.fill_gbps:g} GB/s:")
     for r in range(args.rounds):
         for ahead in (False, True) if r % 2 == 0 else (True, False):
