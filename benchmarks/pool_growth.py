@@ -119,28 +119,29 @@ def main() -> None:
     args = ap.parse_args()
     ceiling = int(args.ceiling_gb * 1024) * MIB
     if args.daemon:
-        print(
+        head = (
             f"tierd serve, {args.ceiling_gb:g} GiB ceiling filled by STOREs of 16 MiB at {args.fill_gbps:g} "
             "GB/s; PINGs every 2 ms:"
         )
-        for r in range(args.rounds):
-            for ahead in (False, True) if r % 2 == 0 else (True, False):
-                f = serve(ceiling, ahead, args.fill_gbps)
-                mode = "ahead" if ahead else "on-demand"
-                print(
-                    f"  round {r + 1} {mode:9s}: {f['pings']} PINGs, p50 {f['p50'] * 1e3:.2f} ms, "
-                    f"p99 {f['p99'] * 1e3:.1f} ms, longest {f['max'] * 1e3:.1f} ms"
-                )
-        return
-    print(f"{args.ceiling_gb:g} GiB ceiling, filled with 16 MiB blocks at {args.fill_gbps:g} GB/s:")
+    else:
+        head = f"{args.ceiling_gb:g} GiB ceiling, filled with 16 MiB blocks at {args.fill_gbps:g} GB/s:"
+    print(head)
     for r in range(args.rounds):
         for ahead in (False, True) if r % 2 == 0 else (True, False):
-            f = fill(ceiling, ahead, args.fill_gbps)
             mode = "ahead" if ahead else "on-demand"
-            print(
-                f"  round {r + 1} {mode:9s}: {f['growths']} growths, longest allocation "
-                f"{f['longest_s'] * 1e3:8.1f} ms, allocations that grew {f['growth_s'] * 1e3:8.1f} ms"
-            )
+            if args.daemon:
+                f = serve(ceiling, ahead, args.fill_gbps)
+                line = (
+                    f"{f['pings']} PINGs, p50 {f['p50'] * 1e3:.2f} ms, p99 {f['p99'] * 1e3:.1f} ms, "
+                    f"longest {f['max'] * 1e3:.1f} ms"
+                )
+            else:
+                f = fill(ceiling, ahead, args.fill_gbps)
+                line = (
+                    f"{f['growths']} growths, longest allocation {f['longest_s'] * 1e3:8.1f} ms, "
+                    f"allocations that grew {f['growth_s'] * 1e3:8.1f} ms"
+                )
+            print(f"  round {r + 1} {mode:9s}: {line}")
 
 
 if __name__ == "__main__":

@@ -35,13 +35,7 @@ def populate(mapping: mmap.mmap, nbytes: int) -> bool:
     """Back every page of ``mapping`` now, without holding the GIL (Python's MAP_POPULATE mmap
     holds it for the whole backing: about a second per GiB, in which no other thread of the
     daemon runs). False where the kernel does not know MADV_POPULATE_WRITE."""
-    anchor = ctypes.c_char.from_buffer(mapping)
-    try:
-        done = _libc.madvise(
-            ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE
-        )
-    finally:
-        del anchor  # (the mapping can be closed again)
+    done = _libc.madvise(ctypes.c_void_p(address(mapping)), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
     return done == 0
 
 
@@ -110,7 +104,7 @@ class Spare:
             else:
                 fd, mapping = file_backed(self.path, self.nbytes)
             if self.pinner is not None:
-                self.pinner.pin(_address(mapping), self.nbytes)
+                self.pinner.pin(address(mapping), self.nbytes)
             self._out = (fd, mapping, self.pinner is not None)
         except Exception as exc:  # noqa: BLE001 - the growth then backs it on the main loop, as before
             log.warning("backing segment %d ahead of need failed: %s", self.index, exc)
@@ -143,14 +137,15 @@ class Spare:
     def _release(self, out: tuple[int, mmap.mmap, bool]) -> None:
         fd, mapping, pinned = out
         if pinned:
-            self.pinner.unpin(_address(mapping))
+            self.pinner.unpin(address(mapping))
         mapping.close()
         os.close(fd)
         if self.path is not None:
             os.unlink(self.path)
 
 
-def _address(mapping: mmap.mmap) -> int:
+def address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts (the mapping can be closed again afterwards)."""
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
         return ctypes.addressof(anchor)

@@ -27,7 +27,6 @@ segment that is not a power of two is the maximal aligned blocks that tile it.
 
 from __future__ import annotations
 
-import ctypes
 import heapq
 import mmap
 import os
@@ -71,7 +70,7 @@ class Segment:
         else:
             self._fd, self._map = pages.file_backed(path, nbytes, create)
         self.view = np.frombuffer(self._map, dtype=np.uint8)
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.addr = pages.address(self._map)
         self.pinned = pinned
         if pinner is not None and not pinned:
             pinner.pin(self.addr, nbytes)
