@@ -54,7 +54,8 @@ def make_plan(group: GroupLayout, items: list[CopyItem], slot_bytes: int) -> Pla
     ids = np.concatenate([it.ids for it in items]).astype(np.int64, copy=False)
     pos = np.concatenate([it.pos for it in items]).astype(np.int64, copy=False)
     k = np.repeat(np.arange(len(items), dtype=np.int64) % per_slot, counts)
-    desc = np.stack([ids, k * obj + pos * bb, k, pos])
+    step = nl * bb if group.block_major else bb  # GroupLayout.object_strides
+    desc = np.stack([ids, k * obj + pos * step, k, pos])
     ends = np.concatenate([[0], np.cumsum(counts)])
     batches = [
         Batch(int(ends[i0]), int(ends[min(i0 + per_slot, len(items))]), i0, min(i0 + per_slot, len(items)))
@@ -114,14 +115,23 @@ def layer_views(group: GroupLayout, flats: list) -> list:
 
 
 def staging_view(
-    staging, n_items: int, layers: int, bpc: int, bb: int, base: int = 0, item_stride: int | None = None
+    staging,
+    n_items: int,
+    layers: int,
+    bpc: int,
+    bb: int,
+    base: int = 0,
+    item_stride: int | None = None,
+    block_major: bool = False,
 ):
     """``staging`` (flat uint8) as ``[n_items, layers, bpc, block]`` from ``base``, items ``item_stride``
-    bytes apart (default: back to back)."""
+    bytes apart (default: back to back); the bytes laid out ``[item][block][layer]`` for a
+    ``block_major`` group (GroupLayout.block_major), else ``[item][layer][block]``."""
     import torch
 
     stride = item_stride if item_stride is not None else layers * bpc * bb
-    return torch.as_strided(staging, (n_items, layers, bpc, bb), (stride, bpc * bb, bb, 1), base)
+    inner = (bb, layers * bb) if block_major else (bpc * bb, bb)
+    return torch.as_strided(staging, (n_items, layers, bpc, bb), (stride, *inner, 1), base)
 
 
 def torch_gather(
@@ -134,10 +144,11 @@ def torch_gather(
     pos,
     base: int = 0,
     item_stride: int | None = None,
+    block_major: bool = False,
 ) -> None:
     """Blocks ``ids`` of every layer into ``staging`` viewed as ``[n_items, layers, bpc, block]``."""
     bb = views[0].shape[1] * views[0].shape[2]
-    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride)
+    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride, block_major)
     for layer, v in enumerate(views):
         s[:, layer].index_put_((item, pos), v.index_select(0, ids).reshape(-1, bb))
 
@@ -152,9 +163,10 @@ def torch_scatter(
     pos,
     base: int = 0,
     item_stride: int | None = None,
+    block_major: bool = False,
 ) -> None:
     """The reverse of ``torch_gather``."""
     bb = views[0].shape[1] * views[0].shape[2]
-    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride)
+    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride, block_major)
     for layer, v in enumerate(views):
         v.index_put_((ids,), s[:, layer][item, pos].view(-1, v.shape[1], v.shape[2]))

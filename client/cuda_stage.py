@@ -9,8 +9,9 @@ RETRIEVE's bytes out of it; the daemon only DMAs whole objects between that
 buffer (opened over CUDA IPC at REGISTER) and its pinned pool.
 
 Staging layout of a request: its chunks back to back from ``staged_at``, each chunk its groups'
-parts in layout order, each part ``[layer][block of the chunk][block bytes]`` (the daemon's
-combined object layout), so an object is one contiguous DMA.
+parts in layout order, each part ``[layer][block of the chunk][block bytes]`` (``[block][layer]``
+for a GroupLayout.block_major group: the daemon's combined object layout), so an object is one
+contiguous DMA.
 
 Ordering, all on the GPU (no host wait on the engine's forward thread):
 - a gather waits for the event the caller recorded after the forward's KV writes;
@@ -42,9 +43,12 @@ MAX_PEER_EVENTS = 64  # daemon events opened (one per daemon lane; a restarted d
 class GroupCopy:
     """One group's layers as the kernels see them: a device descriptor table and torch views."""
 
-    def __init__(self, torch, group, flats, device):
+    def __init__(self, torch, group, flats, device, chunk_tokens: int):
         self.layers = len(group.layers)
         self.block_bytes = group.block_bytes
+        self.block_major = group.block_major
+        # where layer l's block at chunk position p lies in the group's part: l*layer + p*block
+        self.layer_stride, self.block_stride = group.object_strides(chunk_tokens)
         self.runs, self.run_bytes = group.layers[0].runs, group.layers[0].run_bytes
         bases = [flats[s.tensor].data_ptr() + s.offset for s in group.layers]
         table = np.zeros((self.layers, 4), dtype=np.int64)
@@ -81,7 +85,7 @@ class Stager:
             )
         with torch.cuda.device(self.device):
             flats = [t.view(-1).view(torch.uint8) if t.dim() else t for t in tensors]
-            self.groups = [GroupCopy(torch, g, flats, self.device) for g in layout.groups]
+            self.groups = [GroupCopy(torch, g, flats, self.device, chunk) for g in layout.groups]
             # gathers (STOREs) and scatters (RETRIEVEs) on their own streams: a scatter waits on the GPU for
             # the daemon's DMA, and a store's gather must not queue behind that wait
             # the lowest priority the device has: where the engine's own streams ask for more, its
@@ -245,7 +249,6 @@ class Stager:
         stream = self.scatter_stream if scatter else self.stream
         for plan in plans:
             gc = self.groups[plan.group]
-            bpc, bb = self.blocks_per_chunk[plan.group], gc.block_bytes
             if isinstance(plan, _Kernel):
                 mod = native.get()
                 fn = mod.scatter if scatter else mod.gather
@@ -256,8 +259,8 @@ class Stager:
                     plan.desc + 8 * plan.count,
                     plan.count,
                     self.buf.data_ptr(),
-                    bpc * bb,
-                    bb,
+                    gc.layer_stride,
+                    gc.block_bytes,
                     gc.run_bytes,
                     gc.runs,
                     gc.vec,
@@ -274,18 +277,19 @@ class Stager:
                     gc.views,
                     self.buf,
                     plan.chunks,
-                    bpc,
+                    self.blocks_per_chunk[plan.group],
                     dev[0],
                     dev[1],
                     dev[2],
                     base=plan.base,
                     item_stride=self.chunk_bytes,
+                    block_major=gc.block_major,
                 )
 
     def _jobs(self, chunks, at, g, null, skip):
         """For group ``g``: non-null (and not skipped) block ids, their staging offsets, chunk and
         position."""
-        bb, bpc = self.groups[g].block_bytes, self.blocks_per_chunk[g]
+        step, bpc = self.groups[g].block_stride, self.blocks_per_chunk[g]
         ids, offs, item, pos = [], [], [], []
         base = at + self.group_offsets[g]
         for i, c in enumerate(chunks):
@@ -293,7 +297,7 @@ class Stager:
                 if b == null or (skip and (g, b) in skip):
                     continue
                 ids.append(b)
-                offs.append(base + i * self.chunk_bytes + p * bb)
+                offs.append(base + i * self.chunk_bytes + p * step)
                 item.append(i)
                 pos.append(p)
         assert all(0 <= p < bpc for p in pos)

@@ -149,7 +149,10 @@ def check_objects(case: Case, items: list[CopyItem], ids_per_chunk) -> None:
     """Every present block of every object equals the engine's bytes."""
     g = case.group
     for it, full in zip(items, ids_per_chunk):
-        obj = it.view.reshape(len(g.layers), it.bpc, g.block_bytes)
+        if g.block_major:  # [block][layer]: each block as the engine holds it
+            obj = it.view.reshape(it.bpc, len(g.layers), g.block_bytes).transpose(1, 0, 2)
+        else:
+            obj = it.view.reshape(len(g.layers), it.bpc, g.block_bytes)
         for p, b in enumerate(full):
             if b >= 0:
                 np.testing.assert_array_equal(obj[:, p], case.reference(b), err_msg=f"{case.name} block {b}")

@@ -32,7 +32,7 @@ from tierd.transfer.plans import CopyPlan, staged_offset
 
 # Bump with any change to the bytes of an object: the order of groups, layers, blocks and runs in
 # it, its size or its mask bits. A warm restart (--pool-dir) compares it and starts cold on a change.
-OBJECT_LAYOUT_VERSION = 1
+OBJECT_LAYOUT_VERSION = 2  # 2: block-major groups (GroupLayout.block_major) laid out [block][layer]
 
 
 @dataclass(frozen=True)

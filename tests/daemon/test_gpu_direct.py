@@ -112,9 +112,42 @@ def test_direct_round_trip_through_the_daemon(daemon_factory, client_factory, ki
     assert torch.equal(eng.blocks(dst), expect)
     lanes = d.status()["cuda_detail"]["lanes"]
     assert lanes["store"]["bytes"] == lanes["retrieve"]["bytes"] == n * 4 * BPC * eng.views[0][0].nbytes
-    # one pitched copy per block, fewer where a layer's blocks lie side by side and ids run on
-    merged = kind.startswith("L") and ids == "consecutive"
-    assert lanes["store"]["dmas"] == (n if merged else n * BPC)
+    # one copy per block (pitched, or one span for block-outermost), one per chunk where blocks lie
+    # side by side in the tensor and ids run on
+    assert lanes["store"]["dmas"] == (n if ids == "consecutive" else n * BPC)
+
+
+@pytest.mark.parametrize("kind", ["BLNHC", "LBNHC"])
+def test_objects_mean_the_same_bytes_through_staging_and_direct(daemon_factory, client_factory, kind):
+    """Two ranks of one namespace, one staged (the engine's gather kernel lays objects out) and
+    one direct (the daemon's copies do): what either stores, the other restores exactly. For a
+    block-outermost layout both lay objects out block by block (GroupLayout.block_major)."""
+    from tierd_client import native
+    from tierd_client.cuda_stage import Stager
+    from tierd_client.staged_rank import StagedRank
+
+    assert native.load(timeout=900) is not None, native.state()  # the gather kernel, not the fallback
+    d = daemon_factory(pool_mb=256)
+    c = client_factory(d, timeout_s=60)
+    eng = Engine(kind, blocks=96)
+    assert PageLayout.from_wire(eng.layout).groups[0].block_major is kind.startswith("B")
+    direct = eng.rank(c, "direct")
+    stager = Stager(PageLayout.from_wire(eng.layout), [eng.buf], 8 << 20, "kernel")
+    c.register("staged", {**eng.layout, "staging": stager.ref})
+    staged = StagedRank(c, "staged", stager, timeout_s=60)
+    n = 4
+    for writer, reader, seed in ((staged, direct, 1), (direct, staged, 2)):
+        src, dst = shuffled(0, n * BPC, seed), shuffled(40, n * BPC, seed + 10)
+        ks = keys(n)
+        assert writer.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * n
+        expect = eng.blocks(src)
+        eng.zero(dst)
+        got = reader.retrieve(chunks(ks, dst)).result()
+        assert (got["ok"], got["failed"]) == ([True] * n, [])
+        torch.cuda.current_stream(DEV).wait_event(got["done"])
+        assert torch.equal(eng.blocks(dst), expect), f"{type(writer).__name__} -> {type(reader).__name__}"
+    staged.close()
+    direct.close()
 
 
 def test_a_missing_chunk_fails_exactly_its_blocks_and_leaves_them_untouched(daemon_factory, client_factory):

@@ -136,7 +136,7 @@ def test_settings_that_do_not_shape_objects_keep_the_pool_warm(
 
 def test_pool_meta_names_what_shapes_objects_and_keys():
     meta = warm.pool_meta(Settings(separate_object_groups=False))
-    assert meta == {"separate_object_groups": False, "key_version": 1, "object_layout": 1}
+    assert meta == {"separate_object_groups": False, "key_version": 1, "object_layout": 2}
     assert "version" not in meta  # an upgrade keeps the pool
 
 

@@ -25,7 +25,14 @@ def run_store(case, items, slot_bytes):
     for b in plan.batches:
         n = b.i1 - b.i0
         gather.torch_gather(
-            views, staging, n, case.bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1]
+            views,
+            staging,
+            n,
+            case.bpc,
+            desc[0, b.j0 : b.j1],
+            desc[2, b.j0 : b.j1],
+            desc[3, b.j0 : b.j1],
+            block_major=case.group.block_major,
         )
         for k, it in enumerate(items[b.i0 : b.i1]):
             it.view[:] = staging[k * plan.obj : (k + 1) * plan.obj].numpy()
@@ -42,7 +49,14 @@ def run_retrieve(case, items, slot_bytes, target):
         for k, it in enumerate(items[b.i0 : b.i1]):
             staging[k * plan.obj : (k + 1) * plan.obj] = torch.from_numpy(it.view)
         gather.torch_scatter(
-            views, staging, n, case.bpc, desc[0, b.j0 : b.j1], desc[2, b.j0 : b.j1], desc[3, b.j0 : b.j1]
+            views,
+            staging,
+            n,
+            case.bpc,
+            desc[0, b.j0 : b.j1],
+            desc[2, b.j0 : b.j1],
+            desc[3, b.j0 : b.j1],
+            block_major=case.group.block_major,
         )
 
 

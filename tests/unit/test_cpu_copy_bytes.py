@@ -3,7 +3,8 @@ where that guard is unavailable), moves exactly the bytes the old mmap + numpy g
 every layout geometry a layout can describe: block-contiguous, head-outer runs, K/V halves far
 apart, block-outer (layers inside a block), several tensors in one file, partial chunks, repeated
 block ids (last write wins) and chunk runs that merge across items. The reference below is the old
-code's gather, kept verbatim. A file cut short under either copy is a ShmCopyError, never SIGBUS."""
+code's gather, indexing objects laid out block by block where the group is block-major. A file cut
+short under either copy is a ShmCopyError, never SIGBUS."""
 
 from __future__ import annotations
 
@@ -84,22 +85,24 @@ def ref_views(data: list[np.ndarray], lay: PageLayout, group: int) -> list[np.nd
     return out
 
 
-def ref_store(layers, items):  # the old CpuRankMemory.store
-    nl = len(layers)
-    for it in items:
-        dst = it.view.reshape(nl, it.bpc, *layers[0].shape[1:])
-        if it.complete:
-            for layer, src in enumerate(layers):
-                np.take(src, it.ids, axis=0, out=dst[layer], mode="clip")
-        else:
-            for layer, src in enumerate(layers):
-                dst[layer, it.pos] = src[it.ids]
+def object_view(layers, it, block_major: bool) -> np.ndarray:
+    """An item's part as [layer][block][run][byte], whichever order its bytes are in."""
+    nl, rest = len(layers), layers[0].shape[1:]
+    if block_major:  # GroupLayout.block_major: [block][layer]
+        return it.view.reshape(it.bpc, nl, *rest).swapaxes(0, 1)
+    return it.view.reshape(nl, it.bpc, *rest)
 
 
-def ref_retrieve(layers, items):  # the old CpuRankMemory.retrieve
-    nl = len(layers)
+def ref_store(layers, items, block_major=False):  # the old CpuRankMemory.store, in either order
     for it in items:
-        src = it.view.reshape(nl, it.bpc, *layers[0].shape[1:])
+        dst = object_view(layers, it, block_major)
+        for layer, src in enumerate(layers):
+            dst[layer, it.pos] = src[it.ids]
+
+
+def ref_retrieve(layers, items, block_major=False):  # the old CpuRankMemory.retrieve, in either order
+    for it in items:
+        src = object_view(layers, it, block_major)
         for layer, dst in enumerate(layers):
             dst[it.ids] = src[layer] if it.complete else src[layer, it.pos]
 
@@ -213,7 +216,9 @@ def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch,
         got = [CopyItem(ids.astype(np.int64), pos, bpc, np.zeros(gbytes, np.uint8)) for ids, pos in picks]
         want = [CopyItem(ids.astype(np.int64), pos, bpc, np.zeros(gbytes, np.uint8)) for ids, pos in picks]
         mem.store(0, got)
-        ref_store(ref_views([engine.copy()] * len(tensors), lay, 0), want)
+        block_major = lay.groups[0].block_major
+        assert block_major == (geometry == "block-outer")
+        ref_store(ref_views([engine.copy()] * len(tensors), lay, 0), want, block_major)
         for a, b in zip(got, want):
             assert np.array_equal(a.view, b.view)
         # retrieve: objects -> engine bytes
@@ -223,6 +228,7 @@ def test_cpu_copies_the_same_bytes_as_the_old_gather(shm, geometry, case, batch,
         ref_retrieve(
             ref_views([expect] * len(tensors), lay, 0),
             [CopyItem(ids.astype(np.int64), pos, bpc, o) for (ids, pos), o in zip(picks, objs)],
+            block_major,
         )
         assert np.array_equal(f.read(), expect)
         assert bool(syscalls) == (copy_path == "syscalls"), "the copy did not go the way asked"
@@ -505,3 +511,30 @@ def test_long_ranges_at_any_alignment_copy_exactly():
     lengths = np.array([r[2] for r in ranges], dtype=np.uint64)
     assert mapcopy.copy(arrays[0], arrays[1], lengths) == len(ranges)
     assert np.array_equal(dst, want)
+
+
+def test_a_block_outermost_chunk_of_consecutive_blocks_is_one_memcpy(shm, monkeypatch):
+    """Block-outer layers (a block's layers one span): objects are laid out block by block, so a
+    chunk of consecutive blocks is one range in both the file and the object, one memcpy."""
+    assert mapcopy.load() is not None
+    nbytes, tensors, spans = geometries()["block-outer"]
+    f = shm(nbytes)
+    lay = PageLayout.from_wire(make_layout([f], tensors, spans))
+    assert lay.groups[0].block_major
+    real = mapcopy.copy
+    mem = CpuRankMemory(lay)
+    try:
+        item = CopyItem(np.arange(4, 8), np.arange(4), 4, np.zeros(2 * 4 * 96, np.uint8))
+        mem.store(0, [item])
+        base = mem.groups[0][0].file.addr
+        seen = []
+
+        def spy(d, s, n):
+            seen.append(((s - base).tolist(), n.tolist()))
+            return real(d, s, n)
+
+        monkeypatch.setattr(cpu.mapcopy, "copy", spy)
+        mem.store(0, [item])
+    finally:
+        mem.close()
+    assert seen == [([4 * 2 * 96], [4 * 2 * 96])]

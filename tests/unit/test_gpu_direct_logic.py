@@ -59,23 +59,71 @@ def test_unevenly_spaced_layers_are_not():
     assert pitched(g, [0, 10 * BB, 30 * BB]) is None
 
 
-def test_block_outermost_copies_are_one_per_block_at_exact_addresses():
+def test_block_outermost_groups_lay_objects_out_block_by_block():
+    for kind, block_major in [
+        ("BLNHC", True),
+        ("BLHNC", True),
+        ("LBNHC", False),
+        ("LBHNC", False),
+        ("LHBNC", False),
+        ("BHLNC", False),  # a layer's block is one run per head: not one span
+    ]:
+        g = GroupLayout.from_wire(group("full", 4, spans(kind)))
+        assert g.block_major is block_major, kind
+        # (layer stride, block stride) inside a part of 4 blocks per chunk (chunk of 16 tokens)
+        assert g.object_strides(16) == ((BB, 3 * BB) if block_major else (4 * BB, BB)), kind
+    one = GroupLayout.from_wire(group("full", 4, spans("BLNHC", layers=1)))
+    assert not one.block_major  # one layer: both orders are the same bytes
+
+
+def test_block_outermost_copies_are_one_span_per_block_at_exact_addresses():
     p = geometry("BLNHC", base=0)
-    ops = pitched_copies(p, 5000, np.array([7, 2, 3]), np.array([0, 1, 2]), bpc=4)
-    # engine block b at b*3*BB, its layers BB apart (the copy's rows); host position k at k*BB,
-    # rows 4*BB apart: no two blocks are adjacent on the engine side row by row
-    assert ops == [(7 * 3 * BB, 5000, BB), (2 * 3 * BB, 5000 + BB, BB), (3 * 3 * BB, 5000 + 2 * BB, BB)]
+    ops = pitched_copies(p, 5000, np.array([7, 2, 3, 9]), np.array([0, 1, 2, 3]), block_major=True)
+    # engine block b at b*3*BB, its 3 layers one span; host position k at k*3*BB ([block][layer]);
+    # blocks 2 and 3 are adjacent on both sides: one copy
+    assert ops == [
+        (7 * 3 * BB, 5000, 3 * BB),
+        (2 * 3 * BB, 5000 + 3 * BB, 6 * BB),
+        (9 * 3 * BB, 5000 + 9 * BB, 3 * BB),
+    ]
+    # a null between them: positions 1 and 3, no merge
+    assert pitched_copies(p, 0, np.array([2, 3]), np.array([1, 3]), block_major=True) == [
+        (6 * BB, 3 * BB, 3 * BB),
+        (9 * BB, 9 * BB, 3 * BB),
+    ]
 
 
 def test_layer_outermost_runs_of_ids_merge_into_one_wider_copy():
     p = geometry("LBNHC", base=0)
-    ops = pitched_copies(p, 0, np.array([4, 5, 6, 9]), np.array([0, 1, 2, 3]), bpc=4)
+    ops = pitched_copies(p, 0, np.array([4, 5, 6, 9]), np.array([0, 1, 2, 3]))
     assert ops == [(4 * BB, 0, 3 * BB), (9 * BB, 3 * BB, BB)]
     # consecutive ids at positions that are not consecutive (a null between) do not merge
-    assert pitched_copies(p, 0, np.array([4, 5]), np.array([0, 2]), bpc=4) == [
+    assert pitched_copies(p, 0, np.array([4, 5]), np.array([0, 2])) == [
         (4 * BB, 0, BB),
         (5 * BB, 2 * BB, BB),
     ]
+
+
+def test_dmas_whose_destinations_overlap_go_one_by_one_in_order():
+    """A batch's copies have no order among themselves: a request naming one block twice keeps
+    the one-by-one order (the last one wins); disjoint destinations go as one batch."""
+    from tierd.transfer import dma
+
+    driver = object.__new__(dma._Driver)
+    calls = []
+    driver.batch = (lambda *args: calls.append("batch") or 0, False)
+    driver.copy = lambda h, d, n, d2h, stream: calls.append((h, d, n))
+    driver.copies([(0, 100, 10), (20, 105, 10)], False, 0, 0)  # host -> device, overlapping at 105
+    assert calls == [(0, 100, 10), (20, 105, 10)]
+    calls.clear()
+    driver.copies([(0, 100, 10), (20, 110, 10)], False, 0, 0)
+    assert calls == ["batch"]
+    calls.clear()
+    driver.copies([(0, 100, 10), (20, 100, 10)], True, 0, 0)  # device -> host: one source read twice
+    assert calls == ["batch"]
+    calls.clear()
+    driver.copies([(0, 100, 10)], True, 0, 0)  # one copy: no batch
+    assert calls == [(0, 100, 10)]
 
 
 class FakeJob:

@@ -21,7 +21,7 @@ print(object_name(chunk_key(bytes(range(16)), bytes(range(100, 116)), 3, 1), "ti
 def test_golden_name():
     # A change here breaks every store shared with nodes of the previous version: bump keys.VERSION.
     assert object_name(chunk_key(NS, PAGE, 3, 1), "tierd") == (
-        "tierd/v1/000102030405060708090a0b0c0d0e0f6465666768696a6b6c6d6e6f7071727300030001"
+        "tierd/v2/000102030405060708090a0b0c0d0e0f6465666768696a6b6c6d6e6f7071727300030001"
     )
 
 
@@ -70,7 +70,7 @@ def test_names_round_trip_and_are_ascii():
         (lambda: chunk_key(NS, PAGE, 0, -1), "out of range"),
         (lambda: object_name(b"", "tierd"), "1-96 bytes"),
         (lambda: object_name(b"x" * 97, "tierd"), "1-96 bytes"),
-        (lambda: key_of("other/v1/00", "tierd"), "not a tierd v1"),
+        (lambda: key_of("other/v2/00", "tierd"), "not a tierd v2"),
     ],
 )
 def test_bad_parts_are_refused(call, match):

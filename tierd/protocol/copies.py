@@ -70,18 +70,21 @@ def pitched(group, bases: list[int], max_pitch: int = MAX_PITCH) -> Pitched | No
     return Pitched(bases[0], pitch, first.block_stride, bb, len(bases))
 
 
-def pitched_copies(p: Pitched, host: int, ids, pos, bpc: int) -> list[tuple[int, int, int]]:
-    """The pitched copies between the engine's blocks ``ids`` and an object part at ``host`` whose
-    positions are ``pos``: ``(engine address, host address, row bytes)``, each ``p.layers`` rows
-    (engine rows ``p.pitch`` apart, host rows ``bpc*block_bytes``). Blocks adjacent on both sides
-    (consecutive ids and positions where a layer's blocks are contiguous) make one wider copy."""
-    bb = p.block_bytes
-    merge = p.block_stride == bb
+def pitched_copies(p: Pitched, host: int, ids, pos, block_major: bool = False) -> list[tuple[int, int, int]]:
+    """The copies between the engine's blocks ``ids`` and an object part at ``host`` whose
+    positions are ``pos``: ``(engine address, host address, row bytes)``. Layer-major parts: each
+    copy is ``p.layers`` rows (engine rows ``p.pitch`` apart, host rows ``bpc*block_bytes``).
+    ``block_major`` parts (GroupLayout.block_major: a block's layers one contiguous span, objects
+    ``[block][layer]``): each copy is one contiguous span of ``p.layers*block_bytes``, one row.
+    Blocks adjacent on both sides (consecutive ids and positions where blocks are contiguous in the
+    engine's tensor) make one wider copy."""
+    unit = p.layers * p.block_bytes if block_major else p.block_bytes
+    merge = p.block_stride == unit
     out: list[list[int]] = []
     for b, k in zip(ids, pos):
-        e, h = p.base + int(b) * p.block_stride, host + int(k) * bb
+        e, h = p.base + int(b) * p.block_stride, host + int(k) * unit
         if merge and out and out[-1][0] + out[-1][2] == e and out[-1][1] + out[-1][2] == h:
-            out[-1][2] += bb
+            out[-1][2] += unit
         else:
-            out.append([e, h, bb])
+            out.append([e, h, unit])
     return [tuple(x) for x in out]

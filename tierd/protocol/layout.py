@@ -2,7 +2,9 @@
 
 A *chunk* is ``chunk_tokens`` consecutive prompt tokens; it is the unit the index keys by PAGE
 hash. Each engine group stores one object per chunk (per rank). Inside an object the bytes are
-laid out ``[layer][block of the chunk][run]``, so one layer's blocks of one chunk are contiguous.
+laid out ``[layer][block of the chunk][run]``, so one layer's blocks of one chunk are contiguous;
+a group whose blocks hold all their layers in one contiguous span (``GroupLayout.block_major``)
+lays them out ``[block of the chunk][layer][run]`` instead, each block's bytes as the engine's.
 
 A layer of a group is described by where block ``b`` lives in a registered tensor::
 
@@ -189,6 +191,33 @@ class GroupLayout(Wire, frozen=True):
 
     def object_bytes(self, chunk_tokens: int) -> int:
         return len(self.layers) * self.spec.blocks_per_chunk(chunk_tokens) * self.block_bytes
+
+    @property
+    def block_major(self) -> bool:
+        """Whether a block's layers are one contiguous span of one tensor: every layer keeps a block
+        in one run, and layer ``l``'s block ``b`` starts where layer ``l-1``'s ends (block-outermost
+        KV such as vLLM's BLNHC and BLHNC, all layers in one buffer). Such a group's objects are laid
+        out ``[block][layer][run]``, each block as the engine holds it, so that moving a block is one
+        contiguous copy; every other group's ``[layer][block][run]`` (module doc). Computed from the
+        layout alone, so every rank and the daemon agree on it."""
+        first, bb = self.layers[0], self.block_bytes
+        return (
+            len(self.layers) > 1
+            and first.block_stride >= len(self.layers) * bb
+            and all(
+                s.tensor == first.tensor
+                and s.runs == 1
+                and s.block_stride == first.block_stride
+                and s.offset == first.offset + i * bb
+                for i, s in enumerate(self.layers)
+            )
+        )
+
+    def object_strides(self, chunk_tokens: int) -> tuple[int, int]:
+        """(layer stride, block stride) in bytes inside this group's part of an object: layer ``l``'s
+        block at chunk position ``p`` starts at ``l * layer stride + p * block stride``."""
+        bb, bpc = self.block_bytes, self.spec.blocks_per_chunk(chunk_tokens)
+        return (bb, len(self.layers) * bb) if self.block_major else (bpc * bb, bb)
 
     @property
     def num_blocks(self) -> int:

@@ -6,16 +6,18 @@ Hazards:
   or remove them. Tenant separation inside tierd rests on the namespace id being part of the
   key bytes (it hashes the model, layout, world and cache salt), never on Mooncake.
 - Mooncake keys are strings. Raw key bytes are not valid UTF-8 in general, so a name is plain
-  lowercase hex under a prefix: ``<prefix>/v1/<hex>``. Names of one namespace share a hex prefix,
+  lowercase hex under a prefix: ``<prefix>/v2/<hex>``. Names of one namespace share a hex prefix,
   so an operator can select them with the master's regex removal. Mooncake 0.3.13 took names of
   10,000 characters and any printable characters; tierd's are under 200.
-- ``v1`` is the encoding's version: a change to :func:`chunk_key` or :func:`object_name` must bump
-  it, or nodes of two versions would read each other's bytes under another meaning.
+- ``v2`` is the encoding's version: a change to :func:`chunk_key`, :func:`object_name` or to the
+  bytes of an object (tierd.planner.OBJECT_LAYOUT_VERSION) must bump it, or nodes of two versions
+  would read each other's bytes under another meaning. v2: block-major groups' objects are laid
+  out block by block.
 """
 
 from __future__ import annotations
 
-VERSION = "v1"
+VERSION = "v2"
 NAMESPACE_BYTES = 16  # tierd.protocol.keys.namespace_id digest size
 MAX_KEY_BYTES = 96
 
@@ -36,7 +38,7 @@ def chunk_key(namespace: bytes, page_hash: bytes, group: int, rank: int) -> byte
 
 
 def object_name(key: bytes, prefix: str) -> str:
-    """``<prefix>/v1/<hex of key>``: the string Mooncake stores ``key`` under."""
+    """``<prefix>/v2/<hex of key>``: the string Mooncake stores ``key`` under."""
     if not isinstance(key, (bytes, bytearray, memoryview)) or not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"l2 key must be 1-{MAX_KEY_BYTES} bytes")
     return f"{prefix}/{VERSION}/{bytes(key).hex()}"

@@ -128,6 +128,7 @@ class CpuRankMemory:
             self._tickets.clear()
         self._map_tried = False  # files mapped at the first copy, on the copy thread (_copy)
         self.groups = [self._layers(g) for g in layout.groups]
+        self.strides = [g.object_strides(layout.chunk_tokens) for g in layout.groups]
 
     @property
     def files(self) -> int:
@@ -225,7 +226,7 @@ class CpuRankMemory:
             self._map_tried = True  # run, which must not hold up the main loop
             for file in self._files.values():
                 file.map()
-        block_bytes = self.layout.groups[group].block_bytes
+        strides = self.strides[group]
         ids = np.concatenate([it.ids for it in items])
         pos = np.concatenate([it.pos for it in items])
         which = np.repeat(np.arange(len(items)), [len(it.ids) for it in items])
@@ -243,13 +244,12 @@ class CpuRankMemory:
                         ids[b : b + nb],
                         pos[b : b + nb],
                         which[b : b + nb],
-                        items[0].bpc,
-                        block_bytes,
+                        strides,
                         (views, bases),
                         write,
                     )
 
-    def _copy_part(self, part: _Layers, li: slice, ids, pos, which, bpc, block_bytes, bufs, write: bool):
+    def _copy_part(self, part: _Layers, li: slice, ids, pos, which, strides, bufs, write: bool):
         rb, runs = part.run_bytes, part.runs
         r = np.arange(runs, dtype=np.int64)
         index, base = part.index[li], part.base[li]
@@ -260,7 +260,7 @@ class CpuRankMemory:
             + ids[None, :, None] * block_stride[:, None, None]
             + (r[None, :] * run_stride[:, None])[:, None, :]
         )
-        block_at = (index[:, None] * bpc + pos[None, :]) * block_bytes
+        block_at = index[:, None] * strides[0] + pos[None, :] * strides[1]  # GroupLayout.object_strides
         obj_at = block_at[:, :, None] + (r * rb)[None, None, :]
         item = np.broadcast_to(which[None, :, None], shape)
         self._check_size(part, part.tensor[li], file_at, rb)

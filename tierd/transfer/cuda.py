@@ -22,7 +22,9 @@ Direct ranks. A cuda layout without a staging buffer is copied straight between 
 KV blocks (its tensors opened over CUDA IPC) and the pool, with no SM work in either process:
 each block of every layer of a group is one pitched (2D) copy of ``layers`` rows
 (tierd.transfer.items.Pitched: every layer keeps a block in one run, the layers a constant pitch
-apart, as vLLM 0.33's layer-outermost LBNHC/LBHNC and block-outermost BLNHC/BLHNC KV are). The
+apart, as vLLM 0.33's layer-outermost LBNHC/LBHNC KV is). Where a block's layers are one
+contiguous span (block-outermost BLNHC/BLHNC: GroupLayout.block_major, objects laid out
+``[block][layer]``), each block is one contiguous DMA, and a request's DMAs one batch. The
 engine sends a STORE once the forward's writes are done and a RETRIEVE once the blocks may be
 overwritten (both checked on its host); the daemon answers a RETRIEVE as soon as its copies are
 queued, with the event the engine waits for before it reads the blocks. Block ids are checked
@@ -283,7 +285,7 @@ class DirectRankMemory:
                     "block in one run, the layers in one tensor a constant pitch apart (at most "
                     f"{MAX_PITCH} bytes); register a staging buffer for this layout instead"
                 )
-            self.groups.append((p, flat))
+            self.groups.append((p, flat, group.block_major))
 
     def wait_event(self, handle: bytes, store: bool = True) -> None:
         with self.torch.cuda.device(self.device):
@@ -292,11 +294,13 @@ class DirectRankMemory:
     def _copy(self, lane: DmaLane, group: int, items: list[CopyItem]) -> DeviceWork | None:
         if not items:
             return None
-        p, flat = self.groups[group]
+        p, flat, block_major = self.groups[group]
         ops = []
         for it in items:
-            ops += pitched_copies(p, it.view.ctypes.data, it.ids, it.pos, it.bpc)
+            ops += pitched_copies(p, it.view.ctypes.data, it.ids, it.pos, block_major)
         with self.torch.cuda.device(self.device):
+            if block_major:  # a block of every layer is one span on both sides
+                return lane.copy_spans(ops, flat)
             return lane.copy_pitched(ops, p.layers, p.pitch, items[0].bpc * p.block_bytes, flat)
 
     def store(self, group: int, items: list[CopyItem]) -> DeviceWork | None:

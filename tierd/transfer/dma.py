@@ -7,7 +7,8 @@ finished (an event recorded after them), never when the call returns. Merged cop
 one pinned registration (HostPinner.same_range). The engine's events a lane opens are at most
 ``MAX_EVENTS``, the least recently used closed first. Copies go through the driver API
 (cuMemcpyAsync, cuMemcpy2DAsync through ctypes: a few microseconds per DMA from Python), which
-makes the GPU's primary context current on a thread that has none; without libcuda (ROCm) torch's
+makes the GPU's primary context current on a thread that has none, and a request's contiguous
+DMAs go as one batch where the driver has cuMemcpyBatchAsync; without libcuda (ROCm) torch's
 copy_ queues the same DMAs, with more Python per copy.
 """
 
@@ -59,25 +60,35 @@ class DmaLane:
 
     def copy(self, staging, items: list[CopyItem]) -> DeviceWork:
         """Each item's whole group part between the pool and ``staging`` at ``item.staged``."""
-        torch = self.torch
         t0 = time.perf_counter()
         base = staging.data_ptr()
         hosts = [it.view.ctypes.data for it in items]
         devs = [base + it.staged for it in items]
         sizes = [it.view.nbytes for it in items]
         runs = _coalesce(hosts, devs, sizes, self.pinner.same_range)
-        stream = self.stream.cuda_stream
+        self._contiguous(runs, staging)
+        return self._queued(sum(sizes), len(runs), t0)
+
+    def copy_spans(self, ops: list[tuple[int, int, int]], tensor) -> DeviceWork:
+        """Contiguous copies ``(device address, host address, bytes)``, every device address in
+        ``tensor`` (flat uint8): whole blocks of a block-major group (GroupLayout.block_major)."""
+        t0 = time.perf_counter()
+        runs = [(h, d, n) for d, h, n in ops]
+        self._contiguous(runs, tensor)
+        return self._queued(sum(n for _, _, n in runs), len(runs), t0)
+
+    def _contiguous(self, runs: list[tuple[int, int, int]], tensor) -> None:
+        """Queue ``(host, device, bytes)`` DMAs; device addresses lie in ``tensor``."""
         if _DRIVER.ok:
             _DRIVER.current(self.device)
+            _DRIVER.copies(runs, self.d2h, self.stream.cuda_stream, self.device)
+            return
+        torch, base = self.torch, tensor.data_ptr()  # torch's own path: the same DMA, more Python per copy
+        with torch.cuda.stream(self.stream):
             for h, d, n in runs:
-                _DRIVER.copy(h, d, n, self.d2h, stream)
-        else:  # torch's own path: the same DMA, more Python per copy
-            with torch.cuda.stream(self.stream):
-                for h, d, n in runs:
-                    host = torch.from_numpy(_host_bytes(h, n))
-                    dev = staging[d - base : d - base + n]
-                    (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
-        return self._queued(sum(sizes), len(runs), t0)
+                host = torch.from_numpy(_host_bytes(h, n))
+                dev = tensor[d - base : d - base + n]
+                (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
 
     def copy_pitched(
         self, ops: list[tuple[int, int, int]], rows: int, dev_pitch: int, host_pitch: int, tensor
@@ -148,13 +159,40 @@ class _Memcpy2D(ctypes.Structure):
     ]
 
 
+class _Location(ctypes.Structure):
+    """The driver's CUmemLocation."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CopyAttributes(ctypes.Structure):
+    """The driver's CUmemcpyAttributes."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _Location),
+        ("dstLocHint", _Location),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = 1, 1, 2  # CUmemcpySrcAccessOrder, CUmemLocationType
+
+
 class _Driver:
     """cuMemcpyAsync through the driver API (libcuda is there wherever a GPU is): a few
     microseconds per DMA from Python, where torch's copy_ costs tens. Unified addressing: one call
-    for either direction; the thread's current context is the one torch made current."""
+    for either direction; the thread's current context is the one torch made current.
+
+    Several DMAs go as one cuMemcpyBatchAsync where the driver has it (CUDA 12.8 and later): the
+    copy engines then keep each other fed between fragments. Measured on an H200 (scattered
+    fragments, one stream, same run): per-fragment copies reach 0.81-0.85 of a contiguous copy's
+    rate at 640 KiB and 0.92-0.94 at 2 MiB, one batch 0.93 and 0.976 (two or four streams do not
+    help: 0.80-0.83 at 640 KiB)."""
 
     def __init__(self):
         self.ok = False
+        self.batch = None  # (function, takes failIdx): CUDA 13's _v2 has none, 12.8's has one
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
             self.fn = self.lib.cuMemcpyAsync
@@ -165,7 +203,43 @@ class _Driver:
             self.fn2d.restype = ctypes.c_int
             self.ok = True
         except (OSError, AttributeError):
-            pass
+            return
+        for name, fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+            fn = getattr(self.lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                self.batch = (fn, fail_index)
+                break
+
+    def copies(self, runs: list[tuple[int, int, int]], d2h: bool, stream: int, device: int) -> None:
+        """``(host, device, bytes)`` DMAs in stream order: one batch where the driver has it and no
+        two destinations overlap (a batch's copies have no order among themselves; overlapping
+        ones, a request naming one block twice, go one by one, so the last one wins as before)."""
+        if len(runs) > 1 and self.batch is not None and _disjoint(runs, 0 if d2h else 1):
+            self.copy_batch(runs, d2h, stream, device)
+            return
+        for h, d, n in runs:
+            self.copy(h, d, n, d2h, stream)
+
+    def copy_batch(self, runs: list[tuple[int, int, int]], d2h: bool, stream: int, device: int) -> None:
+        fn, fail_index = self.batch
+        n = len(runs)
+        hosts = (ctypes.c_uint64 * n)(*(h for h, _, _ in runs))
+        devs = (ctypes.c_uint64 * n)(*(d for _, d, _ in runs))
+        sizes = (ctypes.c_size_t * n)(*(k for _, _, k in runs))
+        attr = _CopyAttributes()
+        attr.srcAccessOrder = _ORDER_STREAM
+        dev, host = _Location(_LOC_DEVICE, device), _Location(_LOC_HOST, 0)
+        attr.srcLocHint, attr.dstLocHint = (dev, host) if d2h else (host, dev)
+        first = (ctypes.c_size_t * 1)(0)
+        dsts, srcs = (hosts, devs) if d2h else (devs, hosts)
+        args = [dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attr), first, ctypes.c_size_t(1)]
+        failed = ctypes.c_size_t(0)
+        if fail_index:
+            args.append(ctypes.byref(failed))
+        err = fn(*args, ctypes.c_void_p(stream))
+        if err:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed at copy {failed.value}: CUDA driver error {err}")
 
     def current(self, device: int) -> None:
         """Make ``device``'s primary context current on this thread if no context is."""
@@ -210,6 +284,12 @@ def _host_bytes(addr: int, nbytes: int):
     import numpy as np
 
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def _disjoint(runs: list[tuple[int, int, int]], side: int) -> bool:
+    """Whether no two runs' ranges on ``side`` (0: host, 1: device) overlap."""
+    spans = sorted((r[side], r[side] + r[2]) for r in runs)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def _coalesce(hosts: list[int], devs: list[int], sizes: list[int], same_range) -> list[tuple[int, int, int]]:

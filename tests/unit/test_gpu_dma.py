@@ -1,0 +1,51 @@
+"""The daemon's copy lanes' batched DMA (tierd.transfer.dma): a request's contiguous DMAs go as
+one cuMemcpyBatchAsync, through either of the driver's signatures, and move exactly the bytes
+one-by-one copies move, both ways, at scattered device addresses."""
+
+import ctypes
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from tierd.transfer import dma  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+FRAG = 40 << 10
+
+
+def variants():
+    lib = dma._DRIVER.lib
+    out = []
+    for name, fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            out.append(pytest.param((fn, fail_index), id=name))
+    return out or [pytest.param(None, marks=pytest.mark.skip("the driver has no batched copy"))]
+
+
+@pytest.mark.parametrize("batch", variants())
+def test_a_batch_moves_the_same_bytes_as_copies_one_by_one(batch, monkeypatch):
+    assert dma._DRIVER.ok
+    monkeypatch.setattr(dma._DRIVER, "batch", batch)
+    n = 24
+    dev = torch.randint(0, 256, (2 * n * FRAG,), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(n * FRAG, dtype=torch.uint8, pin_memory=True)
+    slots = torch.randperm(2 * n, generator=torch.Generator().manual_seed(3))[:n].tolist()
+    runs = [(host.data_ptr() + i * FRAG, dev.data_ptr() + s * FRAG, FRAG) for i, s in enumerate(slots)]
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    dma._DRIVER.copies(runs, True, stream.cuda_stream, 0)  # device -> host
+    stream.synchronize()
+    want = torch.cat([dev[s * FRAG : (s + 1) * FRAG] for s in slots]).cpu()
+    assert torch.equal(host, want)
+    back = torch.zeros_like(dev)
+    runs = [(h, back.data_ptr() + (d - dev.data_ptr()), k) for h, d, k in runs]
+    host[:FRAG].fill_(7)  # host -> device, with a changed first fragment
+    dma._DRIVER.copies(runs, False, stream.cuda_stream, 0)
+    stream.synchronize()
+    for i, s in enumerate(slots):
+        assert torch.equal(back[s * FRAG : (s + 1) * FRAG].cpu(), host[i * FRAG : (i + 1) * FRAG]), i
