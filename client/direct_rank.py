@@ -16,6 +16,12 @@ from tierd_client.cuda_stage import MAX_PEER_EVENTS
 from tierd_client.futures import join, merge_retrieves, merge_stores
 from tierd_client.rank_jobs import RankJob, stamp
 
+# A request's copies start once the daemon has planned all of it: requests of at most this many
+# bytes let the copy engines move one while the daemon plans the next (a 640 MiB request left them
+# idle for about 4 ms first on an H200), and each request costs the daemon's main loop a fixed
+# share (requests of 10-20 MiB fell to 0.40-0.92 of raw on an H200, 40 and 128 MiB gave 0.89-0.97).
+REQUEST_BYTES = 64 << 20
+
 
 class DirectRank:
     """STORE and RETRIEVE for a GPU rank registered without a staging buffer: the daemon copies
@@ -28,11 +34,25 @@ class DirectRank:
     follows them); a RETRIEVE's result carries ``done``, the daemon's interprocess event, complete
     once its copies into the blocks are: read them after it (or after a stream waited on it)."""
 
-    def __init__(self, client, instance: str, device, groups: int = 1, null: int = -1, timeout_s=None):
+    def __init__(
+        self,
+        client,
+        instance: str,
+        device,
+        groups: int = 1,
+        null: int = -1,
+        timeout_s=None,
+        chunk_bytes: int = 0,
+        request_bytes: int = REQUEST_BYTES,
+    ):
+        """``chunk_bytes``: a chunk's bytes on this rank (PageLayout.chunk_bytes); a job is cut into
+        requests of at most ``request_bytes`` (at least one chunk each) when it is given."""
         self.client, self.instance, self.device, self.null = client, instance, device, null
         self.timeout_s = timeout_s
         self.trace: list[dict] | None = None  # as StagedRank's
         self.per_request = max(1, MAX_REQUEST_PARTS // max(1, groups))
+        if chunk_bytes > 0:
+            self.per_request = max(1, min(self.per_request, request_bytes // chunk_bytes))
         self._events: dict[bytes, object] = {}
         self._last_done = None
         self._mutex = threading.Lock()

@@ -267,7 +267,7 @@ def _appears(path: str, wait_s: float) -> bool:
     default="staged",
     show_default=True,
     help="CUDA: gather/scatter in this process through a staging buffer (staged), or the daemon's "
-    "pitched copies straight between the KV blocks and its pool, no SM work (direct).",
+    "DMAs straight between the KV blocks and its pool, no SM work (direct).",
 )
 @click.option(
     "--ranks",

@@ -10,7 +10,7 @@ import pytest
 
 from tierd.protocol.layout import GroupLayout
 from tierd.transfer.engine import INLINE_MAX_BYTES, DeviceWork, TransferEngine
-from tierd.transfer.items import Pitched, pitched, pitched_copies
+from tierd.transfer.items import CopyItem, Pitched, pitched, pitched_copies, span_copies
 from tierd_client.direct_rank import DirectRank
 from tierd_client.layouts import block_span, group
 from tierd_client.rank_jobs import RankJob
@@ -78,19 +78,39 @@ def test_block_outermost_groups_lay_objects_out_block_by_block():
 
 def test_block_outermost_copies_are_one_span_per_block_at_exact_addresses():
     p = geometry("BLNHC", base=0)
-    ops = pitched_copies(p, 5000, np.array([7, 2, 3, 9]), np.array([0, 1, 2, 3]), block_major=True)
+    obj = np.zeros(2 * 4 * 3 * BB, dtype=np.uint8)  # two objects of 4 blocks x 3 layers, back to back
+    first, second = obj[: 12 * BB], obj[12 * BB :]
+    at = obj.ctypes.data
+    items = [
+        CopyItem(np.array([7, 2, 3, 9]), np.arange(4), 4, first),
+        CopyItem(np.array([2, 3]), np.array([1, 3]), 4, second),  # a null between: positions 1 and 3
+        CopyItem(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 4, second),
+    ]
+    devs, hosts, sizes = span_copies(p, items)
     # engine block b at b*3*BB, its 3 layers one span; host position k at k*3*BB ([block][layer]);
-    # blocks 2 and 3 are adjacent on both sides: one copy
-    assert ops == [
-        (7 * 3 * BB, 5000, 3 * BB),
-        (2 * 3 * BB, 5000 + 3 * BB, 6 * BB),
-        (9 * 3 * BB, 5000 + 9 * BB, 3 * BB),
+    # blocks 2 and 3 of the first item are adjacent on both sides: one copy; block 9 follows the
+    # first item's last host byte and 2 of the second lies right after 9 in neither
+    assert list(zip(devs.tolist(), (hosts - at).tolist(), sizes.tolist())) == [
+        (7 * 3 * BB, 0, 3 * BB),
+        (2 * 3 * BB, 3 * BB, 6 * BB),
+        (9 * 3 * BB, 9 * BB, 3 * BB),
+        (2 * 3 * BB, 12 * BB + 3 * BB, 3 * BB),
+        (3 * 3 * BB, 12 * BB + 9 * BB, 3 * BB),
     ]
-    # a null between them: positions 1 and 3, no merge
-    assert pitched_copies(p, 0, np.array([2, 3]), np.array([1, 3]), block_major=True) == [
-        (6 * BB, 3 * BB, 3 * BB),
-        (9 * BB, 9 * BB, 3 * BB),
+
+
+def test_block_outermost_copies_never_merge_across_objects():
+    """Two objects may lie in different pinned ranges: a copy never spans both, even where the
+    second object's first block continues the first's last on both sides."""
+    p = geometry("BLNHC", base=0)
+    obj = np.zeros(2 * 2 * 3 * BB, dtype=np.uint8)
+    items = [
+        CopyItem(np.array([4, 5]), np.arange(2), 2, obj[: 6 * BB]),
+        CopyItem(np.array([6, 7]), np.arange(2), 2, obj[6 * BB :]),
     ]
+    _, hosts, sizes = span_copies(p, items)
+    assert (hosts - obj.ctypes.data).tolist() == [0, 6 * BB] and sizes.tolist() == [6 * BB, 6 * BB]
+    assert [len(x) for x in span_copies(p, items[:0])] == [0, 0, 0]
 
 
 def test_layer_outermost_runs_of_ids_merge_into_one_wider_copy():
@@ -113,16 +133,24 @@ def test_dmas_whose_destinations_overlap_go_one_by_one_in_order():
     calls = []
     driver.batch = (lambda *args: calls.append("batch") or 0, False)
     driver.copy = lambda h, d, n, d2h, stream: calls.append((h, d, n))
-    driver.copies([(0, 100, 10), (20, 105, 10)], False, 0, 0)  # host -> device, overlapping at 105
+
+    def copies(runs, d2h):
+        hosts, devs, sizes = (np.array(x, dtype=np.int64) for x in zip(*runs))
+        driver.copies(hosts, devs, sizes, d2h, 0, 0)
+
+    copies([(0, 100, 10), (20, 105, 10)], False)  # host -> device, overlapping at 105
     assert calls == [(0, 100, 10), (20, 105, 10)]
     calls.clear()
-    driver.copies([(0, 100, 10), (20, 110, 10)], False, 0, 0)
+    copies([(0, 100, 10), (20, 110, 10)], False)
     assert calls == ["batch"]
     calls.clear()
-    driver.copies([(0, 100, 10), (20, 100, 10)], True, 0, 0)  # device -> host: one source read twice
+    copies([(0, 100, 10), (20, 100, 10)], True)  # device -> host: one source read twice
     assert calls == ["batch"]
     calls.clear()
-    driver.copies([(0, 100, 10)], True, 0, 0)  # one copy: no batch
+    copies([(30, 100, 10), (20, 200, 10), (25, 300, 10)], True)  # host ranges overlap out of order
+    assert calls == [(30, 100, 10), (20, 200, 10), (25, 300, 10)]
+    calls.clear()
+    copies([(0, 100, 10)], True)  # one copy: no batch
     assert calls == [(0, 100, 10)]
 
 
@@ -366,6 +394,24 @@ def test_direct_requests_wait_for_their_event_and_keep_their_order():
         assert client.calls[2][2] is threading.current_thread()  # nothing ahead: sent right here
         client.answer(2, stored(1))
         assert c.result(1) == stored(1)
+    finally:
+        rank.close()
+
+
+def test_a_large_direct_job_goes_as_requests_of_at_most_request_bytes_so_copies_overlap_planning():
+    """The daemon starts a request's copies once it has planned all of it: a job is cut into
+    requests of at most ``request_bytes`` (never less than one chunk), answered as one."""
+    client = Client()
+    rank = DirectRank(client, "e/0", device=None, chunk_bytes=10, request_bytes=25)
+    try:
+        job = rank.store([chunk(bytes([i]) * 16, [i]) for i in range(5)])
+        assert [len(c[1]["chunks"]) for c in client.calls] == [2, 2, 1]
+        for i in range(3):
+            client.answer(i, stored(len(client.calls[i][1]["chunks"])))
+        assert job.result(1)["results"] == ["stored"] * 5
+        one = DirectRank(Client(), "e/1", device=None, chunk_bytes=100, request_bytes=25)
+        assert one.per_request == 1  # a chunk larger than request_bytes: one per request
+        one.close()
     finally:
         rank.close()
 

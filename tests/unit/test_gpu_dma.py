@@ -4,6 +4,7 @@ one-by-one copies move, both ways, at scattered device addresses."""
 
 import ctypes
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,17 +36,18 @@ def test_a_batch_moves_the_same_bytes_as_copies_one_by_one(batch, monkeypatch):
     dev = torch.randint(0, 256, (2 * n * FRAG,), dtype=torch.uint8, device="cuda")
     host = torch.zeros(n * FRAG, dtype=torch.uint8, pin_memory=True)
     slots = torch.randperm(2 * n, generator=torch.Generator().manual_seed(3))[:n].tolist()
-    runs = [(host.data_ptr() + i * FRAG, dev.data_ptr() + s * FRAG, FRAG) for i, s in enumerate(slots)]
+    hosts = np.array([host.data_ptr() + i * FRAG for i in range(n)], dtype=np.int64)
+    devs = np.array([dev.data_ptr() + s * FRAG for s in slots], dtype=np.int64)
+    sizes = np.full(n, FRAG, dtype=np.int64)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
-    dma._DRIVER.copies(runs, True, stream.cuda_stream, 0)  # device -> host
+    dma._DRIVER.copies(hosts, devs, sizes, True, stream.cuda_stream, 0)  # device -> host
     stream.synchronize()
     want = torch.cat([dev[s * FRAG : (s + 1) * FRAG] for s in slots]).cpu()
     assert torch.equal(host, want)
     back = torch.zeros_like(dev)
-    runs = [(h, back.data_ptr() + (d - dev.data_ptr()), k) for h, d, k in runs]
     host[:FRAG].fill_(7)  # host -> device, with a changed first fragment
-    dma._DRIVER.copies(runs, False, stream.cuda_stream, 0)
+    dma._DRIVER.copies(hosts, devs - dev.data_ptr() + back.data_ptr(), sizes, False, stream.cuda_stream, 0)
     stream.synchronize()
     for i, s in enumerate(slots):
         assert torch.equal(back[s * FRAG : (s + 1) * FRAG].cpu(), host[i * FRAG : (i + 1) * FRAG]), i

@@ -162,7 +162,14 @@ def run_cuda_bench(
         client.register("bench-0", lay, timeout=300)
         register_s = time.monotonic() - t_reg
         if stager is None:
-            rank = DirectRank(client, "bench-0", dev, timeout_s=300)
+            rank = DirectRank(
+                client,
+                "bench-0",
+                dev,
+                timeout_s=300,
+                chunk_bytes=object_bytes,
+                request_bytes=batch * object_bytes,
+            )
         else:
             rank = StagedRank(
                 client,
@@ -264,7 +271,8 @@ def run_cuda_bench(
             "path": path,
             "path_is": "gather/scatter in this (the engine's) process, daemon DMA through the staging buffer"
             if stager is not None
-            else "the daemon's pitched copies straight between the KV blocks and its pool, no SM work",
+            else "the daemon's DMAs straight between the KV blocks and its pool (pitched rows; a block-"
+            "outermost block one span), no SM work",
             "layers": layers,
             "block_bytes": block_bytes,
             "object_bytes": object_bytes,

@@ -70,21 +70,42 @@ def pitched(group, bases: list[int], max_pitch: int = MAX_PITCH) -> Pitched | No
     return Pitched(bases[0], pitch, first.block_stride, bb, len(bases))
 
 
-def pitched_copies(p: Pitched, host: int, ids, pos, block_major: bool = False) -> list[tuple[int, int, int]]:
-    """The copies between the engine's blocks ``ids`` and an object part at ``host`` whose
-    positions are ``pos``: ``(engine address, host address, row bytes)``. Layer-major parts: each
-    copy is ``p.layers`` rows (engine rows ``p.pitch`` apart, host rows ``bpc*block_bytes``).
-    ``block_major`` parts (GroupLayout.block_major: a block's layers one contiguous span, objects
-    ``[block][layer]``): each copy is one contiguous span of ``p.layers*block_bytes``, one row.
-    Blocks adjacent on both sides (consecutive ids and positions where blocks are contiguous in the
-    engine's tensor) make one wider copy."""
-    unit = p.layers * p.block_bytes if block_major else p.block_bytes
-    merge = p.block_stride == unit
-    out: list[list[int]] = []
-    for b, k in zip(ids, pos):
-        e, h = p.base + int(b) * p.block_stride, host + int(k) * unit
-        if merge and out and out[-1][0] + out[-1][2] == e and out[-1][1] + out[-1][2] == h:
-            out[-1][2] += unit
-        else:
-            out.append([e, h, unit])
-    return [tuple(x) for x in out]
+def pitched_copies(p: Pitched, host: int, ids, pos) -> list[tuple[int, int, int]]:
+    """The pitched copies between the engine's blocks ``ids`` and an object part at ``host`` whose
+    positions are ``pos``: ``(engine address, host address, row bytes)``, each ``p.layers`` rows
+    (engine rows ``p.pitch`` apart, host rows ``bpc*block_bytes``). Blocks adjacent on both sides
+    (consecutive ids and positions where a layer's blocks are contiguous) make one wider copy.
+    A block-major group's copies are ``span_copies``."""
+    bb = p.block_bytes
+    e = p.base + np.asarray(ids, dtype=np.int64) * p.block_stride
+    h = host + np.asarray(pos, dtype=np.int64) * bb
+    if len(e) < 2 or p.block_stride != bb:
+        return list(zip(e.tolist(), h.tolist(), [bb] * len(e)))
+    first = np.flatnonzero(np.concatenate(([True], (e[1:] != e[:-1] + bb) | (h[1:] != h[:-1] + bb))))
+    count = np.diff(np.append(first, len(e)))
+    return list(zip(e[first].tolist(), h[first].tolist(), (count * bb).tolist()))
+
+
+def span_copies(p: Pitched, items: list[CopyItem]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The contiguous copies between the engine's blocks and the object parts of ``items`` for a
+    block-major group (GroupLayout.block_major: a block of every layer is one span of
+    ``p.layers*block_bytes``, at position ``p`` of its part): ``(engine addresses, host addresses,
+    bytes)`` as int64 arrays, in item and block order. Blocks adjacent on both sides within one
+    item make one copy (never across items: two objects may lie in different pinned ranges). The
+    same as one pitched copy of ``p.layers`` rows per block, without a Python step per block."""
+    unit = p.layers * p.block_bytes
+    items = [it for it in items if len(it.ids)]
+    if not items:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    counts = np.fromiter((len(it.ids) for it in items), dtype=np.int64, count=len(items))
+    ids = np.concatenate([np.asarray(it.ids, dtype=np.int64) for it in items])
+    pos = np.concatenate([np.asarray(it.pos, dtype=np.int64) for it in items])
+    hosts = np.fromiter((it.view.ctypes.data for it in items), dtype=np.int64, count=len(items))
+    e = p.base + ids * p.block_stride
+    h = np.repeat(hosts, counts) + pos * unit
+    start = np.ones(len(e), dtype=bool)
+    if p.block_stride == unit and len(e) > 1:
+        start[1:] = (e[1:] != e[:-1] + unit) | (h[1:] != h[:-1] + unit)
+        start[np.cumsum(counts)[:-1]] = True  # each item's first block starts a copy
+    first = np.flatnonzero(start)
+    return e[first], h[first], np.diff(np.append(first, len(e))) * unit

@@ -53,7 +53,7 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import CudaIpcHandle, PageLayout, TensorRef
 from tierd.transfer.dma import DmaLane
 from tierd.transfer.engine import DeviceWork
-from tierd.transfer.items import MAX_PITCH, CopyItem, pitched, pitched_copies
+from tierd.transfer.items import MAX_PITCH, CopyItem, pitched, pitched_copies, span_copies
 from tierd.transfer.pinned import HostPinner
 
 log = logging.getLogger("tierd.cuda")
@@ -295,12 +295,16 @@ class DirectRankMemory:
         if not items:
             return None
         p, flat, block_major = self.groups[group]
+        if block_major:  # a block of every layer is one span on both sides
+            devs, hosts, sizes = span_copies(p, items)
+            if not len(sizes):
+                return None
+            with self.torch.cuda.device(self.device):
+                return lane.copy_spans(devs, hosts, sizes, flat)
         ops = []
         for it in items:
-            ops += pitched_copies(p, it.view.ctypes.data, it.ids, it.pos, block_major)
+            ops += pitched_copies(p, it.view.ctypes.data, it.ids, it.pos)
         with self.torch.cuda.device(self.device):
-            if block_major:  # a block of every layer is one span on both sides
-                return lane.copy_spans(ops, flat)
             return lane.copy_pitched(ops, p.layers, p.pitch, items[0].bpc * p.block_bytes, flat)
 
     def store(self, group: int, items: list[CopyItem]) -> DeviceWork | None:

@@ -18,6 +18,8 @@ import ctypes
 import time
 from collections import OrderedDict
 
+import numpy as np
+
 from tierd.transfer.engine import DeviceWork
 from tierd.transfer.items import CopyItem
 from tierd.transfer.pinned import HostPinner
@@ -65,27 +67,27 @@ class DmaLane:
         hosts = [it.view.ctypes.data for it in items]
         devs = [base + it.staged for it in items]
         sizes = [it.view.nbytes for it in items]
-        runs = _coalesce(hosts, devs, sizes, self.pinner.same_range)
-        self._contiguous(runs, staging)
+        runs = np.array(_coalesce(hosts, devs, sizes, self.pinner.same_range), dtype=np.int64).reshape(-1, 3)
+        self._contiguous(runs[:, 1], runs[:, 0], runs[:, 2], staging)
         return self._queued(sum(sizes), len(runs), t0)
 
-    def copy_spans(self, ops: list[tuple[int, int, int]], tensor) -> DeviceWork:
-        """Contiguous copies ``(device address, host address, bytes)``, every device address in
-        ``tensor`` (flat uint8): whole blocks of a block-major group (GroupLayout.block_major)."""
+    def copy_spans(self, devs: np.ndarray, hosts: np.ndarray, sizes: np.ndarray, tensor) -> DeviceWork:
+        """Contiguous copies (int64 arrays of device addresses, host addresses, bytes), every device
+        address in ``tensor`` (flat uint8): whole blocks of a block-major group
+        (tierd.transfer.items.span_copies)."""
         t0 = time.perf_counter()
-        runs = [(h, d, n) for d, h, n in ops]
-        self._contiguous(runs, tensor)
-        return self._queued(sum(n for _, _, n in runs), len(runs), t0)
+        self._contiguous(devs, hosts, sizes, tensor)
+        return self._queued(int(sizes.sum()), len(sizes), t0)
 
-    def _contiguous(self, runs: list[tuple[int, int, int]], tensor) -> None:
-        """Queue ``(host, device, bytes)`` DMAs; device addresses lie in ``tensor``."""
+    def _contiguous(self, devs: np.ndarray, hosts: np.ndarray, sizes: np.ndarray, tensor) -> None:
+        """Queue DMAs between ``hosts`` and ``devs`` (device addresses in ``tensor``)."""
         if _DRIVER.ok:
             _DRIVER.current(self.device)
-            _DRIVER.copies(runs, self.d2h, self.stream.cuda_stream, self.device)
+            _DRIVER.copies(hosts, devs, sizes, self.d2h, self.stream.cuda_stream, self.device)
             return
         torch, base = self.torch, tensor.data_ptr()  # torch's own path: the same DMA, more Python per copy
         with torch.cuda.stream(self.stream):
-            for h, d, n in runs:
+            for h, d, n in zip(hosts.tolist(), devs.tolist(), sizes.tolist()):
                 host = torch.from_numpy(_host_bytes(h, n))
                 dev = tensor[d - base : d - base + n]
                 (host.copy_(dev, non_blocking=True) if self.d2h else dev.copy_(host, non_blocking=True))
@@ -211,29 +213,39 @@ class _Driver:
                 self.batch = (fn, fail_index)
                 break
 
-    def copies(self, runs: list[tuple[int, int, int]], d2h: bool, stream: int, device: int) -> None:
-        """``(host, device, bytes)`` DMAs in stream order: one batch where the driver has it and no
-        two destinations overlap (a batch's copies have no order among themselves; overlapping
-        ones, a request naming one block twice, go one by one, so the last one wins as before)."""
-        if len(runs) > 1 and self.batch is not None and _disjoint(runs, 0 if d2h else 1):
-            self.copy_batch(runs, d2h, stream, device)
+    def copies(
+        self, hosts: np.ndarray, devs: np.ndarray, sizes: np.ndarray, d2h: bool, stream: int, device: int
+    ) -> None:
+        """DMAs between ``hosts`` and ``devs`` (int64 arrays) in stream order: one batch where the
+        driver has it and no two destinations overlap (a batch's copies have no order among
+        themselves; overlapping ones, a request naming one block twice, go one by one, so the last
+        one wins as before)."""
+        if len(sizes) > 1 and self.batch is not None and _disjoint(hosts if d2h else devs, sizes):
+            self.copy_batch(hosts, devs, sizes, d2h, stream, device)
             return
-        for h, d, n in runs:
+        for h, d, n in zip(hosts.tolist(), devs.tolist(), sizes.tolist()):
             self.copy(h, d, n, d2h, stream)
 
-    def copy_batch(self, runs: list[tuple[int, int, int]], d2h: bool, stream: int, device: int) -> None:
+    def copy_batch(
+        self, hosts: np.ndarray, devs: np.ndarray, sizes: np.ndarray, d2h: bool, stream: int, device: int
+    ) -> None:
         fn, fail_index = self.batch
-        n = len(runs)
-        hosts = (ctypes.c_uint64 * n)(*(h for h, _, _ in runs))
-        devs = (ctypes.c_uint64 * n)(*(d for _, d, _ in runs))
-        sizes = (ctypes.c_size_t * n)(*(k for _, _, k in runs))
+        hosts, devs = np.ascontiguousarray(hosts, np.uint64), np.ascontiguousarray(devs, np.uint64)
+        sizes = np.ascontiguousarray(sizes, np.uint64)  # size_t
         attr = _CopyAttributes()
         attr.srcAccessOrder = _ORDER_STREAM
         dev, host = _Location(_LOC_DEVICE, device), _Location(_LOC_HOST, 0)
         attr.srcLocHint, attr.dstLocHint = (dev, host) if d2h else (host, dev)
         first = (ctypes.c_size_t * 1)(0)
         dsts, srcs = (hosts, devs) if d2h else (devs, hosts)
-        args = [dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attr), first, ctypes.c_size_t(1)]
+        ptr = ctypes.c_void_p
+        args = [
+            ptr(dsts.ctypes.data),
+            ptr(srcs.ctypes.data),
+            ptr(sizes.ctypes.data),
+            ctypes.c_size_t(len(sizes)),
+        ]
+        args += [ctypes.byref(attr), first, ctypes.c_size_t(1)]
         failed = ctypes.c_size_t(0)
         if fail_index:
             args.append(ctypes.byref(failed))
@@ -281,15 +293,14 @@ _DRIVER = _Driver()
 
 def _host_bytes(addr: int, nbytes: int):
     """A numpy uint8 view of ``nbytes`` of host memory at ``addr`` (inside the pool)."""
-    import numpy as np
-
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
-def _disjoint(runs: list[tuple[int, int, int]], side: int) -> bool:
-    """Whether no two runs' ranges on ``side`` (0: host, 1: device) overlap."""
-    spans = sorted((r[side], r[side] + r[2]) for r in runs)
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+def _disjoint(starts: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether no two ranges ``[starts[i], starts[i] + sizes[i])`` overlap."""
+    order = np.argsort(starts, kind="stable")
+    s = starts[order]
+    return bool(np.all(s[:-1] + sizes[order][:-1] <= s[1:]))
 
 
 def _coalesce(hosts: list[int], devs: list[int], sizes: list[int], same_range) -> list[tuple[int, int, int]]:

@@ -7,5 +7,6 @@ from tierd.protocol.copies import (  # noqa: F401 - re-exported
     Pitched,
     pitched,
     pitched_copies,
+    span_copies,
     split_nulls,
 )
