@@ -200,7 +200,12 @@ def _appears(path: str, wait_s: float) -> bool:
 @click.option("--dtype-bytes", default=2, show_default=True, help="Bytes per element (2 = bf16).")
 @click.option("--mla", is_flag=True, help="MLA layout: [blocks, block_tokens, 576], one latent per token.")
 @click.option("--chunks", default=64, show_default=True, help="Chunks stored and retrieved per round.")
-@click.option("--batch", default=8, show_default=True, help="Chunks per STORE/RETRIEVE request.")
+@click.option(
+    "--batch",
+    default=8,
+    show_default=True,
+    help="Chunks per STORE/RETRIEVE request (CUDA --path direct: at most 64 MiB of them, at least one).",
+)
 @click.option(
     "--rounds",
     default=3,

@@ -70,7 +70,7 @@ def run_cuda_bench(
     from tierd_client import TierdClient, native
     from tierd_client.cuda_ipc import share_cuda_tensors
     from tierd_client.cuda_stage import Stager
-    from tierd_client.direct_rank import DirectRank, direct_layout
+    from tierd_client.direct_rank import REQUEST_BYTES, DirectRank, direct_layout
     from tierd_client.layouts import block_span, group, group_specs, layout, namespace
     from tierd_client.staged_rank import StagedRank
 
@@ -162,13 +162,9 @@ def run_cuda_bench(
         client.register("bench-0", lay, timeout=300)
         register_s = time.monotonic() - t_reg
         if stager is None:
+            cap = min(batch * object_bytes, REQUEST_BYTES)  # the rank's own default bounds it (DirectRank)
             rank = DirectRank(
-                client,
-                "bench-0",
-                dev,
-                timeout_s=300,
-                chunk_bytes=object_bytes,
-                request_bytes=batch * object_bytes,
+                client, "bench-0", dev, timeout_s=300, chunk_bytes=object_bytes, request_bytes=cap
             )
         else:
             rank = StagedRank(
