@@ -17,6 +17,12 @@ from tierd_client.layouts import UnsupportedLayout, block_span  # noqa: E402
 CASES = all_cases(torch, "cpu")
 
 
+def copy(fn, case, views, staging, n, desc, b):
+    """One batch's gather or scatter: ids, item and position columns of the plan's descriptors."""
+    cols = [desc[r, b.j0 : b.j1] for r in (0, 2, 3)]
+    fn(views, staging, n, case.bpc, *cols, block_major=case.group.block_major)
+
+
 def run_store(case, items, slot_bytes):
     views = gather.layer_views(case.group, [case.buf])
     plan = gather.make_plan(case.group, items, slot_bytes)
@@ -24,16 +30,7 @@ def run_store(case, items, slot_bytes):
     staging = torch.zeros(slot_bytes, dtype=torch.uint8)
     for b in plan.batches:
         n = b.i1 - b.i0
-        gather.torch_gather(
-            views,
-            staging,
-            n,
-            case.bpc,
-            desc[0, b.j0 : b.j1],
-            desc[2, b.j0 : b.j1],
-            desc[3, b.j0 : b.j1],
-            block_major=case.group.block_major,
-        )
+        copy(gather.torch_gather, case, views, staging, n, desc, b)
         for k, it in enumerate(items[b.i0 : b.i1]):
             it.view[:] = staging[k * plan.obj : (k + 1) * plan.obj].numpy()
     return plan
@@ -48,16 +45,7 @@ def run_retrieve(case, items, slot_bytes, target):
         n = b.i1 - b.i0
         for k, it in enumerate(items[b.i0 : b.i1]):
             staging[k * plan.obj : (k + 1) * plan.obj] = torch.from_numpy(it.view)
-        gather.torch_scatter(
-            views,
-            staging,
-            n,
-            case.bpc,
-            desc[0, b.j0 : b.j1],
-            desc[2, b.j0 : b.j1],
-            desc[3, b.j0 : b.j1],
-            block_major=case.group.block_major,
-        )
+        copy(gather.torch_scatter, case, views, staging, n, desc, b)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
