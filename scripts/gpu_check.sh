@@ -91,9 +91,10 @@ for path in sys.argv[1:]:
     head = f"{name}: {r['block_bytes'] >> 10} KiB x {r['layers']} layers, {r.get('kv_layout', '')[:5]} {r.get('path', 'staged')}"
     if r.get("interference"):
         for step, row in r["interference"].items():
+            share = row['tierd_copy_gbps'] / row['raw_dma_copy_gbps'] if row['raw_dma_copy_gbps'] else 0
             print(f"{head} burst {r.get('interference_step_burst', 0)}: {step} alone {row['alone_ms']} ms, tierd "
                   f"{row['tierd_slowdown']}x at {row['tierd_copy_gbps']} GB/s, raw DMA {row['raw_dma_slowdown']}x at "
-                  f"{row['raw_dma_copy_gbps']} GB/s")
+                  f"{row['raw_dma_copy_gbps']} GB/s (tierd's rate {share:.2f} of raw DMA's; goal <= 1.03x at >= 0.9)")
         continue
     print(f"{head}: store {r['store_ratio']} retrieve {r['retrieve_ratio']} both {r['both_ratio']} of raw "
           f"(raw D2H {r['baseline_d2h_gbps']} H2D {r['baseline_h2d_gbps']} both {r['baseline_both_gbps']} GB/s) verified {r['verified']}")
