@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm_sim import make_vllm_config  # noqa: E402
 
+from tierd.protocol.layout import PageLayout  # noqa: E402
 from tierd_client.vllm_connector import TierdConnector  # noqa: E402
 from tierd_client.vllm_connector.metadata import ChunkIO, LoadOrder, StoreOrder, TierdMetadata  # noqa: E402
 
@@ -65,6 +66,12 @@ def round_trip(model, url, spec, layout, kernel_block_size=None):
     try:
         a.register_kv_caches(kv_a)
         b.register_kv_caches(kv_b)
+        # a block's layers in one span (block-outermost, one kernel block per manager block): its
+        # objects are laid out block by block, one contiguous copy per block (GroupLayout.block_major)
+        outer = (
+            layout.name.startswith("BL") and kernel_block_size is None and isinstance(spec, FullAttentionSpec)
+        )
+        assert PageLayout.from_wire(a.worker.reg.layout).groups[0].block_major is outer
         bpc = 1 if isinstance(spec, MambaSpec) else CHUNK // BLOCK
         keys = [uuid.uuid4().bytes for _ in range(3)]
         src = [[1 + c * bpc + i for i in range(bpc)] for c in range(3)]
