@@ -69,10 +69,16 @@ def status_table(s: dict) -> str:
         beat = inst["last_heartbeat_s_ago"]
         out.append(
             f"  {inst['instance']:<28} {inst['model']:<24} rank {inst['rank']}/{ns['world_size']} "
-            f"{inst['device']:<5} "
-            f"groups {','.join(inst['groups'])}  heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
+            f"{inst['device']:<5} {inst.get('copies', ''):<6} groups {_groups(inst)}  "
+            f"heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
         )
     return "\n".join(out)
+
+
+def _groups(inst: dict) -> str:
+    """Group kinds, a block-major group's marked ``/block`` (objects laid out block by block)."""
+    orders = inst.get("object_order") or ["layer"] * len(inst["groups"])
+    return ",".join(k + ("/block" if o == "block" else "") for k, o in zip(inst["groups"], orders))
 
 
 def _evictions(s: dict) -> str:

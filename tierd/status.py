@@ -203,7 +203,9 @@ def build_status(daemon) -> dict:
             "tenant": inst.tenant,
             "rank": inst.layout.rank,
             "device": inst.layout.device,
+            "copies": _copies(inst.layout),
             "groups": [g.kind.value for g in inst.layout.groups],
+            "object_order": ["block" if g.block_major else "layer" for g in inst.layout.groups],
             "last_heartbeat_s_ago": round(now - reg.sessions[inst.session].last_seen, 3)
             if inst.session in reg.sessions
             else None,
@@ -211,3 +213,11 @@ def build_status(daemon) -> dict:
         for inst in reg.instances.values()
     ]
     return out
+
+
+def _copies(layout) -> str:
+    """How the daemon moves a rank's bytes: ``shm`` (CPU: its shared-memory files), ``staged`` (GPU:
+    through the engine's staging buffer) or ``direct`` (GPU: straight to and from its KV blocks)."""
+    if layout.device != "cuda":
+        return "shm"
+    return "staged" if layout.staging is not None else "direct"

@@ -97,6 +97,8 @@ def test_status_prints_a_table_and_json(daemon, client, ranks):
         "rank-zero",
         "test-model",
         "rank 0/1",
+        " shm ",  # how the daemon copies this rank's bytes
+        "groups full ",
         daemon.endpoint,
     ]:
         assert needle in res.stdout, needle

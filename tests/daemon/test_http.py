@@ -69,6 +69,7 @@ def test_status_fields_and_counters_move(daemon_factory, client_factory, ranks):
         and inst["rank"] == 0
     )
     assert inst["groups"] == ["full"] and 0 <= inst["last_heartbeat_s_ago"] < 10
+    assert inst["copies"] == "shm" and inst["object_order"] == ["layer"]
     assert s1["sessions"] == 1
 
     ks = keys(3)

@@ -538,3 +538,35 @@ def test_a_block_outermost_chunk_of_consecutive_blocks_is_one_memcpy(shm, monkey
     finally:
         mem.close()
     assert seen == [([4 * 2 * 96], [4 * 2 * 96])]
+
+
+def test_status_says_how_a_rank_is_copied_and_which_groups_are_block_major(shm, tmp_path):
+    """/status names each instance's copies and per group its object order; ``tierd status``
+    marks a block-major group ``/block``."""
+    from tierd import handlers
+    from tierd.config import Settings
+    from tierd.handlers import Call
+    from tierd.protocol import messages
+    from tierd.report import status_table
+    from tierd.server import Daemon
+
+    d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625))
+    try:
+        ident = b"s" * 16
+        handlers.hello(d.tier, Call(ident, None, [ident], 0, 0.0), messages.Hello(1))
+        call = Call(ident, d.registry.session(ident), [ident], 0, 0.0)
+        for name, geometry in (("outer", "block-outer"), ("contiguous", "block-contiguous")):
+            nbytes, tensors, spans = geometries()[geometry]
+            f = shm(nbytes)
+            lay = make_layout([f] * len(tensors), tensors, spans)
+            lay["namespace"]["fingerprint"] = name
+            handlers.register(
+                d.tier, call, messages.convert({"instance": name, "layout": lay}, messages.Register)
+            )
+        st = d.status()
+        got = {i["instance"]: (i["copies"], i["object_order"]) for i in st["instances"]}
+        assert got == {"outer": ("shm", ["block"]), "contiguous": ("shm", ["layer"])}
+        rows = {line.split()[0]: line for line in status_table(st).splitlines() if line.startswith("  ")}
+        assert "groups full/block " in rows["outer"] and "groups full " in rows["contiguous"]
+    finally:
+        d.close()
