@@ -54,7 +54,7 @@ def make_plan(group: GroupLayout, items: list[CopyItem], slot_bytes: int) -> Pla
     ids = np.concatenate([it.ids for it in items]).astype(np.int64, copy=False)
     pos = np.concatenate([it.pos for it in items]).astype(np.int64, copy=False)
     k = np.repeat(np.arange(len(items), dtype=np.int64) % per_slot, counts)
-    step = nl * bb if group.block_major else bb  # GroupLayout.object_strides
+    _, step = group.object_strides(bpc * group.block_tokens)
     desc = np.stack([ids, k * obj + pos * step, k, pos])
     ends = np.concatenate([[0], np.cumsum(counts)])
     batches = [
@@ -122,15 +122,15 @@ def staging_view(
     bb: int,
     base: int = 0,
     item_stride: int | None = None,
-    block_major: bool = False,
+    strides: tuple[int, int] | None = None,
 ):
     """``staging`` (flat uint8) as ``[n_items, layers, bpc, block]`` from ``base``, items ``item_stride``
-    bytes apart (default: back to back); the bytes laid out ``[item][block][layer]`` for a
-    ``block_major`` group (GroupLayout.block_major), else ``[item][layer][block]``."""
+    bytes apart (default: back to back); inside an item, layer and block ``strides`` apart
+    (GroupLayout.object_strides; default: ``[layer][block]``)."""
     import torch
 
     stride = item_stride if item_stride is not None else layers * bpc * bb
-    inner = (bb, layers * bb) if block_major else (bpc * bb, bb)
+    inner = strides if strides is not None else (bpc * bb, bb)
     return torch.as_strided(staging, (n_items, layers, bpc, bb), (stride, *inner, 1), base)
 
 
@@ -144,11 +144,11 @@ def torch_gather(
     pos,
     base: int = 0,
     item_stride: int | None = None,
-    block_major: bool = False,
+    strides: tuple[int, int] | None = None,
 ) -> None:
     """Blocks ``ids`` of every layer into ``staging`` viewed as ``[n_items, layers, bpc, block]``."""
     bb = views[0].shape[1] * views[0].shape[2]
-    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride, block_major)
+    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride, strides)
     for layer, v in enumerate(views):
         s[:, layer].index_put_((item, pos), v.index_select(0, ids).reshape(-1, bb))
 
@@ -163,10 +163,10 @@ def torch_scatter(
     pos,
     base: int = 0,
     item_stride: int | None = None,
-    block_major: bool = False,
+    strides: tuple[int, int] | None = None,
 ) -> None:
     """The reverse of ``torch_gather``."""
     bb = views[0].shape[1] * views[0].shape[2]
-    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride, block_major)
+    s = staging_view(staging, n_items, len(views), bpc, bb, base, item_stride, strides)
     for layer, v in enumerate(views):
         v.index_put_((ids,), s[:, layer][item, pos].view(-1, v.shape[1], v.shape[2]))

@@ -46,7 +46,6 @@ class GroupCopy:
     def __init__(self, torch, group, flats, device, chunk_tokens: int):
         self.layers = len(group.layers)
         self.block_bytes = group.block_bytes
-        self.block_major = group.block_major
         # where layer l's block at chunk position p lies in the group's part: l*layer + p*block
         self.layer_stride, self.block_stride = group.object_strides(chunk_tokens)
         self.runs, self.run_bytes = group.layers[0].runs, group.layers[0].run_bytes
@@ -283,7 +282,7 @@ class Stager:
                     dev[2],
                     base=plan.base,
                     item_stride=self.chunk_bytes,
-                    block_major=gc.block_major,
+                    strides=(gc.layer_stride, gc.block_stride),
                 )
 
     def _jobs(self, chunks, at, g, null, skip):

@@ -20,7 +20,8 @@ CASES = all_cases(torch, "cpu")
 def copy(fn, case, views, staging, n, desc, b):
     """One batch's gather or scatter: ids, item and position columns of the plan's descriptors."""
     cols = [desc[r, b.j0 : b.j1] for r in (0, 2, 3)]
-    fn(views, staging, n, case.bpc, *cols, block_major=case.group.block_major)
+    strides = case.group.object_strides(case.bpc * case.group.block_tokens)
+    fn(views, staging, n, case.bpc, *cols, strides=strides)
 
 
 def run_store(case, items, slot_bytes):
