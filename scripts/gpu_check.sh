@@ -104,6 +104,8 @@ for path in sys.argv[1:]:
             ok = lambda a, b: "ok" if lat[a] <= lat[b] else "over"  # noqa: E731
             print(f"   {n}: store {lat['store']} ms (raw {lat['raw_d2h']}, goal {lat['store_goal']}: {ok('store', 'store_goal')}), "
                   f"retrieve {lat['retrieve']} ms (raw {lat['raw_h2d']}, goal {lat['retrieve_goal']}: {ok('retrieve', 'retrieve_goal')})")
+    for op, row in (r.get("daemon_stages_ms") or {}).items():
+        print(f"   daemon stages of a timed round's {op}, ms per request: " + "; ".join(f"{k} {v}" for k, v in row.items()))
     lat = (r.get("latency_ms") or {}).get("1_chunks") or {}
     for op, row in (lat.get("breakdown") or {}).items():
         print(f"   1 chunk {op}: " + "; ".join(f"{k} {v}" for k, v in row.items()))

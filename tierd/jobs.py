@@ -82,6 +82,12 @@ class Job:
         self.call, self.instance, self.plan, self.deadline = call, inst, plan, deadline
         self.lane = inst.id
         self.replied = False  # an early reply went out when the copy was queued (``queued``)
+        # (stage, when) from the request's arrival on, as it reaches each stage (tierd.stats STAGES)
+        self.stamps: list[tuple[str, float]] = [("read", call.t0)]
+
+    def stamp(self, stage: str) -> None:
+        """The job has just finished ``stage`` (tierd.stats.STAGES)."""
+        self.stamps.append((stage, time.perf_counter()))
 
     @property
     def nbytes(self) -> int:

@@ -52,11 +52,14 @@ class Outcomes:
             self.respond(call.envelope, call.req_id, op, call.t0, outcome)
 
     def finish_jobs(self) -> None:
+        stats = self.tier.stats
         for job, result, exc in self.xfer.drain():
             call = job.call
+            job.stamp("return")
             if result is QUEUED:  # its copy is queued: the reply goes now, the completion later
                 job.replied = True
                 self.respond(call.envelope, call.req_id, job.op, call.t0, job.queued(self.tier), job.nbytes)
+                job.stamp("early reply")
                 continue
             if exc is not None and not isinstance(exc, Expired):
                 log.error("%s copy for %s failed: %r", job.op, job.instance.id, exc)
@@ -66,6 +69,8 @@ class Outcomes:
                 body = err
             if not job.replied:
                 self.respond(call.envelope, call.req_id, job.op, call.t0, body, job.nbytes)
+            job.stamp("reply" if not job.replied else "finish")
+            stats.stages(job.op, job.stamps)
 
     def finish_l2(self) -> None:
         for call, op, result in self.l2.drain(time.monotonic()):

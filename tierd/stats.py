@@ -33,6 +33,20 @@ COUNTERS = (
 )
 
 
+# Where a STORE's or RETRIEVE's time goes in the daemon, each stage the time until it ended, from
+# the request's arrival (the frame read) on; /status request_stages sums them per op.
+STAGES = (
+    ("plan", "decoded, checked and planned (objects allocated or found, copies listed)"),
+    ("lane", "waited for its rank's transfer lane (an earlier copy of the rank, or a copy thread)"),
+    ("copy", "the copy call: a CPU rank's memcpy, a GPU rank's DMAs queued"),
+    ("device", "queued DMAs finished, as the lane's waiter thread saw it"),
+    ("return", "handed back to the main loop"),
+    ("early reply", "a reply sent once the copies were queued (a GPU RETRIEVE's)"),
+    ("reply", "committed or aborted, and the reply sent"),
+    ("finish", "committed after an early reply"),
+)
+
+
 class Stats:
     def __init__(self):
         self.started = time.time()
@@ -54,6 +68,8 @@ class Stats:
             buckets=tuple(float(1 << s) for s in range(12, 36, 2)),
         )
         self._seconds_of: dict[str, Histogram] = {}  # op -> its op_seconds child
+        self.stage_seconds: dict[str, Counter[str]] = {}  # op -> stage (STAGES) -> seconds
+        self.stage_jobs: Counter[str] = Counter()  # op -> jobs whose stages are counted
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] += n
@@ -70,10 +86,32 @@ class Stats:
         if nbytes is not None:
             self.op_bytes.labels(op).observe(nbytes)
 
+    def stages(self, op: str, stamps: list[tuple[str, float]]) -> None:
+        """Count a finished job's stages: ``stamps`` (stage, when it ended), the first its arrival
+        (tierd.jobs.Job.stamps; stamps of two threads, so put in time order here)."""
+        acc = self.stage_seconds.get(op)
+        if acc is None:
+            acc = self.stage_seconds[op] = Counter()
+        stamps = sorted(stamps, key=_when)
+        for (_, t0), (stage, t1) in zip(stamps, stamps[1:]):
+            acc[stage] += t1 - t0
+        self.stage_jobs[op] += 1
+
+    def stages_status(self) -> dict:
+        """/status ``request_stages``: per op, the jobs counted and seconds per stage (sums)."""
+        return {
+            op: {"jobs": self.stage_jobs[op], "seconds": {k: round(v, 6) for k, v in acc.items()}}
+            for op, acc in sorted(self.stage_seconds.items())
+        }
+
     def install(self, gauges, extra=None) -> None:
         """``gauges()`` returns the live /status dict; scraped values come from it. ``extra(status)``
         yields more families (the second tier's: given by the daemon, so nothing here imports it)."""
         self.registry.register(_Collector(self, gauges, extra))
+
+
+def _when(stamp: tuple[str, float]) -> float:
+    return stamp[1]
 
 
 class _Collector:
@@ -95,6 +133,20 @@ class _Collector:
         for code, n in sorted(self.stats.errors_by_code.items()):
             err.add_metric([code], n)
         yield err
+        stage = CounterMetricFamily(
+            "tierd_request_stage_seconds",
+            "seconds STORE and RETRIEVE spent in each stage in the daemon, by op and stage",
+            labels=["op", "stage"],
+        )
+        jobs = CounterMetricFamily(
+            "tierd_request_stage_jobs", "STORE and RETRIEVE copies whose stages are counted", labels=["op"]
+        )
+        for op, acc in sorted(self.stats.stage_seconds.items()):
+            jobs.add_metric([op], self.stats.stage_jobs[op])
+            for name, seconds in sorted(acc.items()):
+                stage.add_metric([op, name], seconds)
+        yield stage
+        yield jobs
         for name, doc in (
             ("memory_configured_bytes", "ceiling of the host pool (--l1-size-gb)"),
             ("memory_total_bytes", "host memory backed now (all segments)"),

@@ -161,6 +161,7 @@ def build_status(daemon) -> dict:
     if daemon.cuda:
         out["cuda_detail"] = daemon.cuda.status()
     out["errors_by_code"] = dict(daemon.stats.errors_by_code)
+    out["request_stages"] = daemon.stats.stages_status()
     out["l2"] = daemon.l2.status() if daemon.l2 is not None else None
     out["leases_active"] = len(reg.leases)
     out["leased_bytes"] = sum(reg.leased_bytes.values())

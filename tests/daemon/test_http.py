@@ -3,6 +3,7 @@ the operations; /metrics is valid Prometheus text with tierd_ names, per-op late
 histograms; /healthz answers ok; anything else is a 404."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -129,6 +130,35 @@ def test_status_fields_and_counters_move(daemon_factory, client_factory, ranks):
     assert s7["store_rejects"] == s6["store_rejects"] + 1 and s7["objects"] == cap
     # the same numbers over the STATUS op
     assert c.status()["store_rejects"] == s7["store_rejects"]
+
+
+def test_request_stages_add_up_to_each_copys_time_in_the_daemon(daemon, client, ranks):
+    rank = ranks(GroupGeom("full"))
+    client.register("r0", rank.layout())
+    before = daemon.status()["request_stages"]
+    ks = keys(2)
+    t = time.perf_counter()
+    client.store("r0", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
+    client.retrieve("r0", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)])
+    took = time.perf_counter() - t
+    stages = daemon.status()["request_stages"]
+    assert before == {}
+    for op in ("STORE", "RETRIEVE"):
+        assert stages[op]["jobs"] == 1
+        seconds = stages[op]["seconds"]
+        assert set(seconds) == {"plan", "lane", "copy", "return", "reply"}  # a CPU rank: no device work
+        assert all(v >= 0 for v in seconds.values()) and seconds["copy"] > 0
+    # each stage ends where the next begins: together they are the daemon's share of the calls
+    assert sum(sum(stages[op]["seconds"].values()) for op in stages) <= took
+    code, body = daemon.get("/metrics")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+    }
+    assert samples[("tierd_request_stage_jobs_total", (("op", "STORE"),))] == 1
+    copy = samples[("tierd_request_stage_seconds_total", (("op", "RETRIEVE"), ("stage", "copy")))]
+    assert copy == pytest.approx(stages["RETRIEVE"]["seconds"]["copy"], abs=1e-6)  # /status rounds to 1 us
 
 
 def test_metrics_are_prometheus_text(daemon, client, ranks):

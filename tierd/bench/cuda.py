@@ -13,8 +13,10 @@ and one cudaMemcpyAsync per block.
 Latencies: 1, 4 and 16 chunks stored and restored one job at a time, next to the raw copy of
 their bytes, and a one-chunk request's ``breakdown``: the medians of its stages as the rank's
 trace stamps them (hand-offs, the engine's Python, the daemon and the wire, the caller's wait),
-the daemon's lane time per call (issuing the DMAs; waiting for them), the stages inside the
-engine's gather and scatter calls, and ``wire_floor_ms``: round trips that copy nothing.
+the daemon's lane time per call (issuing the DMAs; waiting for them) and its own stages of the
+request (``daemon: ...``, tierd.stats.STAGES from /status ``request_stages``), the stages inside
+the engine's gather and scatter calls, and ``wire_floor_ms``: round trips that copy nothing. The
+timed rounds' requests get the same daemon stages as means (``daemon_stages_ms``).
 
 ``--interference``: a compute-bound step (bf16 matmul) and an HBM-bound step (device copy), each
 timed alone, while tierd stores and retrieves at full rate, and while raw pinned DMA runs both
@@ -33,7 +35,7 @@ import uuid
 
 from tierd.bench.cuda_baselines import _baselines, _gbps
 from tierd.bench.cuda_interference import _interference
-from tierd.bench.cuda_latency import _latencies
+from tierd.bench.cuda_latency import _latencies, stage_means
 from tierd.protocol.keys import KEY_BYTES
 
 LOOKUP_KEYS = 16  # a 4096-token prompt at 256 tokens per chunk
@@ -199,6 +201,7 @@ def run_cuda_bench(
         times: dict[str, list[float]] = {"store": [], "retrieve": [], "both": []}
         verified = True
         bar = progress.bar(rounds * 5 * chunks, "store/retrieve/both (chunks)")
+        stages0 = client.status().get("request_stages") or {}
         for _ in range(rounds):
             client.call("CLEAR", {"namespace": ns})
             keys_a = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
@@ -223,6 +226,7 @@ def run_cuda_bench(
             settle(retrieve(keys_c, dst), bar)  # untimed: what the concurrent store wrote
             verified &= same(src2, dst)
         bar(None)
+        out["daemon_stages_ms"] = stage_means(stages0, client.status().get("request_stages") or {})
         lk = keys_a[:LOOKUP_KEYS]
         n, t = 0, time.perf_counter()
         while time.perf_counter() - t < 1.0:

@@ -30,7 +30,7 @@ def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, 
         host = torch.empty(n * nbytes_chunk, dtype=torch.uint8, pin_memory=True)
         devbuf = torch.empty(n * nbytes_chunk, dtype=torch.uint8, device=dev)
         st, rt, raw_d2h, raw_h2d, wait = [], [], [], [], []
-        lanes0 = _lanes(client)
+        lanes0 = _daemon(client)
         rank.trace = []
         stager = getattr(rank, "stager", None)
         if stager is not None:
@@ -65,7 +65,7 @@ def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, 
         timings = stager.timings if stager is not None else None
         if stager is not None:
             stager.timings = None
-        lanes1 = _lanes(client)
+        lanes1 = _daemon(client)
         row = {
             "store": med(st),
             "raw_d2h": med(raw_d2h),
@@ -139,18 +139,44 @@ def _breakdown(trace: list[dict], waits: list[tuple], lanes0: dict, lanes1: dict
         out["retrieve"]["answer to the caller"] = med([w[1] - r[last] for r, w in zip(rt, waits)])
         out["retrieve"]["copies (and scatter) finish on the GPU"] = med([w[2] - w[1] for w in waits])
     for name, lane in (("store", "store"), ("retrieve", "retrieve")):
-        a, b = lanes0.get(lane) or {}, lanes1.get(lane) or {}
+        a, b = lanes0["lanes"].get(lane) or {}, lanes1["lanes"].get(lane) or {}
         calls = b.get("calls", 0) - a.get("calls", 0)
         if calls:
             for k in ("host_s", "sync_s"):
                 out[name][f"daemon lane {k[:-2]} per call"] = round((b[k] - a[k]) / calls * 1e3, 3)
+        for stage, ms in stage_means(lanes0["stages"], lanes1["stages"]).get(name.upper(), {}).items():
+            out[name][f"daemon: {stage}"] = ms
     return out
 
 
-def _lanes(client) -> dict:
+def _daemon(client) -> dict:
+    """The daemon's copy lanes (``cuda_detail``) and its request stages, now (/status)."""
     if client is None:
-        return {}
-    return (client.status().get("cuda_detail") or {}).get("lanes") or {}
+        return {"lanes": {}, "stages": {}}
+    status = client.status()
+    return {
+        "lanes": (status.get("cuda_detail") or {}).get("lanes") or {},
+        "stages": status.get("request_stages") or {},
+    }
+
+
+def stage_means(before: dict, after: dict) -> dict:
+    """Per op, the mean ms of each daemon stage over the jobs between two /status
+    ``request_stages`` (tierd.stats.STAGES), in the order a job passes them."""
+    from tierd.stats import STAGES
+
+    out = {}
+    for op, now in after.items():
+        was = before.get(op) or {"jobs": 0, "seconds": {}}
+        jobs = now["jobs"] - was["jobs"]
+        if jobs > 0:
+            secs = now["seconds"]
+            out[op] = {
+                name: round((secs[name] - was["seconds"].get(name, 0.0)) / jobs * 1e3, 3)
+                for name, _ in STAGES
+                if name in secs
+            }
+    return out
 
 
 def _wire_floor(client, rank, bpc: int, med) -> dict:

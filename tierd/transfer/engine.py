@@ -60,6 +60,13 @@ def device_work(results) -> DeviceWork | None:
     return DeviceWork(waits) if waits else None
 
 
+def _stamp(job: Any, stage: str) -> None:
+    """``job.stamp(stage)`` where the job keeps stamps (tierd.jobs.Job; tierd.stats STAGES)."""
+    stamp = getattr(job, "stamp", None)
+    if stamp is not None:
+        stamp(stage)
+
+
 QUEUED = object()  # drain() result of a job whose device work is queued and whose reply may go now
 
 
@@ -176,16 +183,19 @@ class TransferEngine:
             x.submit(after)
 
     def submit(self, lane: str, fn: Callable[[], Any], job: Any) -> None:
+        _stamp(job, "plan")
         with self._lock:
             self._inflight += 1
         x = self._lanes[lane]
         x.submit(self._run, fn, job, x, small=getattr(job, "nbytes", 0) <= INLINE_MAX_BYTES)
 
     def _run(self, fn: Callable[[], Any], job: Any, lane: Lane | None = None) -> None:
+        _stamp(job, "lane")
         try:
             result, exc = fn(), None
         except BaseException as e:  # reported to the client as DEVICE_ERROR, never lost
             result, exc = None, e
+        _stamp(job, "copy")
         if exc is None and isinstance(result, DeviceWork) and lane is not None:
             if result.early is not None:
                 self._done.put((job, QUEUED, None))  # reply now; the waiter completes the job later
@@ -200,6 +210,7 @@ class TransferEngine:
             exc = None
         except BaseException as e:  # noqa: BLE001 - a device error: DEVICE_ERROR
             exc = e
+        _stamp(job, "device")
         self._finish(job, None, exc)
 
     def _waiter(self, lane: Lane) -> Lane:
