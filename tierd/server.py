@@ -1,8 +1,9 @@
 """The daemon: one ROUTER endpoint (tierd.zmtp) and a single-threaded main loop that receives,
-decodes, dispatches, carries each handler's outcome and replies. State lives in the registry and
-the pool; handlers (tierd.handlers) decide and return an outcome: a reply's body, a copy Job, or
-what the request needs of the second tier, which the loop asks it and hands back to the handler
-once it answered.
+decodes, dispatches, carries each handler's outcome and replies. Requests read wait in a backlog
+handled in arrival order, a RETRIEVE before the STOREs ahead of it (tierd.backlog). State lives
+in the registry and the pool; handlers (tierd.handlers) decide and return an outcome: a reply's
+body, a copy Job, or what the request needs of the second tier, which the loop asks it and hands
+back to the handler once it answered.
 Copies run on transfer lanes; an HTTP thread serves operators from a status snapshot.
 
 Every request gets exactly one reply, and every reply goes out through ``respond``
@@ -22,6 +23,7 @@ import uuid
 import zmq
 
 from tierd import __version__, assemble, endpoint, handlers, warm
+from tierd.backlog import Backlog
 from tierd.channel import CHANNEL_OPS, Channel, ChannelServer, channel_path
 from tierd.config import Settings
 from tierd.jobs import Call, Tier
@@ -64,6 +66,7 @@ class Daemon:
         self.max_connections = assemble.connection_cap(settings)
         per_peer = 2 * settings.max_sessions_per_peer
         self.router = Router(2 * settings.max_frame_bytes, self.max_connections, per_peer)
+        self.backlog = Backlog()  # requests read, not handled yet (tierd.backlog)
         # the endpoint first: a second daemon on a served socket is refused before it backs (and
         # pins) a pool; clients that connect meanwhile get their handshake, their requests are
         # answered once the loop runs
@@ -184,6 +187,8 @@ class Daemon:
                         self.channel.accept()
                     elif sock in channels:
                         self._recv_channel(channels[sock])
+            self._serve(poller)
+            self._drop_disconnected()
             self.outcomes.finish_jobs()
             if self.l2 is not None:
                 self.outcomes.finish_l2()
@@ -215,16 +220,29 @@ class Daemon:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
 
+    def _serve(self, poller) -> None:
+        """Handle the requests read, in the backlog's order (tierd.backlog). While a STORE waits,
+        what arrived meanwhile is read between two requests, so a RETRIEVE can go first, and
+        copies that finished are answered."""
+        backlog, channels = self.backlog, self.channel.conns if self.channel is not None else None
+        while backlog:
+            self._on_request(*backlog.take())
+            if backlog.may_reorder():
+                self.outcomes.finish_jobs()
+                for sock, _ in poller.poll(0):
+                    if sock == self.router.fd:
+                        self._recv_router()
+                    elif channels is not None and sock in channels:
+                        self._recv_channel(channels[sock])
+
     def _recv_router(self) -> None:
-        """What the ROUTER read in one turn (a bounded amount per connection), then the sessions
-        of connections that ended."""
+        """What the ROUTER read in one turn (a bounded amount per connection), into the backlog."""
         for identity, frame, peer, extra in self.router.messages():
             envelope = [identity]
             if extra is not None:  # not one frame: nothing of it is echoed
                 self._refuse_message(envelope, *extra)
             else:
-                self._on_request(envelope, frame, peer)
-        self._drop_disconnected()
+                self.backlog.put(frame, envelope, peer, time.perf_counter())
 
     def _refuse_message(self, envelope: list[bytes], frames: int, nbytes: int) -> None:
         cap = self.router.cap
@@ -239,7 +257,7 @@ class Daemon:
             if isinstance(frame, ProtocolError):
                 self._error(channel, frame.req_id or 0, frame.code, frame.message, "?")
             else:
-                self._on_request(channel, frame, channel.peer)
+                self.backlog.put(frame, channel, channel.peer, time.perf_counter())
 
     def _drop_disconnected(self) -> None:
         """Sessions whose connection closed go now, as a heartbeat timeout would take them."""
@@ -257,9 +275,9 @@ class Daemon:
             if leases:
                 self.stats.add("leases_expired", leases)
 
-    def _on_request(self, envelope: list[bytes] | Channel, frame, peer: Peer) -> None:
-        """One request from the ROUTER (``envelope`` [identity]) or from a lookup channel."""
-        t0 = time.perf_counter()
+    def _on_request(self, frame, envelope: list[bytes] | Channel, peer: Peer, t0: float) -> None:
+        """One request from the ROUTER (``envelope`` [identity]) or from a lookup channel, read at
+        ``t0``."""
         req_id, op = 0, "?"
         try:
             op, req_id, body = codec.split_request(frame, self.settings.max_frame_bytes)

@@ -7,6 +7,7 @@ anybody else takes the pool's lock: eviction order is what it was with the touch
 
 import random
 import threading
+import time
 
 import pytest
 from test_pool import FULL, KIB, key, pool  # noqa: F401 - pool: fixture
@@ -187,7 +188,7 @@ def stored(tmp_path):
         def lookup(n: int, lease: bool) -> None:
             specs = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]
             body = {"namespace": ns, "keys": keys[:n], "groups": specs, "chunk_tokens": 16, "lease": lease}
-            d._on_request([ident], codec.encode_request("LOOKUP", 7, body), OWN_PEER)
+            d._on_request(codec.encode_request("LOOKUP", 7, body), [ident], OWN_PEER, time.perf_counter())
 
         yield d, job.plan.objs, keys, lookup, sent
     finally:

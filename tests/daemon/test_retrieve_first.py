@@ -1,0 +1,53 @@
+"""A RETRIEVE that arrives behind STOREs is handled before them: an engine waits for its
+restores, not for its stores (tierd.backlog). Here the STORE ahead of it needs room in a full
+pool; handled first, it would evict one of the objects the RETRIEVE reads."""
+
+import time
+
+from kv import GroupGeom, keys
+from util import chunk, ranks, raw  # noqa: F401 - fixtures
+
+GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
+
+
+def test_a_retrieve_behind_a_store_goes_first_so_the_store_cannot_evict_what_it_reads(
+    daemon_factory, raw, ranks
+):
+    d = daemon_factory(pool_mb=2)  # room for a few objects
+    rank = ranks(GEOM, num_blocks=80)
+    r = raw(d)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    cap = d.status()["memory_configured_bytes"] // (256 << 10)
+    held = keys(cap)
+    for i, k in enumerate(held):
+        assert r.ok("STORE", {"instance": "r", "chunks": [chunk(k, range(4 * i, 4 * i + 4))]})["results"] == [
+            "stored"
+        ]
+    assert d.status()["objects"] == cap and d.status()["evictions"] == 0
+    # a LOOKUP that keeps the main loop busy for milliseconds, so the STORE and the RETRIEVE sent
+    # after it wait in the socket and are read together
+    slow = r.send_request(
+        "LOOKUP",
+        {"namespace": rank.ns, "keys": keys(1 << 15), "groups": rank.specs(), "chunk_tokens": 16},
+    )
+    new = keys(1)[0]
+    store = r.send_request("STORE", {"instance": "r", "chunks": [chunk(new, range(72, 76))]})
+    retrieve = r.send_request(
+        "RETRIEVE",
+        {
+            "instance": "r",
+            "chunks": [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(held)],
+        },
+    )
+    replies = {}
+    t = time.monotonic()
+    while len(replies) < 3:
+        req_id, ok, body = r.recv(30)
+        replies[req_id] = (ok, body, time.monotonic() - t)
+    assert replies[slow][0] and replies[slow][1]["chunks"] == 0
+    ok, body, _ = replies[retrieve]
+    assert ok and body["ok"] == [True] * cap, body  # nothing it reads was evicted under it
+    assert replies[store][0]
+    for i in range(cap):
+        assert (rank.kv[0][:, 40 + 4 * i : 44 + 4 * i] == rank.kv[0][:, 4 * i : 4 * i + 4]).all()
