@@ -1,6 +1,7 @@
 """The daemon's copy lanes' batched DMA (tierd.transfer.dma): a request's contiguous DMAs go as
 one cuMemcpyBatchAsync, through either of the driver's signatures, and move exactly the bytes
-one-by-one copies move, both ways, at scattered device addresses."""
+one-by-one copies move, both ways, at scattered device addresses; a lane queues on its GPU's primary
+context whatever context its thread has, and reuses its events once waited for."""
 
 import ctypes
 
@@ -51,3 +52,38 @@ def test_a_batch_moves_the_same_bytes_as_copies_one_by_one(batch, monkeypatch):
     stream.synchronize()
     for i, s in enumerate(slots):
         assert torch.equal(back[s * FRAG : (s + 1) * FRAG].cpu(), host[i * FRAG : (i + 1) * FRAG]), i
+
+
+def test_a_lane_queues_on_its_gpus_context_whatever_is_current_and_reuses_its_events():
+    from tierd.transfer.pinned import HostPinner
+
+    lib = dma._DRIVER.lib
+    create = getattr(lib, "cuCtxCreate_v2", None)
+    if create is None:
+        pytest.skip("the driver has no cuCtxCreate_v2")
+    lane = dma.DmaLane(torch, 0, HostPinner(), d2h=True)
+    n = 8
+    dev = torch.randint(0, 256, (2 * n * FRAG,), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(n * FRAG, dtype=torch.uint8, pin_memory=True)
+    hosts = np.array([host.data_ptr() + i * FRAG for i in range(n)], dtype=np.int64)
+    devs = np.array([dev.data_ptr() + (2 * i + 1) * FRAG for i in range(n)], dtype=np.int64)
+    sizes = np.full(n, FRAG, dtype=np.int64)
+    torch.cuda.synchronize()
+    other, device = ctypes.c_void_p(), ctypes.c_int()
+    assert lib.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert create(ctypes.byref(other), 0, device) == 0  # a context of its own, current on this thread
+    try:
+        work = lane.copy_spans(devs, hosts, sizes, dev)  # the lane's stream is in the primary context
+        work.wait()
+        first = list(lane._done)
+        assert len(first) == 1  # the event after the copies, free again once waited for
+        work = lane.copy_spans(devs, hosts, sizes, dev)
+        assert lane._done == []  # ... and taken again
+        work.wait()
+        assert lane._done == first
+    finally:
+        lib.cuCtxDestroy_v2(other)
+        lane.close()
+    torch.cuda.synchronize()
+    want = torch.cat([dev[(2 * i + 1) * FRAG : (2 * i + 2) * FRAG] for i in range(n)]).cpu()
+    assert torch.equal(host, want)

@@ -227,15 +227,13 @@ class StagedRankMemory:
         """Queue the DMAs staging -> pool; the DeviceWork finishes when the bytes are in the pool."""
         if not items:
             return None
-        with self.torch.cuda.device(self.device):
-            return self.d2h.copy(self.staging, items)
+        return self.d2h.copy(self.staging, items)  # (a lane makes its GPU current itself)
 
     def retrieve(self, group: int, items: list[CopyItem]) -> DeviceWork | None:
         """Queue the DMAs pool -> staging; the DeviceWork finishes when the bytes are in staging."""
         if not items:
             return None
-        with self.torch.cuda.device(self.device):
-            return self.h2d.copy(self.staging, items)
+        return self.h2d.copy(self.staging, items)
 
     def signal(self) -> bytes:
         """The event the engine's scatter waits for (on the GPU): after every retrieve DMA queued so far."""
@@ -299,13 +297,11 @@ class DirectRankMemory:
             devs, hosts, sizes = span_copies(p, items)
             if not len(sizes):
                 return None
-            with self.torch.cuda.device(self.device):
-                return lane.copy_spans(devs, hosts, sizes, flat)
+            return lane.copy_spans(devs, hosts, sizes, flat)  # (a lane makes its GPU current itself)
         ops = []
         for it in items:
             ops += pitched_copies(p, it.view.ctypes.data, it.ids, it.pos)
-        with self.torch.cuda.device(self.device):
-            return lane.copy_pitched(ops, p.layers, p.pitch, items[0].bpc * p.block_bytes, flat)
+        return lane.copy_pitched(ops, p.layers, p.pitch, items[0].bpc * p.block_bytes, flat)
 
     def store(self, group: int, items: list[CopyItem]) -> DeviceWork | None:
         """Queue the copies engine blocks -> pool; the DeviceWork finishes when the bytes are in the pool."""

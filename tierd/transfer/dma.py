@@ -6,10 +6,13 @@ Hazard: a lane only queues copies; the bytes are in place once the DeviceWork it
 finished (an event recorded after them), never when the call returns. Merged copies stay inside
 one pinned registration (HostPinner.same_range). The engine's events a lane opens are at most
 ``MAX_EVENTS``, the least recently used closed first. Copies go through the driver API
-(cuMemcpyAsync, cuMemcpy2DAsync through ctypes: a few microseconds per DMA from Python), which
-makes the GPU's primary context current on a thread that has none, and a request's contiguous
-DMAs go as one batch where the driver has cuMemcpyBatchAsync; without libcuda (ROCm) torch's
-copy_ queues the same DMAs, with more Python per copy.
+(cuMemcpyAsync, cuMemcpy2DAsync through ctypes: a few microseconds per DMA from Python), on the
+rank's GPU's primary context (torch's: a lane makes it current on the calling thread), and a
+request's contiguous DMAs go as one batch where the driver has cuMemcpyBatchAsync. The event
+after a call's copies is a driver event too, reused once waited for: a request's copies make no
+torch call, each of which cost tens of microseconds run between requests (docs/findings.md).
+Without libcuda (ROCm) torch's copy_ queues the same DMAs and torch's events follow them, with
+more Python per copy.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class DmaLane:
     def __init__(self, torch, device: int, pinner: HostPinner, d2h: bool):
         self.torch, self.device, self.pinner, self.d2h = torch, device, pinner, d2h
         self.stream = torch.cuda.Stream(device=device)
+        self.cu_stream = self.stream.cuda_stream
+        self._done: list[int] = []  # driver events recorded after a call's copies, waited for already
         self._events: OrderedDict[bytes, object] = OrderedDict()
         self.stats = {"calls": 0, "bytes": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
         self._signal = None  # interprocess event the engine's stream waits on (RETRIEVE)
@@ -83,10 +88,10 @@ class DmaLane:
         """Queue DMAs between ``hosts`` and ``devs`` (device addresses in ``tensor``)."""
         if _DRIVER.ok:
             _DRIVER.current(self.device)
-            _DRIVER.copies(hosts, devs, sizes, self.d2h, self.stream.cuda_stream, self.device)
+            _DRIVER.copies(hosts, devs, sizes, self.d2h, self.cu_stream, self.device)
             return
         torch, base = self.torch, tensor.data_ptr()  # torch's own path: the same DMA, more Python per copy
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             for h, d, n in zip(hosts.tolist(), devs.tolist(), sizes.tolist()):
                 host = torch.from_numpy(_host_bytes(h, n))
                 dev = tensor[d - base : d - base + n]
@@ -99,14 +104,14 @@ class DmaLane:
         device rows ``dev_pitch`` apart, host rows ``host_pitch`` (tierd.transfer.items.Pitched);
         every device address lies in ``tensor`` (flat uint8)."""
         t0 = time.perf_counter()
-        stream = self.stream.cuda_stream
+        stream = self.cu_stream
         if _DRIVER.ok:
             _DRIVER.current(self.device)
             for d, h, w in ops:
                 _DRIVER.copy2d(h, host_pitch, d, dev_pitch, w, rows, self.d2h, stream)
         else:  # torch's own path (ROCm, no libcuda): strided views, the same bytes
             torch = self.torch
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 for d, h, w in ops:
                     host = torch.from_numpy(_host_bytes(h, (rows - 1) * host_pitch + w))
                     host = host.as_strided((rows, w), (host_pitch, 1))
@@ -115,24 +120,43 @@ class DmaLane:
         return self._queued(sum(w for _, _, w in ops) * rows, len(ops), t0)
 
     def _queued(self, nbytes: int, dmas: int, t0: float) -> DeviceWork:
-        done = self.torch.cuda.Event()
-        done.record(self.stream)
+        """An event after the copies just queued, and the DeviceWork that waits for it: a driver
+        event where libcuda is (reused once waited for: no torch call per request, each of which
+        costs tens of microseconds between requests), else torch's."""
         st = self.stats
+        if _DRIVER.ok:
+            done = self._done.pop() if self._done else _DRIVER.event()
+            _DRIVER.record(done, self.cu_stream)
+            device, free = self.device, self._done
+
+            def wait() -> None:
+                t = time.perf_counter()
+                _DRIVER.current(device)
+                _DRIVER.synchronize(done)
+                free.append(done)
+                st["sync_s"] += time.perf_counter() - t
+
+        else:
+            with self.torch.cuda.device(self.device):
+                ev = self.torch.cuda.Event()
+                ev.record(self.stream)
+
+            def wait() -> None:
+                t = time.perf_counter()
+                ev.synchronize()
+                st["sync_s"] += time.perf_counter() - t
+
         st["calls"] += 1
         st["bytes"] += nbytes
         st["dmas"] += dmas
         st["host_s"] += time.perf_counter() - t0
-
-        def wait() -> None:
-            t = time.perf_counter()
-            done.synchronize()
-            st["sync_s"] += time.perf_counter() - t
-
         return DeviceWork([wait])
 
     def close(self) -> None:
         self.stream.synchronize()
         self._events.clear()
+        while self._done:
+            _DRIVER.destroy(self._done.pop())
 
 
 _MEM_HOST, _MEM_DEVICE = 1, 2  # CUmemorytype
@@ -179,6 +203,7 @@ class _CopyAttributes(ctypes.Structure):
 
 
 _ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = 1, 1, 2  # CUmemcpySrcAccessOrder, CUmemLocationType
+_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING
 
 
 class _Driver:
@@ -194,6 +219,7 @@ class _Driver:
 
     def __init__(self):
         self.ok = False
+        self._primary: dict[int, int] = {}  # device -> its primary context
         self.batch = None  # (function, takes failIdx): CUDA 13's _v2 has none, 12.8's has one
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
@@ -254,18 +280,42 @@ class _Driver:
             raise RuntimeError(f"cuMemcpyBatchAsync failed at copy {failed.value}: CUDA driver error {err}")
 
     def current(self, device: int) -> None:
-        """Make ``device``'s primary context current on this thread if no context is."""
-        ctx = ctypes.c_void_p()
-        if self.lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        """Make ``device``'s primary context (torch's) current on this thread, if it is not."""
+        want = self._primary.get(device)
+        if want is None:
+            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+            if self.lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
+                raise RuntimeError(f"cuDeviceGet({device}) failed")
+            if self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:  # (held for good)
+                raise RuntimeError(f"cannot retain GPU {device}'s primary context")
+            want = self._primary[device] = ctx.value
+        now = ctypes.c_void_p()
+        if self.lib.cuCtxGetCurrent(ctypes.byref(now)) == 0 and now.value == want:
             return
-        dev = ctypes.c_int()
-        if self.lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
-            raise RuntimeError(f"cuDeviceGet({device}) failed")
-        if (
-            self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
-            or self.lib.cuCtxSetCurrent(ctx) != 0
-        ):
+        if self.lib.cuCtxSetCurrent(ctypes.c_void_p(want)) != 0:
             raise RuntimeError(f"cannot make GPU {device}'s primary context current")
+
+    def event(self) -> int:
+        """A new event (no timing) in the current context."""
+        ev = ctypes.c_void_p()
+        err = self.lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+        if err:
+            raise RuntimeError(f"cuEventCreate failed: CUDA driver error {err}")
+        return ev.value
+
+    def record(self, event: int, stream: int) -> None:
+        err = self.lib.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream))
+        if err:
+            raise RuntimeError(f"cuEventRecord failed: CUDA driver error {err}")
+
+    def synchronize(self, event: int) -> None:
+        """Wait for ``event`` (the GIL let go meanwhile, as ctypes does for every call)."""
+        err = self.lib.cuEventSynchronize(ctypes.c_void_p(event))
+        if err:
+            raise RuntimeError(f"cuEventSynchronize failed: CUDA driver error {err}")
+
+    def destroy(self, event: int) -> None:
+        self.lib.cuEventDestroy_v2(ctypes.c_void_p(event))
 
     def copy(self, host: int, dev: int, nbytes: int, d2h: bool, stream: int) -> None:
         err = self.fn(host, dev, nbytes, stream) if d2h else self.fn(dev, host, nbytes, stream)
