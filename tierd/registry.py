@@ -180,7 +180,7 @@ class Registry:
             self.pool.note_extra(self.persisted())
         session.instances.add(inst_id)
         self.lanes.attach(
-            inst_id, duplex=getattr(memory, "duplex", False), inline=getattr(memory, "inline", False)
+            inst_id, duplex=getattr(memory, "duplex", False), inline=getattr(memory, "inline", 0)
         )
         log.info(
             "registered %s: model=%s rank=%d/%d groups=%d device=%s",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tierd.protocol.layout import GroupLayout
-from tierd.transfer.engine import INLINE_MAX_BYTES, DeviceWork, TransferEngine
+from tierd.transfer.engine import INLINE_ANY, INLINE_MAX_BYTES, DeviceWork, TransferEngine
 from tierd.transfer.items import CopyItem, Pitched, pitched, pitched_copies, span_copies
 from tierd_client.direct_rank import DirectRank
 from tierd_client.layouts import block_span, group
@@ -170,13 +170,16 @@ def run_one(engine, lane, nbytes=1):
 def test_an_idle_inline_lane_runs_a_small_job_on_the_submitting_thread():
     engine = TransferEngine(2)
     try:
-        engine.attach("cuda-rank", duplex=True, inline=True)
+        engine.attach("cuda-rank", duplex=True, inline=INLINE_MAX_BYTES)  # a direct rank's
+        engine.attach("staged-rank", duplex=True, inline=INLINE_ANY)
         engine.attach("cpu-rank")
         me = threading.current_thread()
         assert run_one(engine, "cuda-rank") is me
         assert run_one(engine, "cuda-rank\x00read") is me  # its retrieve lane too
         assert run_one(engine, "cpu-rank") is not me
+        assert run_one(engine, "cuda-rank", INLINE_MAX_BYTES) is me
         assert run_one(engine, "cuda-rank", INLINE_MAX_BYTES + 1) is not me  # too large: a copy thread
+        assert run_one(engine, "staged-rank", 1 << 40) is me  # any size: a few whole-object DMAs
     finally:
         engine.close()
 
@@ -184,7 +187,7 @@ def test_an_idle_inline_lane_runs_a_small_job_on_the_submitting_thread():
 def test_an_inline_lanes_device_work_is_still_waited_for_off_the_main_loop():
     engine = TransferEngine(2)
     try:
-        engine.attach("cuda-rank", inline=True)
+        engine.attach("cuda-rank", inline=INLINE_MAX_BYTES)
         waited = []
         engine.submit(
             "cuda-rank",
@@ -202,7 +205,7 @@ def test_an_inline_lanes_device_work_is_still_waited_for_off_the_main_loop():
 def test_a_job_for_a_busy_inline_lane_waits_its_turn_on_a_copy_thread():
     engine = TransferEngine(2)
     try:
-        engine.attach("cuda-rank", inline=True)
+        engine.attach("cuda-rank", inline=INLINE_MAX_BYTES)
         order, release = [], threading.Event()
 
         def first():
@@ -223,7 +226,7 @@ def test_a_job_for_a_busy_inline_lane_waits_its_turn_on_a_copy_thread():
         engine.close()
 
 
-@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("inline", [0, INLINE_MAX_BYTES])
 def test_jobs_of_one_lane_finish_in_order(inline):
     engine = TransferEngine(4)
     try:

@@ -52,7 +52,7 @@ import weakref
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import CudaIpcHandle, PageLayout, TensorRef
 from tierd.transfer.dma import DmaLane
-from tierd.transfer.engine import DeviceWork
+from tierd.transfer.engine import INLINE_ANY, INLINE_MAX_BYTES, DeviceWork
 from tierd.transfer.items import MAX_PITCH, CopyItem, pitched, pitched_copies, span_copies
 from tierd.transfer.pinned import HostPinner
 
@@ -201,7 +201,7 @@ class StagedRankMemory:
     The daemon never maps the rank's KV tensors themselves: only the engine touches its blocks."""
 
     duplex = True  # stores and retrieves run on separate transfer threads
-    inline = True  # its copies only queue DMAs: run on the main loop when idle (transfer/engine.py)
+    inline = INLINE_ANY  # its copies only queue DMAs: run on the main loop when idle (transfer/engine.py)
 
     def __init__(self, layout: PageLayout, support: CudaSupport):
         if layout.staging is None:
@@ -254,7 +254,7 @@ class DirectRankMemory:
     Only copy-engine work, so its lanes run on the main loop when idle (tierd.transfer.engine)."""
 
     duplex = True  # stores and retrieves run on separate transfer threads
-    inline = True  # its copies only queue DMAs
+    inline = INLINE_MAX_BYTES  # its copies only queue DMAs, one per block
 
     def __init__(self, layout: PageLayout, support: CudaSupport):
         torch = support.torch

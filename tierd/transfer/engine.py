@@ -31,9 +31,13 @@ log = logging.getLogger("tierd")
 
 
 READ_LANE = "\x00read"  # suffix of a duplex rank's retrieve lane
-# an inline lane's job larger than this goes to a copy thread all the same: queueing its copies
-# (one per block on a direct rank, a few microseconds each) would hold the main loop too long
+# a direct rank's job larger than this goes to a copy thread all the same: queueing its copies
+# (one per block, about a microsecond each in a batch) would hold the main loop too long
 INLINE_MAX_BYTES = 64 << 20
+# a staged rank's jobs run inline whatever their size: each object part is one DMA (adjacent ones
+# merged), a few per request; on a copy thread they waited for it and for the GIL (an H200's 80 MiB
+# requests: 2 ms in the lane, 0.6 ms per copy call)
+INLINE_ANY = 1 << 62
 
 
 class DeviceWork:
@@ -82,7 +86,7 @@ class Lane:
 
     __slots__ = ("_q", "_busy", "_lock", "_pool", "_engine", "inline")
 
-    def __init__(self, pool: ThreadPoolExecutor, engine: TransferEngine, inline: bool = False):
+    def __init__(self, pool: ThreadPoolExecutor, engine: TransferEngine, inline: int = 0):
         self._q: collections.deque = collections.deque()
         self._busy = False
         self._lock = threading.Lock()
@@ -98,7 +102,7 @@ class Lane:
             if self._busy:
                 return
             self._busy = True
-        if self.inline and small:
+        if small and self.inline:
             self._step()
         else:
             self._pool.submit(self._step)
@@ -140,9 +144,10 @@ class TransferEngine:
             if not self._queued:
                 self._idle.notify_all()
 
-    def attach(self, lane: str, duplex: bool = False, inline: bool = False) -> None:
+    def attach(self, lane: str, duplex: bool = False, inline: int = 0) -> None:
         """``duplex``: a second lane for the rank's retrieves; ``inline``: its jobs only queue device
-        work and run on the submitting thread when the lane is idle (module doc)."""
+        work, and those of at most this many bytes run on the submitting thread when the lane is
+        idle (module doc; 0: none)."""
         if duplex:
             self.attach(lane + READ_LANE, inline=inline)
         if lane not in self._lanes:
@@ -187,7 +192,7 @@ class TransferEngine:
         with self._lock:
             self._inflight += 1
         x = self._lanes[lane]
-        x.submit(self._run, fn, job, x, small=getattr(job, "nbytes", 0) <= INLINE_MAX_BYTES)
+        x.submit(self._run, fn, job, x, small=getattr(job, "nbytes", 0) <= x.inline)
 
     def _run(self, fn: Callable[[], Any], job: Any, lane: Lane | None = None) -> None:
         _stamp(job, "lane")
