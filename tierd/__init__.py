@@ -17,6 +17,7 @@ returns what it needs; the loop asks tierd/tier2 and hands the answer back to th
 
 Edge: bytes in, typed requests out; outcomes in, replies out.
     tierd/server.py       the daemon's main loop: receive, decode, dispatch, carry outcomes
+    tierd/backlog.py      the order requests read are handled in (a RETRIEVE before STOREs)
     tierd/outcomes.py     a handler's outcome on the loop: reply, submit a copy, ask the second tier
     tierd/respond.py      respond(): every reply and typed error goes out here
     tierd/assemble.py     what a daemon is built of, from its settings

@@ -63,6 +63,7 @@ class Call:
     req_id: int
     t0: float
     peer: Peer | None = None  # the kernel's credentials of the connection (None: the daemon's own user)
+    started: float = 0.0  # when the main loop took it up (after ``t0``, its arrival; 0: not known)
 
     @property
     def tenant(self) -> str:
@@ -84,6 +85,8 @@ class Job:
         self.replied = False  # an early reply went out when the copy was queued (``queued``)
         # (stage, when) from the request's arrival on, as it reaches each stage (tierd.stats STAGES)
         self.stamps: list[tuple[str, float]] = [("read", call.t0)]
+        if call.started:
+            self.stamps.append(("wait", call.started))
 
     def stamp(self, stage: str) -> None:
         """The job has just finished ``stage`` (tierd.stats.STAGES)."""

@@ -1,6 +1,6 @@
 """The daemon: one ROUTER endpoint (tierd.zmtp) and a single-threaded main loop that receives,
 decodes, dispatches, carries each handler's outcome and replies. Requests read wait in a backlog
-handled in arrival order, a RETRIEVE before the STOREs ahead of it (tierd.backlog). State lives
+handled in arrival order, a RETRIEVE before the STOREs ahead of it, then by turns (tierd.backlog). State lives
 in the registry and the pool; handlers (tierd.handlers) decide and return an outcome: a reply's
 body, a copy Job, or what the request needs of the second tier, which the loop asks it and hands
 back to the handler once it answered.
@@ -278,6 +278,7 @@ class Daemon:
     def _on_request(self, frame, envelope: list[bytes] | Channel, peer: Peer, t0: float) -> None:
         """One request from the ROUTER (``envelope`` [identity]) or from a lookup channel, read at
         ``t0``."""
+        started = time.perf_counter()
         req_id, op = 0, "?"
         try:
             op, req_id, body = codec.split_request(frame, self.settings.max_frame_bytes)
@@ -292,7 +293,7 @@ class Daemon:
             if self.stopping and op not in NO_STATE_OPS:
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             session = None if op in SESSIONLESS_OPS else self.registry.session(identity, peer.uid)
-            call = Call(identity, session, envelope, req_id, t0, peer)
+            call = Call(identity, session, envelope, req_id, t0, peer, started)
             outcome = handlers.HANDLERS[op](self.tier, call, msg)
         except Exception as exc:  # noqa: BLE001 - every request gets a reply, whatever broke
             self.respond(envelope, req_id, op, t0, exc)

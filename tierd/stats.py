@@ -36,6 +36,7 @@ COUNTERS = (
 # Where a STORE's or RETRIEVE's time goes in the daemon, each stage the time until it ended, from
 # the request's arrival (the frame read) on; /status request_stages sums them per op.
 STAGES = (
+    ("wait", "waited for the main loop, behind the requests read before it (tierd.backlog)"),
     ("plan", "decoded, checked and planned (objects allocated or found, copies listed)"),
     ("lane", "waited for its rank's transfer lane (an earlier copy of the rank, or a copy thread)"),
     ("copy", "the copy call: a CPU rank's memcpy, a GPU rank's DMAs queued"),

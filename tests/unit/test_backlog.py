@@ -1,5 +1,6 @@
 """The order the main loop handles waiting requests in (tierd.backlog): arrival order, except
-that a RETRIEVE goes before the STOREs ahead of it, never past any other op."""
+that a RETRIEVE goes before the STOREs ahead of it, the two kinds then taking turns, and never
+past any other op."""
 
 from tierd.backlog import OTHER, RETRIEVE, STORE, Backlog, kind
 from tierd.protocol import codec
@@ -27,14 +28,26 @@ def test_the_kind_of_a_request_is_read_from_its_head():
     assert kind(codec.encode_request("STOREX", 4, {})) == OTHER  # another op, a prefix alike
 
 
-def test_retrieves_go_before_the_stores_ahead_of_them_in_their_own_order():
+def test_a_retrieve_goes_before_the_stores_ahead_of_it_then_the_kinds_take_turns():
     assert order("STORE", "STORE", "RETRIEVE", "STORE", "RETRIEVE") == [
         "RETRIEVE2",
-        "RETRIEVE4",
         "STORE0",
+        "RETRIEVE4",
         "STORE1",
         "STORE3",
     ]
+    burst = ["STORE"] * 4 + ["RETRIEVE"] * 4
+    assert order(*burst) == [
+        "RETRIEVE4",
+        "STORE0",
+        "RETRIEVE5",
+        "STORE1",
+        "RETRIEVE6",
+        "STORE2",
+        "RETRIEVE7",
+        "STORE3",
+    ]
+    assert order("RETRIEVE", "RETRIEVE", "STORE") == ["RETRIEVE0", "RETRIEVE1", "STORE2"]  # none ahead
 
 
 def test_no_request_moves_past_another_op():

@@ -141,7 +141,7 @@ LAYERS = [
         "edge and operators",
         ("tierd.__main__", "tierd.cli", "tierd.server", "tierd.outcomes", "tierd.respond", "tierd.assemble")
         + ("tierd.status", "tierd.http", "tierd.report", "tierd.bench", "tierd.replay", "tierd.trace")
-        + ("tierd.warm",),
+        + ("tierd.warm", "tierd.backlog"),
     ),
     ("handlers", ("tierd.handlers", "tierd.jobs")),
     ("second tier", ("tierd.tier2",)),

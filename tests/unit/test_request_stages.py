@@ -54,7 +54,7 @@ def test_stages_are_the_gaps_between_stamps_in_time_order():
 
 def test_every_stage_a_job_stamps_is_documented():
     names = {name for name, _ in STAGES}
-    assert names == {"plan", "lane", "copy", "device", "return", "early reply", "reply", "finish"}
+    assert names == {"wait", "plan", "lane", "copy", "device", "return", "early reply", "reply", "finish"}
 
 
 def test_the_bench_takes_per_request_means_of_the_stages_between_two_statuses():
