@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierd.pool.pages import SMALL_PAGES
+from tierd.stats import STAGES
 
 
 def _bytes(n: float) -> str:
@@ -59,6 +60,8 @@ def status_table(s: dict) -> str:
                 f"({_bytes(s['largest_free_bytes'])} without evicting)",
             ),
         )
+    for op, row in sorted((s.get("request_stages") or {}).items()):
+        rows.append((f"{op.lower()} stages", _stages(row)))
     if s.get("warm_restart"):
         rows.append(("warm restart", _warm(s["warm_restart"])))
     if s.get("pool_grow_error"):
@@ -73,6 +76,13 @@ def status_table(s: dict) -> str:
             f"heartbeat {'-' if beat is None else f'{beat:.1f} s ago'}"
         )
     return "\n".join(out)
+
+
+def _stages(row: dict) -> str:
+    """Where a copy's time went in the daemon: mean ms per stage since start (tierd.stats STAGES)."""
+    jobs, secs = row["jobs"], row["seconds"]
+    means = "  ".join(f"{name} {secs[name] / jobs * 1e3:.3f}" for name, _ in STAGES if name in secs)
+    return f"{means}  (ms per copy, mean of {jobs})"
 
 
 def _groups(inst: dict) -> str:

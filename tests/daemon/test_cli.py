@@ -98,6 +98,8 @@ def test_status_prints_a_table_and_json(daemon, client, ranks):
         "test-model",
         "rank 0/1",
         " shm ",  # how the daemon copies this rank's bytes
+        "store stages",  # where its copies' time went: mean ms per stage
+        "(ms per copy, mean of 1)",
         "groups full ",
         daemon.endpoint,
     ]:
