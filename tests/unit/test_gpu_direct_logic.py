@@ -113,6 +113,39 @@ def test_block_outermost_copies_never_merge_across_objects():
     assert [len(x) for x in span_copies(p, items[:0])] == [0, 0, 0]
 
 
+def test_block_outermost_copies_match_one_copy_per_block_merged_where_adjacent():
+    """Against a per-block reference, over random ids: shuffled (nothing merges, the usual case),
+    runs of neighbours (some merge), with nulls, one block."""
+    p = geometry("BLNHC", base=0)
+    unit = 3 * BB
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n_items = int(rng.integers(1, 5))
+        bpc = int(rng.integers(1, 7))
+        obj = np.zeros(n_items * bpc * unit, dtype=np.uint8)
+        items = []
+        for i in range(n_items):
+            if trial % 3 == 0:
+                ids = rng.permutation(64)[:bpc]
+            else:
+                ids = int(rng.integers(0, 50)) + np.arange(bpc)
+            keep = rng.random(bpc) < (0.7 if trial % 2 else 1.0)
+            view = obj[i * bpc * unit : (i + 1) * bpc * unit]
+            items.append(CopyItem(ids[keep].astype(np.int64), np.flatnonzero(keep), bpc, view))
+        want = []
+        for it in items:
+            last = None
+            for b, k in zip(it.ids.tolist(), it.pos.tolist()):
+                d, h = b * unit, it.view.ctypes.data + k * unit
+                if last is not None and last[0] + last[2] == d and last[1] + last[2] == h:
+                    last[2] += unit
+                else:
+                    last = [d, h, unit]
+                    want.append(last)
+        devs, hosts, sizes = span_copies(p, items)
+        assert [list(x) for x in zip(devs.tolist(), hosts.tolist(), sizes.tolist())] == want, trial
+
+
 def test_layer_outermost_runs_of_ids_merge_into_one_wider_copy():
     p = geometry("LBNHC", base=0)
     ops = pitched_copies(p, 0, np.array([4, 5, 6, 9]), np.array([0, 1, 2, 3]))

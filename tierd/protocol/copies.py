@@ -103,9 +103,13 @@ def span_copies(p: Pitched, items: list[CopyItem]) -> tuple[np.ndarray, np.ndarr
     hosts = np.fromiter((it.view.ctypes.data for it in items), dtype=np.int64, count=len(items))
     e = p.base + ids * p.block_stride
     h = np.repeat(hosts, counts) + pos * unit
-    start = np.ones(len(e), dtype=bool)
-    if p.block_stride == unit and len(e) > 1:
-        start[1:] = (e[1:] != e[:-1] + unit) | (h[1:] != h[:-1] + unit)
-        start[np.cumsum(counts)[:-1]] = True  # each item's first block starts a copy
+    if p.block_stride != unit or len(e) < 2:  # no two blocks adjacent on the engine's side
+        return e, h, np.full(len(e), unit, dtype=np.int64)
+    start = np.empty(len(e), dtype=bool)
+    start[0] = True
+    start[1:] = (e[1:] != e[:-1] + unit) | (h[1:] != h[:-1] + unit)
+    start[np.cumsum(counts)[:-1]] = True  # each item's first block starts a copy
+    if start.all():  # (an engine's free list after a while: nothing merges)
+        return e, h, np.full(len(e), unit, dtype=np.int64)
     first = np.flatnonzero(start)
     return e[first], h[first], np.diff(np.append(first, len(e))) * unit
