@@ -49,7 +49,9 @@ HOUSEKEEPING_S = 0.2
 # no reference cycles).
 GC_FREEZE_S = 5.0
 SHUTDOWN_GRACE_S = 8.0
-RECV_BURST = 256  # lookup channel requests taken per wake-up before copies are finished and housekeeping runs
+RECV_BURST = (
+    256  # requests a turn takes (per lookup channel read; in all, reading between two) before housekeeping
+)
 NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
 SESSIONLESS_OPS = ("HELLO",)
 
@@ -223,11 +225,15 @@ class Daemon:
     def _serve(self, poller) -> None:
         """Handle the requests read, in the backlog's order (tierd.backlog). While a STORE waits,
         what arrived meanwhile is read between two requests, so a RETRIEVE can go first, and
-        copies that finished are answered."""
+        copies that finished are answered; for RECV_BURST requests a turn at most, so a client
+        that keeps the sockets full never holds the loop from the rest of its turn (status,
+        housekeeping, the second tier)."""
         backlog, channels = self.backlog, self.channel.conns if self.channel is not None else None
+        handled = 0
         while backlog:
             self._on_request(*backlog.take())
-            if backlog.may_reorder():
+            handled += 1
+            if handled < RECV_BURST and backlog.may_reorder():
                 self.outcomes.finish_jobs()
                 for sock, _ in poller.poll(0):
                     if sock == self.router.fd:
