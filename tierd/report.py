@@ -220,6 +220,10 @@ def bench_table(r: dict) -> str:
                 f"{lat['retrieve_goal']:.2f})",
             )
         )
+    for op, row in sorted((r.get("daemon_stages_ms") or {}).items()):
+        rows.append(
+            (f"daemon, {op}", "  ".join(f"{k} {v:.3f}" for k, v in row.items()) + "  (ms per request)")
+        )
     if "lookups_per_s" in r:
         rows.append(("lookups", f"{r['lookups_per_s']:.0f}/s one at a time ({r['lookup_keys']} keys each)"))
     for step, row in (r.get("interference") or {}).items():

@@ -48,6 +48,11 @@ def test_the_cpu_bench_restores_every_byte_in_each_layout(runs):
     # the page size the copies ran in, beside a baseline that has huge pages
     assert r["huge_pages"] == {"memfd": pages.huge_pages(), "dev_shm": pages.huge_pages("/dev/shm")}
     assert "huge pages" in bench_table(r)
+    # where the daemon's time went, per request of the second round: every stage of a CPU copy
+    for op in ("STORE", "RETRIEVE"):
+        assert list(r["daemon_stages_ms"][op]) == ["wait", "plan", "lane", "copy", "return", "reply"]
+        assert r["daemon_stages_ms"][op]["copy"] > 0
+    assert "daemon, STORE" in bench_table(r)
 
 
 def test_runs_lay_out_only_the_one_rank_cpu_bench():

@@ -1,7 +1,7 @@
 """Where a copy's time goes in the daemon: a job's stamps (stage, when it ended) become seconds per
 stage, summed per op, in time order whichever thread stamped first."""
 
-from tierd.bench.cuda_latency import stage_means
+from tierd.bench.common import stage_means
 from tierd.stats import STAGES, Stats
 
 

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from tierd.stats import STAGES
 from tierd.testing import ServeProcess
 
 
@@ -131,3 +132,20 @@ class Progress:
 
     def _file(self):
         return self.out if self.out is not None else sys.stderr
+
+
+def stage_means(before: dict, after: dict) -> dict:
+    """Per op, the mean ms of each daemon stage over the jobs between two /status
+    ``request_stages`` (tierd.stats.STAGES), in the order a job passes them."""
+    out = {}
+    for op, now in after.items():
+        was = before.get(op) or {"jobs": 0, "seconds": {}}
+        jobs = now["jobs"] - was["jobs"]
+        if jobs > 0:
+            secs = now["seconds"]
+            out[op] = {
+                name: round((secs[name] - was["seconds"].get(name, 0.0)) / jobs * 1e3, 3)
+                for name, _ in STAGES
+                if name in secs
+            }
+    return out

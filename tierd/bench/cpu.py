@@ -15,7 +15,7 @@ import uuid
 
 import numpy as np
 
-from tierd.bench.common import BenchError, Progress, fill_pattern, memcpy_gbps, private_daemon
+from tierd.bench.common import BenchError, Progress, fill_pattern, memcpy_gbps, private_daemon, stage_means
 from tierd.pool import pages
 from tierd.protocol.keys import KEY_BYTES
 
@@ -84,7 +84,10 @@ def run_cpu_bench(
             baseline = memcpy_gbps(total)
             store_s, retrieve_s, verified = [], [], True
             bar = progress.bar(rounds * 2 * total, "store/retrieve")
-            for _ in range(rounds):
+            stages0 = {}
+            for r in range(rounds):
+                if r == min(1, rounds - 1):  # the daemon's stages of the rounds after the first
+                    stages0 = client.status().get("request_stages") or {}
                 client.call("CLEAR", {"namespace": ns})
                 keys = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
                 src_ids = [list(range(c * bpc, (c + 1) * bpc)) for c in range(chunks)]
@@ -120,6 +123,7 @@ def run_cpu_bench(
                 retrieve_s.append(time.perf_counter() - t)
                 verified &= bool(np.array_equal(kv[:, :, : num_blocks // 2], kv[:, :, num_blocks // 2 :]))
             bar(None)
+            stages = stage_means(stages0, client.status().get("request_stages") or {})
             client.call("CLEAR", {"namespace": ns})  # leave nothing behind in the operator's daemon
             client.unregister("bench-0")
     finally:
@@ -146,5 +150,6 @@ def run_cpu_bench(
         # the kernel's huge-page settings for the shared memory the copies go through (a daemon's
         # pool without --pool-dir, the bench's buffers): the memcpy baseline has huge pages
         "huge_pages": {"memfd": pages.huge_pages(), "dev_shm": pages.huge_pages("/dev/shm")},
+        "daemon_stages_ms": stages,  # per op, mean ms per request in each daemon stage (tierd.stats)
         "verified": verified,
     }

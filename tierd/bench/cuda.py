@@ -34,9 +34,10 @@ import contextlib
 import time
 import uuid
 
+from tierd.bench.common import stage_means
 from tierd.bench.cuda_baselines import _baselines, _gbps
 from tierd.bench.cuda_interference import _interference
-from tierd.bench.cuda_latency import _latencies, stage_means
+from tierd.bench.cuda_latency import _latencies
 from tierd.protocol.keys import KEY_BYTES
 
 LOOKUP_KEYS = 16  # a 4096-token prompt at 256 tokens per chunk

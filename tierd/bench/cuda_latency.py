@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from tierd.bench.common import stage_means
+
 
 def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, client=None) -> dict:
     """Store and restore 1, 4 and 16 chunks, from the call to the moment the engine may read the
@@ -158,25 +160,6 @@ def _daemon(client) -> dict:
         "lanes": (status.get("cuda_detail") or {}).get("lanes") or {},
         "stages": status.get("request_stages") or {},
     }
-
-
-def stage_means(before: dict, after: dict) -> dict:
-    """Per op, the mean ms of each daemon stage over the jobs between two /status
-    ``request_stages`` (tierd.stats.STAGES), in the order a job passes them."""
-    from tierd.stats import STAGES
-
-    out = {}
-    for op, now in after.items():
-        was = before.get(op) or {"jobs": 0, "seconds": {}}
-        jobs = now["jobs"] - was["jobs"]
-        if jobs > 0:
-            secs = now["seconds"]
-            out[op] = {
-                name: round((secs[name] - was["seconds"].get(name, 0.0)) / jobs * 1e3, 3)
-                for name, _ in STAGES
-                if name in secs
-            }
-    return out
 
 
 def _wire_floor(client, rank, bpc: int, med) -> dict:
