@@ -1,9 +1,9 @@
 """The daemon: one ROUTER endpoint (tierd.zmtp) and a single-threaded main loop that receives,
-decodes, dispatches, carries each handler's outcome and replies. Requests read wait in a backlog
-handled in arrival order, a RETRIEVE before the STOREs ahead of it, then by turns (tierd.backlog). State lives
-in the registry and the pool; handlers (tierd.handlers) decide and return an outcome: a reply's
-body, a copy Job, or what the request needs of the second tier, which the loop asks it and hands
-back to the handler once it answered.
+decodes, dispatches, carries each handler's outcome and replies. Requests read wait in a backlog,
+handled in arrival order except that a RETRIEVE goes before the STOREs ahead of it, then by turns
+(tierd.backlog). State lives in the registry and the pool; handlers (tierd.handlers) decide and
+return an outcome: a reply's body, a copy Job, or what the request needs of the second tier, which
+the loop asks it and hands back to the handler once it answered.
 Copies run on transfer lanes; an HTTP thread serves operators from a status snapshot.
 
 Every request gets exactly one reply, and every reply goes out through ``respond``
@@ -49,9 +49,9 @@ HOUSEKEEPING_S = 0.2
 # no reference cycles).
 GC_FREEZE_S = 5.0
 SHUTDOWN_GRACE_S = 8.0
-RECV_BURST = (
-    256  # requests a turn takes (per lookup channel read; in all, reading between two) before housekeeping
-)
+# requests a turn takes before housekeeping: per lookup channel read, and in all while it reads
+# between two requests (tierd.backlog)
+RECV_BURST = 256
 NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
 SESSIONLESS_OPS = ("HELLO",)
 
@@ -152,10 +152,8 @@ class Daemon:
         poller.register(self.board.wake_r, zmq.POLLIN)
         if self.l2 is not None:
             poller.register(self.l2.wake_r, zmq.POLLIN)
-        channels = None
         if self.channel is not None:
             self.channel.watch(poller)
-            channels = self.channel.conns
         next_house = time.monotonic()
         stop_deadline = None
         log.info(
@@ -180,15 +178,12 @@ class Daemon:
                 0 if spin and time.perf_counter() - active < spin else self.outcomes.poll_ms(HOUSEKEEPING_S)
             )
             for sock, _ in events:
-                if sock == self.router.fd:
-                    self._recv_router()
-                elif sock == self.board.wake_r:
+                if self._read(sock):
+                    continue
+                if sock == self.board.wake_r:
                     self.board.answer(self.status)
-                elif channels is not None:
-                    if sock == self.channel.fd:
-                        self.channel.accept()
-                    elif sock in channels:
-                        self._recv_channel(channels[sock])
+                elif self.channel is not None and sock == self.channel.fd:
+                    self.channel.accept()
             self._serve(poller)
             self._drop_disconnected()
             self.outcomes.finish_jobs()
@@ -228,7 +223,7 @@ class Daemon:
         copies that finished are answered; for RECV_BURST requests a turn at most, so a client
         that keeps the sockets full never holds the loop from the rest of its turn (status,
         housekeeping, the second tier)."""
-        backlog, channels = self.backlog, self.channel.conns if self.channel is not None else None
+        backlog = self.backlog
         handled = 0
         while backlog:
             self._on_request(*backlog.take())
@@ -236,10 +231,18 @@ class Daemon:
             if handled < RECV_BURST and backlog.may_reorder():
                 self.outcomes.finish_jobs()
                 for sock, _ in poller.poll(0):
-                    if sock == self.router.fd:
-                        self._recv_router()
-                    elif channels is not None and sock in channels:
-                        self._recv_channel(channels[sock])
+                    self._read(sock)
+
+    def _read(self, sock) -> bool:
+        """Requests ``sock`` holds into the backlog, if it is the ROUTER's or a lookup channel's."""
+        if sock == self.router.fd:
+            self._recv_router()
+            return True
+        channel = self.channel.conns.get(sock) if self.channel is not None else None
+        if channel is None:
+            return False
+        self._recv_channel(channel)
+        return True
 
     def _recv_router(self) -> None:
         """What the ROUTER read in one turn (a bounded amount per connection), into the backlog."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from operator import itemgetter
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -93,7 +94,7 @@ class Stats:
         acc = self.stage_seconds.get(op)
         if acc is None:
             acc = self.stage_seconds[op] = Counter()
-        stamps = sorted(stamps, key=_when)
+        stamps = sorted(stamps, key=itemgetter(1))
         for (_, t0), (stage, t1) in zip(stamps, stamps[1:]):
             acc[stage] += t1 - t0
         self.stage_jobs[op] += 1
@@ -109,10 +110,6 @@ class Stats:
         """``gauges()`` returns the live /status dict; scraped values come from it. ``extra(status)``
         yields more families (the second tier's: given by the daemon, so nothing here imports it)."""
         self.registry.register(_Collector(self, gauges, extra))
-
-
-def _when(stamp: tuple[str, float]) -> float:
-    return stamp[1]
 
 
 class _Collector:

@@ -134,6 +134,11 @@ class Progress:
         return self.out if self.out is not None else sys.stderr
 
 
+def request_stages(client) -> dict:
+    """The daemon's ``request_stages`` now (/status; {} from a daemon without them)."""
+    return client.status().get("request_stages") or {}
+
+
 def stage_means(before: dict, after: dict) -> dict:
     """Per op, the mean ms of each daemon stage over the jobs between two /status
     ``request_stages`` (tierd.stats.STAGES), in the order a job passes them."""

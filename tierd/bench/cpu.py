@@ -15,7 +15,15 @@ import uuid
 
 import numpy as np
 
-from tierd.bench.common import BenchError, Progress, fill_pattern, memcpy_gbps, private_daemon, stage_means
+from tierd.bench.common import (
+    BenchError,
+    Progress,
+    fill_pattern,
+    memcpy_gbps,
+    private_daemon,
+    request_stages,
+    stage_means,
+)
 from tierd.pool import pages
 from tierd.protocol.keys import KEY_BYTES
 
@@ -87,7 +95,7 @@ def run_cpu_bench(
             stages0 = {}
             for r in range(rounds):
                 if r == min(1, rounds - 1):  # the daemon's stages of the rounds after the first
-                    stages0 = client.status().get("request_stages") or {}
+                    stages0 = request_stages(client)
                 client.call("CLEAR", {"namespace": ns})
                 keys = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
                 src_ids = [list(range(c * bpc, (c + 1) * bpc)) for c in range(chunks)]
@@ -123,7 +131,7 @@ def run_cpu_bench(
                 retrieve_s.append(time.perf_counter() - t)
                 verified &= bool(np.array_equal(kv[:, :, : num_blocks // 2], kv[:, :, num_blocks // 2 :]))
             bar(None)
-            stages = stage_means(stages0, client.status().get("request_stages") or {})
+            stages = stage_means(stages0, request_stages(client))
             client.call("CLEAR", {"namespace": ns})  # leave nothing behind in the operator's daemon
             client.unregister("bench-0")
     finally:

@@ -34,7 +34,7 @@ import contextlib
 import time
 import uuid
 
-from tierd.bench.common import stage_means
+from tierd.bench.common import request_stages, stage_means
 from tierd.bench.cuda_baselines import _baselines, _gbps
 from tierd.bench.cuda_interference import _interference
 from tierd.bench.cuda_latency import _latencies
@@ -206,7 +206,7 @@ def run_cuda_bench(
         stages0 = {}
         for r in range(rounds):
             if r == min(1, rounds - 1):  # the rounds after the first (pool pages pinned, caches warm)
-                stages0 = client.status().get("request_stages") or {}
+                stages0 = request_stages(client)
             client.call("CLEAR", {"namespace": ns})
             keys_a = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
             keys_c = [uuid.uuid4().bytes[:KEY_BYTES] for _ in range(chunks)]
@@ -230,7 +230,7 @@ def run_cuda_bench(
             settle(retrieve(keys_c, dst), bar)  # untimed: what the concurrent store wrote
             verified &= same(src2, dst)
         bar(None)
-        out["daemon_stages_ms"] = stage_means(stages0, client.status().get("request_stages") or {})
+        out["daemon_stages_ms"] = stage_means(stages0, request_stages(client))
         lk = keys_a[:LOOKUP_KEYS]
         n, t = 0, time.perf_counter()
         while time.perf_counter() - t < 1.0:

@@ -102,7 +102,7 @@ class Lane:
             if self._busy:
                 return
             self._busy = True
-        if small and self.inline:
+        if self.inline and small:
             self._step()
         else:
             self._pool.submit(self._step)
