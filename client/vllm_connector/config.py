@@ -1,6 +1,7 @@
 """Connector settings, read from ``kv_connector_extra_config``.
 
-``tierd.*`` keys are ours (``tierd.staging_mb``: see ``ConnectorConfig.staging_mb``).
+``tierd.*`` keys are ours (``tierd.staging_mb``: see ``ConnectorConfig.staging_mb``; ``tierd.cuda_path``
+and ``tierd.kv_layout``: how a GPU rank's blocks are copied, and the KV layout asked of vLLM).
 ``lmcache.mp.host`` / ``lmcache.mp.port`` / ``lmcache.mp.mq_timeout`` / ``lmcache.chunk_size``
 are accepted as aliases, so moving from ``LMCacheMPConnector`` means changing the class name and
 module path only.
@@ -16,6 +17,10 @@ from tierd.protocol.sockets import default_socket
 DEFAULT_CHUNK_TOKENS = 256
 STAGING_AUTO_CHUNKS = 8  # tierd.staging_mb=0: chunks of room each way ...
 STAGING_AUTO_CAP_MB = 128  # ... but at most this many MiB each way (at least one chunk)
+CUDA_PATHS = ("auto", "staged", "direct")
+# vLLM's KVCacheLayout names (vllm.v1.kv_cache_layout): L layer, B block, H head, N token, C channel
+KV_LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+BLOCK_OUTERMOST = "BLNHC"  # tierd.kv_layout=auto on a GPU: a block's layers one span, tokens outside heads
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,26 @@ class ConnectorConfig:
     # the daemon's DMAs never wait on the GPU for the engine's events; "device": they do (interprocess
     # events), which slows a co-running matmul more (tierd_client.staged_rank; docs/findings.md)
     gpu_order: str = "host"
+    # CUDA ranks: how the daemon reaches the KV blocks. "auto" (default): straight between the blocks
+    # and its pool ("direct": copy-engine DMA only, no SM work in either process) when every group
+    # keeps a block's layers in one span (a block-outermost layout, see kv_layout), else through the
+    # staging buffer ("staged"); "direct" also takes a layer-outermost layout (one pitched copy per
+    # block, slower at small blocks) and is refused at registration where the copy engines cannot
+    # move the layout. gpu_order and staging_mb apply to staged ranks only.
+    cuda_path: str = "auto"
+    # The KV cache layout the connector asks vLLM for (get_required_kvcache_layout): "auto"
+    # (default): BLOCK_OUTERMOST on a GPU unless cuda_path is "staged", none on CPU; "engine": none
+    # (the attention backend's choice); or one of KV_LAYOUTS. vLLM keeps its own choice, with a
+    # warning, where the attention backend cannot use the one asked for.
+    kv_layout: str = "auto"
+
+    def required_layout(self, device_type: str) -> str | None:
+        """What ``get_required_kvcache_layout`` answers for an engine on ``device_type``."""
+        if self.kv_layout == "engine":
+            return None
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        return None if device_type == "cpu" or self.cuda_path == "staged" else BLOCK_OUTERMOST
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -60,6 +85,14 @@ class ConnectorConfig:
         order = str(extra.get("tierd.gpu_order", "host"))
         if order not in ("host", "device"):
             raise ValueError(f"tierd.gpu_order must be 'host' or 'device', got {order!r}")
+        path = str(extra.get("tierd.cuda_path", "auto"))
+        if path not in CUDA_PATHS:
+            raise ValueError(f"tierd.cuda_path must be one of {', '.join(CUDA_PATHS)}, got {path!r}")
+        kv_layout = str(extra.get("tierd.kv_layout", "auto"))
+        if kv_layout not in ("auto", "engine", *KV_LAYOUTS):
+            raise ValueError(
+                f"tierd.kv_layout must be auto, engine or one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}"
+            )
         return cls(
             url=str(url) if url else default_socket(),
             chunk_tokens=chunk,
@@ -71,6 +104,8 @@ class ConnectorConfig:
             register_retry_s=float(extra.get("tierd.register_retry_s", 5.0)),
             staging_mb=staging,
             gpu_order=order,
+            cuda_path=path,
+            kv_layout=kv_layout,
         )
 
 

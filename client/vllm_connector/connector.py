@@ -108,6 +108,15 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a store not made is a future miss
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """A block-outermost KV layout on a GPU (``tierd.kv_layout``): a block's layers are then one
+        span, which the daemon copies as one DMA (``tierd.cuda_path``)."""
+        kvt = getattr(vllm_config, "kv_transfer_config", None)
+        cfg = ConnectorConfig.from_extra(getattr(kvt, "kv_connector_extra_config", None))
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "") or ""
+        return cfg.required_layout(str(device))
+
     # ---- worker side --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]):
         self.worker.register_kv_caches(kv_caches, self._rank)

@@ -35,14 +35,16 @@ class RankRegistration:
         self.rank = 0
         self.layout: dict | None = None
         self.publication = None  # CPU: /dev/shm names of the KV memory, only while a REGISTER is in flight
-        self.stager = None  # CUDA: the rank's staging buffer and copy streams
+        self.stager = None  # CUDA, staged: the rank's staging buffer and copy streams
+        self.direct = None  # CUDA, direct: the rank's GPU (the daemon copies straight to its blocks)
         self.registered = False
         self._future = None
         self._sent_at = 0.0
         self._said_down = False  # this rank logged that it runs without the tier
 
-    def publish(self, kv_caches: dict, rank: int):
-        """Describe and REGISTER the rank's KV tensors; returns the CUDA rank's ``Stager`` (None on CPU)."""
+    def publish(self, kv_caches: dict, rank: int) -> None:
+        """Describe and REGISTER the rank's KV tensors. A CUDA rank is then either staged
+        (``stager``) or direct (``direct``: its GPU), as ``tierd.cuda_path`` and its layout decide."""
         named = [(g, [kv_caches[n] for n in g.layer_names if n in kv_caches]) for g in self.geo.groups]
         tensors = [t for _, ts in named for t in ts]
         if not tensors:
@@ -102,33 +104,33 @@ class RankRegistration:
         )
         self.rank = rank
         if device == "cuda":
-            self.stager = self._stager(tensors, where)
-            self.layout["staging"] = self.stager.ref
+            from tierd.protocol.layout import PageLayout
+
+            layout, flats = PageLayout.from_wire(self.layout), _flats(tensors, where)
+            self.chunk_bytes = layout.chunk_bytes
+            if cuda_path(self.cfg.cuda_path, layout, flats) == "direct":
+                self.direct = tensors[0].device
+                log.info(
+                    "tierd: rank %d is copied straight between its KV blocks and the pool (no staging)",
+                    rank,
+                )
+            else:
+                self.stager = self._stager(layout, flats, tensors[0].device)
+                self.layout["staging"] = self.stager.ref
         self.ready(wait_s=self.cfg.connect_timeout_s)
-        return self.stager
 
-    def _stager(self, tensors, where):
-        """The rank's Stager: over each distinct storage of ``tensors`` as one flat uint8 tensor (the
-        layout's spans are offsets into those storages), with ``staging_bytes`` of staging."""
-        import torch
-
-        from tierd.protocol.layout import PageLayout
+    def _stager(self, layout, flats: list, device):
+        """The rank's Stager over ``flats`` (each distinct storage of its KV tensors as one flat uint8
+        tensor: the layout's spans are offsets into them), with ``staging_bytes`` of staging."""
         from tierd_client.cuda_stage import Stager
 
-        flats: dict[int, object] = {}
-        for t, (ref, _) in zip(tensors, where):
-            if ref not in flats:
-                st = t.untyped_storage()
-                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-                flats[ref] = flat.set_(st, 0, (st.nbytes(),), (1,))
-        layout = PageLayout.from_wire(self.layout)
         size = staging_bytes(self.cfg.staging_mb, layout.chunk_bytes)
-        stager = Stager(layout, [flats[i] for i in range(len(flats))], size)
+        stager = Stager(layout, flats, size)
         log.info(
             "tierd: rank %d stages its copies through %.1f MiB on %s (%d chunks each way)",
             self.rank,
             size / 2**20,
-            tensors[0].device,
+            device,
             size // 2 // layout.chunk_bytes,
         )
         return stager
@@ -195,6 +197,40 @@ class RankRegistration:
                 self.client.unregister(self.instance, timeout=0.5)
             except Exception:  # noqa: BLE001 - BYE or the heartbeat timeout reaps us anyway
                 pass
+
+
+def _flats(tensors, where) -> list:
+    """Each distinct storage of ``tensors`` (``where``: each tensor's (storage index, offset), as
+    the layout names them) as one flat uint8 tensor, in storage index order."""
+    import torch
+
+    flats: dict[int, object] = {}
+    for t, (ref, _) in zip(tensors, where):
+        if ref not in flats:
+            st = t.untyped_storage()
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+            flats[ref] = flat.set_(st, 0, (st.nbytes(),), (1,))
+    return [flats[i] for i in range(len(flats))]
+
+
+def cuda_path(choice: str, layout, flats: list) -> str:
+    """ "direct" or "staged" for a CUDA rank of ``layout`` (a PageLayout over ``flats``), as
+    ``tierd.cuda_path`` ``choice`` asks (ConnectorConfig.cuda_path): auto takes direct where every
+    group keeps a block's layers in one span; direct where the copy engines cannot move the
+    layout is a ValueError."""
+    from tierd_client.direct_rank import direct_layout
+
+    if choice == "staged":
+        return "staged"
+    movable = direct_layout(layout, flats)
+    if choice == "direct":
+        if not movable:
+            raise ValueError(
+                "tierd.cuda_path=direct: the copy engines cannot move this KV layout (a group's layers "
+                "in more than one tensor, or not a constant pitch apart); use auto or staged"
+            )
+        return "direct"
+    return "direct" if movable and all(g.block_major for g in layout.groups) else "staged"
 
 
 def staging_bytes(staging_mb: float, chunk: int) -> int:

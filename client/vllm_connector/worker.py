@@ -1,25 +1,28 @@
 """Worker side of TierdConnector: publishes this rank's page layout and issues STORE/RETRIEVE by
 block id.
 
-CPU ranks: the daemon does every copy, over the shared mappings. CUDA ranks: the SM part runs in
-this process, in the engine's context on the connector's own streams (``tierd_client.staged_rank``
-gathers a STORE's blocks into the rank's staging buffer and scatters a RETRIEVE's out of it); the
-daemon only DMAs between staging and its pool. Ordered on the GPU, never by a host wait on the
-forward thread and with no host work per block there:
+CPU ranks: the daemon does every copy, over the shared mappings. CUDA ranks, staged: the SM part
+runs in this process, in the engine's context on the connector's own streams
+(``tierd_client.staged_rank`` gathers a STORE's blocks into the rank's staging buffer and scatters a
+RETRIEVE's out of it); the daemon only DMAs between staging and its pool. CUDA ranks, direct (a
+block-outermost layout, ``tierd.cuda_path``): the daemon DMAs straight between the blocks and its
+pool (``tierd_client.direct_rank``), no SM work anywhere. Either way ordered without a host wait
+on the forward thread and with no host work per block there:
 
-- a store's gather waits for an event recorded on vLLM's current (forward) stream in
-  ``wait_for_save``, so it reads the blocks only once the forward's KV writes are done;
-- a load's scatter waits for an event recorded on that stream in ``start_load_kv``, after vLLM
-  zeroed new blocks and after the forwards that read blocks now handed out again;
-- a load is reported finished (or failed) only once its scatter is complete on the GPU (its
-  ``done`` event, polled with ``query``), so vLLM runs the forward that reads those blocks only
-  then, whatever stream that forward uses.
+- a store's gather (direct: its STORE) waits for an event recorded on vLLM's current (forward)
+  stream in ``wait_for_save``, so the blocks are read only once the forward's KV writes are done;
+- a load's scatter (direct: its RETRIEVE) waits for an event recorded on that stream in
+  ``start_load_kv``, after vLLM zeroed new blocks and after the forwards that read blocks now
+  handed out again;
+- a load is reported finished (or failed) only once its scatter (direct: the daemon's copies) is
+  complete on the GPU (its ``done`` event, polled with ``query``), so vLLM runs the forward that
+  reads those blocks only then, whatever stream that forward uses.
 
 Block reuse is fenced instead of holding blocks: a store is asynchronous, and before a forward
 (or a load) writes into a block that a pending store still reads, the worker waits for that
-store (on CUDA a store's future is done only once its gather has read the blocks). Loads report
-completion per request; a failed load is reported as ``failed_recving`` for multi-group models
-and as invalid block ids for single-group ones, so vLLM recomputes.
+store (on CUDA a store's future is done only once its gather, or the daemon, has read the
+blocks). Loads report completion per request; a failed load is reported as ``failed_recving``
+for multi-group models and as invalid block ids for single-group ones, so vLLM recomputes.
 
 Until the rank is registered (``registration``: a bounded wait at start-up, then background
 retries) loads fail over to recompute and stores are skipped. With KV cache events on, every
@@ -66,7 +69,9 @@ class WorkerSide:
         self.invalid_blocks: set[int] = set()
         self._failed_now: set[str] = set()  # loads that failed before being sent
         self.reports: list[tuple[bytes, str]] | None = [] if events else None  # (chunk key, STORE result)
-        self.staged = None  # CUDA: the rank's StagedRank (gathers and scatters in this process)
+        # CUDA: the rank's StagedRank (gathers and scatters in this process) or DirectRank (the daemon
+        # copies straight to and from its blocks); the same calls, the same ordering
+        self.gpu = None
         self.device = None
         # Test-only switches, never user settings: with _store_fence off a store's gather does not wait
         # for the forward's writes; with _load_fence off a load is reported once its scatter is queued,
@@ -76,18 +81,31 @@ class WorkerSide:
 
     # ---- registration -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, rank: int) -> None:
-        stager = self.reg.publish(kv_caches, rank)
-        if stager is not None:
+        self.reg.publish(kv_caches, rank)
+        if self.reg.stager is not None:
             from tierd_client.staged_rank import StagedRank
 
-            self.device = stager.device
-            self.staged = StagedRank(
+            self.device = self.reg.stager.device
+            self.gpu = StagedRank(
                 self.client,
                 self.instance,
-                stager,
+                self.reg.stager,
                 null=self.null,
                 timeout_s=self.cfg.timeout_s,
                 host_order=self.cfg.gpu_order == "host",
+            )
+        elif self.reg.direct is not None:
+            from tierd_client.direct_rank import DirectRank
+
+            self.device = self.reg.direct
+            self.gpu = DirectRank(
+                self.client,
+                self.instance,
+                self.device,
+                groups=len(self.geo.groups),
+                null=self.null,
+                timeout_s=self.cfg.timeout_s,
+                chunk_bytes=self.reg.chunk_bytes,
             )
 
     def _try_register(self) -> bool:
@@ -107,11 +125,11 @@ class WorkerSide:
             self._fence(self._block_set(ids))
             chunks = [messages.Chunk(c.key, blocks) for c, blocks in zip(job.chunks, ids)]
             try:
-                if self.staged is not None:
+                if self.gpu is not None:
                     if ready is None:
                         ready = self._forward_event()
-                    self.staged.null = self.null
-                    fut = self.staged.retrieve(chunks, lease=job.lease, after=ready)
+                    self.gpu.null = self.null
+                    fut = self.gpu.retrieve(chunks, lease=job.lease, after=ready)
                 else:
                     fut = self.client.retrieve_async(
                         self.instance, chunks, lease=job.lease, timeout=self.cfg.timeout_s
@@ -129,15 +147,15 @@ class WorkerSide:
         if not self._try_register():
             self._report([c.key for job in meta.stores for c in job.chunks], "skipped")
             return
-        after = self._forward_event() if self.staged is not None and self._store_fence else None
+        after = self._forward_event() if self.gpu is not None and self._store_fence else None
         for job in meta.stores:
             ids = [self._ids(c) for c in job.chunks]
             chunks = [messages.Chunk(c.key, blocks) for c, blocks in zip(job.chunks, ids)]
             keys = [c.key for c in job.chunks]
             try:
-                if self.staged is not None:
-                    self.staged.null = self.null
-                    fut = self.staged.store(chunks, touch=job.touch, after=after)
+                if self.gpu is not None:
+                    self.gpu.null = self.null
+                    fut = self.gpu.store(chunks, touch=job.touch, after=after)
                 else:
                     fut = self.client.store_async(
                         self.instance, chunks, touch=job.touch, timeout=self.cfg.timeout_s
@@ -222,8 +240,8 @@ class WorkerSide:
         self.flush(timeout)
         self.stores, self._store_keys = [], {}
         self.reg.leave()
-        if self.staged is not None:
-            self.staged.close()
+        if self.gpu is not None:
+            self.gpu.close()
 
     # ---- CUDA ordering --------------------------------------------------------------------------------
     def _forward_event(self):
@@ -239,12 +257,12 @@ class WorkerSide:
         on CUDA once its scatters are complete on the GPU. A failed CUDA load waits for every
         scatter queued so far (some of its requests may have been scattered): vLLM recomputes into
         those blocks next. Polled, never waited for."""
-        if self.staged is None or not self._load_fence:
+        if self.gpu is None or not self._load_fence:
             return True
         done = self._landing.get(req_id)
         if done is None:
             exc = fut.exception()
-            done = fut.result().get("done") if exc is None else self.staged.scatters_done()
+            done = fut.result().get("done") if exc is None else self.gpu.scatters_done()
             if done is None:  # a job without chunks: nothing was scattered
                 return True
             self._landing[req_id] = done

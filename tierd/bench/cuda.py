@@ -37,7 +37,7 @@ import uuid
 from tierd.bench.common import request_stages, stage_means
 from tierd.bench.cuda_baselines import _baselines, _gbps
 from tierd.bench.cuda_interference import _interference
-from tierd.bench.cuda_latency import _latencies
+from tierd.bench.cuda_latency import PROBE_CHUNKS, _latencies
 from tierd.protocol.keys import KEY_BYTES
 
 LOOKUP_KEYS = 16  # a 4096-token prompt at 256 tokens per chunk
@@ -92,7 +92,7 @@ def run_cuda_bench(
     region = (
         chunks * bpc
     )  # blocks per region: 0 = stored from, 1 = retrieved into, 2 = stored while retrieving
-    num_blocks = 3 * region + bpc  # + one chunk for the latency probes
+    num_blocks = 3 * region + PROBE_CHUNKS * bpc  # + the latency probes' blocks
     object_bytes = layers * bpc * block_bytes
     total = chunks * object_bytes
     progress.phase(
@@ -239,7 +239,8 @@ def run_cuda_bench(
                 raise BenchError(f"LOOKUP of {len(lk)} stored chunks hit {hit}")
             n += 1
         lookups_seq = n / (time.perf_counter() - t)
-        probe = (torch.randperm(bpc, generator=torch.Generator().manual_seed(3)) + 3 * region).tolist()
+        probe = torch.randperm(PROBE_CHUNKS * bpc, generator=torch.Generator().manual_seed(3)) + 3 * region
+        probe = probe.tolist()
         latency = _latencies(torch, rank, object_bytes, probe, bpc, dev, client)
         if interference:
             progress.phase("interference: compute and HBM steps alone, with tierd copying, with raw DMA")

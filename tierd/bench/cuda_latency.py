@@ -18,17 +18,21 @@ import uuid
 
 from tierd.bench.common import stage_means
 
+PROBE_CHUNKS = 16  # the most chunks a latency probe moves; ``probe`` holds that many chunks' blocks
+
 
 def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, client=None) -> dict:
-    """Store and restore 1, 4 and 16 chunks, from the call to the moment the engine may read the
-    blocks, next to the raw pinned copy time of the same bytes (median of 9 after 2 warm-ups), and
-    where a request's time goes (``breakdown``: the medians of its stages, module doc)."""
+    """Store and restore 1, 4 and 16 chunks (``PROBE_CHUNKS``) into distinct blocks of ``probe``,
+    from the call to the moment the engine may read the blocks, next to the raw pinned copy time
+    of the same bytes (median of 9 after 2 warm-ups), and where a request's time goes
+    (``breakdown``: the medians of its stages, module doc)."""
     import numpy as np
 
     out = {}
     med = lambda xs: round(float(np.median(xs)) * 1e3, 3) if len(xs) else None  # noqa: E731
-    for n in (1, 4, 16):
-        blocks = (probe * n)[: n * bpc]  # the probe chunk's blocks, repeated: n chunks of bytes
+    for n in (1, 4, PROBE_CHUNKS):
+        blocks = probe[: n * bpc]  # distinct blocks, as an engine's (a block named twice in a request
+        # is written twice, in order, by copies one at a time: not a request an engine makes)
         host = torch.empty(n * nbytes_chunk, dtype=torch.uint8, pin_memory=True)
         devbuf = torch.empty(n * nbytes_chunk, dtype=torch.uint8, device=dev)
         st, rt, raw_d2h, raw_h2d, wait = [], [], [], [], []

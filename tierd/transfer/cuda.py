@@ -237,8 +237,7 @@ class StagedRankMemory:
 
     def signal(self) -> bytes:
         """The event the engine's scatter waits for (on the GPU): after every retrieve DMA queued so far."""
-        with self.torch.cuda.device(self.device):
-            return self.h2d.signal()
+        return self.h2d.signal()
 
     def close(self) -> None:
         with self.torch.cuda.device(self.device):
@@ -313,8 +312,7 @@ class DirectRankMemory:
 
     def signal(self) -> bytes:
         """The event the engine waits for (on the GPU or its host) before it reads restored blocks."""
-        with self.torch.cuda.device(self.device):
-            return self.h2d.signal()
+        return self.h2d.signal()
 
     def close(self) -> None:
         with self.torch.cuda.device(self.device):

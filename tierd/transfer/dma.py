@@ -8,9 +8,10 @@ one pinned registration (HostPinner.same_range). The engine's events a lane open
 ``MAX_EVENTS``, the least recently used closed first. Copies go through the driver API
 (cuMemcpyAsync, cuMemcpy2DAsync through ctypes: a few microseconds per DMA from Python), on the
 rank's GPU's primary context (torch's: a lane makes it current on the calling thread), and a
-request's contiguous DMAs go as one batch where the driver has cuMemcpyBatchAsync. The event
-after a call's copies is a driver event too, reused once waited for: a request's copies make no
-torch call, each of which cost tens of microseconds run between requests (docs/findings.md).
+request's contiguous DMAs go as one batch where the driver has cuMemcpyBatchAsync
+(tierd.transfer.cudriver). The event after a call's copies is a driver event too, reused once
+waited for, and so is the signal a RETRIEVE's answer carries: a request's copies make no torch
+call, each of which cost tens of microseconds run between requests (docs/findings.md).
 Without libcuda (ROCm) torch's copy_ queues the same DMAs and torch's events follow them, with
 more Python per copy.
 """
@@ -23,6 +24,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from tierd.transfer.cudriver import DRIVER as _DRIVER
 from tierd.transfer.engine import DeviceWork
 from tierd.transfer.items import CopyItem
 from tierd.transfer.pinned import HostPinner
@@ -44,12 +46,22 @@ class DmaLane:
         self._signal_handle = b""
 
     def signal(self) -> bytes:
-        """Record an interprocess event after everything queued on this lane; its 64-byte handle."""
-        if self._signal is None:
-            self._signal = self.torch.cuda.Event(interprocess=True)
-        self._signal.record(self.stream)
-        if not self._signal_handle:
-            self._signal_handle = bytes(self._signal.ipc_handle())
+        """Record an interprocess event after everything queued on this lane; its 64-byte handle
+        (a driver event where libcuda is: no torch call per request; the engine opens either with
+        torch.cuda.Event.from_ipc_handle)."""
+        if _DRIVER.ok:
+            _DRIVER.current(self.device)
+            if self._signal is None:
+                self._signal = _DRIVER.event(interprocess=True)
+                self._signal_handle = _DRIVER.ipc_handle(self._signal)
+            _DRIVER.record(self._signal, self.cu_stream)
+            return self._signal_handle
+        with self.torch.cuda.device(self.device):
+            if self._signal is None:
+                self._signal = self.torch.cuda.Event(interprocess=True)
+            self._signal.record(self.stream)
+            if not self._signal_handle:
+                self._signal_handle = bytes(self._signal.ipc_handle())
         return self._signal_handle
 
     def wait(self, handle: bytes) -> None:
@@ -157,200 +169,14 @@ class DmaLane:
         self._events.clear()
         while self._done:
             _DRIVER.destroy(self._done.pop())
-
-
-_MEM_HOST, _MEM_DEVICE = 1, 2  # CUmemorytype
-
-
-class _Memcpy2D(ctypes.Structure):
-    """The driver's CUDA_MEMCPY2D."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-class _Location(ctypes.Structure):
-    """The driver's CUmemLocation."""
-
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _CopyAttributes(ctypes.Structure):
-    """The driver's CUmemcpyAttributes."""
-
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _Location),
-        ("dstLocHint", _Location),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-_ORDER_STREAM, _LOC_DEVICE, _LOC_HOST = 1, 1, 2  # CUmemcpySrcAccessOrder, CUmemLocationType
-_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING
-
-
-class _Driver:
-    """cuMemcpyAsync through the driver API (libcuda is there wherever a GPU is): a few
-    microseconds per DMA from Python, where torch's copy_ costs tens. Unified addressing: one call
-    for either direction; the thread's current context is the one torch made current.
-
-    Several DMAs go as one cuMemcpyBatchAsync where the driver has it (CUDA 12.8 and later): the
-    copy engines then keep each other fed between fragments. Measured on an H200 (scattered
-    fragments, one stream, same run): per-fragment copies reach 0.81-0.85 of a contiguous copy's
-    rate at 640 KiB and 0.92-0.94 at 2 MiB, batches of 16 or 128 fragments 0.98-0.99 at both (two
-    or four streams do not help the per-fragment copies: 0.80-0.83 at 640 KiB)."""
-
-    def __init__(self):
-        self.ok = False
-        self._primary: dict[int, int] = {}  # device -> its primary context
-        self.batch = None  # (function, takes failIdx): CUDA 13's _v2 has none, 12.8's has one
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-            self.fn = self.lib.cuMemcpyAsync
-            self.fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-            self.fn.restype = ctypes.c_int
-            self.fn2d = self.lib.cuMemcpy2DAsync_v2
-            self.fn2d.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
-            self.fn2d.restype = ctypes.c_int
-            self.ok = True
-        except (OSError, AttributeError):
-            return
-        for name, fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
-            fn = getattr(self.lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                self.batch = (fn, fail_index)
-                break
-
-    def copies(
-        self, hosts: np.ndarray, devs: np.ndarray, sizes: np.ndarray, d2h: bool, stream: int, device: int
-    ) -> None:
-        """DMAs between ``hosts`` and ``devs`` (int64 arrays) in stream order: one batch where the
-        driver has it and no two destinations overlap (a batch's copies have no order among
-        themselves; overlapping ones, a request naming one block twice, go one by one, so the last
-        one wins as before)."""
-        if len(sizes) > 1 and self.batch is not None and _disjoint(hosts if d2h else devs, sizes):
-            self.copy_batch(hosts, devs, sizes, d2h, stream, device)
-            return
-        for h, d, n in zip(hosts.tolist(), devs.tolist(), sizes.tolist()):
-            self.copy(h, d, n, d2h, stream)
-
-    def copy_batch(
-        self, hosts: np.ndarray, devs: np.ndarray, sizes: np.ndarray, d2h: bool, stream: int, device: int
-    ) -> None:
-        fn, fail_index = self.batch
-        hosts, devs = np.ascontiguousarray(hosts, np.uint64), np.ascontiguousarray(devs, np.uint64)
-        sizes = np.ascontiguousarray(sizes, np.uint64)  # size_t
-        attr = _CopyAttributes()
-        attr.srcAccessOrder = _ORDER_STREAM
-        dev, host = _Location(_LOC_DEVICE, device), _Location(_LOC_HOST, 0)
-        attr.srcLocHint, attr.dstLocHint = (dev, host) if d2h else (host, dev)
-        first = (ctypes.c_size_t * 1)(0)
-        dsts, srcs = (hosts, devs) if d2h else (devs, hosts)
-        ptr = ctypes.c_void_p
-        args = [
-            ptr(dsts.ctypes.data),
-            ptr(srcs.ctypes.data),
-            ptr(sizes.ctypes.data),
-            ctypes.c_size_t(len(sizes)),
-        ]
-        args += [ctypes.byref(attr), first, ctypes.c_size_t(1)]
-        failed = ctypes.c_size_t(0)
-        if fail_index:
-            args.append(ctypes.byref(failed))
-        err = fn(*args, ctypes.c_void_p(stream))
-        if err:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed at copy {failed.value}: CUDA driver error {err}")
-
-    def current(self, device: int) -> None:
-        """Make ``device``'s primary context (torch's) current on this thread, if it is not."""
-        want = self._primary.get(device)
-        if want is None:
-            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-            if self.lib.cuDeviceGet(ctypes.byref(dev), device) != 0:
-                raise RuntimeError(f"cuDeviceGet({device}) failed")
-            if self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:  # (held for good)
-                raise RuntimeError(f"cannot retain GPU {device}'s primary context")
-            want = self._primary[device] = ctx.value
-        now = ctypes.c_void_p()
-        if self.lib.cuCtxGetCurrent(ctypes.byref(now)) == 0 and now.value == want:
-            return
-        if self.lib.cuCtxSetCurrent(ctypes.c_void_p(want)) != 0:
-            raise RuntimeError(f"cannot make GPU {device}'s primary context current")
-
-    def event(self) -> int:
-        """A new event (no timing) in the current context."""
-        ev = ctypes.c_void_p()
-        err = self.lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING)
-        if err:
-            raise RuntimeError(f"cuEventCreate failed: CUDA driver error {err}")
-        return ev.value
-
-    def record(self, event: int, stream: int) -> None:
-        err = self.lib.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream))
-        if err:
-            raise RuntimeError(f"cuEventRecord failed: CUDA driver error {err}")
-
-    def synchronize(self, event: int) -> None:
-        """Wait for ``event`` (the GIL let go meanwhile, as ctypes does for every call)."""
-        err = self.lib.cuEventSynchronize(ctypes.c_void_p(event))
-        if err:
-            raise RuntimeError(f"cuEventSynchronize failed: CUDA driver error {err}")
-
-    def destroy(self, event: int) -> None:
-        self.lib.cuEventDestroy_v2(ctypes.c_void_p(event))
-
-    def copy(self, host: int, dev: int, nbytes: int, d2h: bool, stream: int) -> None:
-        err = self.fn(host, dev, nbytes, stream) if d2h else self.fn(dev, host, nbytes, stream)
-        if err:
-            raise RuntimeError(f"cuMemcpyAsync failed: CUDA driver error {err}")
-
-    def copy2d(
-        self, host: int, host_pitch: int, dev: int, dev_pitch: int, width: int, rows: int, d2h: bool, stream
-    ) -> None:
-        m = _Memcpy2D()
-        m.WidthInBytes, m.Height = width, rows
-        if d2h:
-            m.srcMemoryType, m.srcDevice, m.srcPitch = _MEM_DEVICE, dev, dev_pitch
-            m.dstMemoryType, m.dstHost, m.dstPitch = _MEM_HOST, host, host_pitch
-        else:
-            m.srcMemoryType, m.srcHost, m.srcPitch = _MEM_HOST, host, host_pitch
-            m.dstMemoryType, m.dstDevice, m.dstPitch = _MEM_DEVICE, dev, dev_pitch
-        err = self.fn2d(ctypes.byref(m), stream)
-        if err:
-            raise RuntimeError(f"cuMemcpy2DAsync failed: CUDA driver error {err}")
-
-
-_DRIVER = _Driver()
+        if isinstance(self._signal, int):
+            _DRIVER.destroy(self._signal)  # (as torch's event was once the lane went)
+        self._signal = None
 
 
 def _host_bytes(addr: int, nbytes: int):
     """A numpy uint8 view of ``nbytes`` of host memory at ``addr`` (inside the pool)."""
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
-
-
-def _disjoint(starts: np.ndarray, sizes: np.ndarray) -> bool:
-    """Whether no two ranges ``[starts[i], starts[i] + sizes[i])`` overlap."""
-    order = np.argsort(starts, kind="stable")
-    s = starts[order]
-    return bool(np.all(s[:-1] + sizes[order][:-1] <= s[1:]))
 
 
 def _coalesce(hosts: list[int], devs: list[int], sizes: list[int], same_range) -> list[tuple[int, int, int]]:
