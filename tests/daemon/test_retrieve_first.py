@@ -83,8 +83,11 @@ def test_a_flood_of_stores_never_keeps_the_main_loop_from_its_other_work(daemon_
                 r.recv(60)
                 inflight -= 1
                 answered[0] += 1
-        while inflight:
-            r.recv(60)
+        while inflight:  # (a reply past the connection's send queue is dropped: docs/protocol.md)
+            try:
+                r.recv(5)
+            except TimeoutError:
+                return
             inflight -= 1
             answered[0] += 1
 
