@@ -93,8 +93,7 @@ def test_master_killed_mid_fetch_fails_exactly_the_l2_blocks_in_time_and_the_dae
     assert r["reconnect"][0] >= 1
     assert r["lookup_new"]["chunks"] == 4 and r["retrieve_new"]["ok"] == [True] * 4
     assert r["dst_new"] == r["src_new"]
-    said = ("state", "lookups", "lookups_skipped", "lookups_late", "degraded")
-    l2_after = {k: r["status_b"]["l2"].get(k) for k in said}
+    l2_after = r["status_b"]["l2"]  # all of it: a failure here once showed too little to say why
     assert r["lookup_hung"]["chunks"] == 0, r["lookup_hung"]
     assert 0.2 < r["lookup_hung_s"] < 1.0, (r["lookup_hung_s"], l2_after)  # --l2-lookup-timeout-ms 250
     assert r["status_b"]["l2"]["lookups_late"] == 1 and r["status_b"]["errors"] == 0
