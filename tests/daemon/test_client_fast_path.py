@@ -123,17 +123,24 @@ def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
     """Another caller read this request's error reply and left it for the I/O thread (which may
     retry errors): the waiting caller hands it on at once instead of waiting out its read of the
     socket. Claims and waits are stretched to 6 s, so waiting them out shows above a loaded machine's
-    stalls."""
+    stalls. The daemon is held (SIGSTOP) until this test owns the socket: on a loaded machine the
+    reply otherwise came back while the sending thread still drained the socket, every time."""
     monkeypatch.setattr(fast_path, "FAST_WAIT_S", 6.0)
     c = client_factory(daemon)
     c.ping()
     checked = 0
     for _ in range(5):
-        fut = c.call_async("RELEASE", {"lease": 987654321}, wait=True)  # answered UNKNOWN_LEASE
-        with c._lock:  # as another pumping caller: read the reply and stash it for the I/O thread
-            if fut.done() or not c._sock.poll(5000, zmq.POLLIN):
-                continue  # the I/O thread read it first (a heartbeat had it watching): try again
-            c._stash.append(decode_reply(c._sock.recv()))
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            fut = c.call_async("RELEASE", {"lease": 987654321}, wait=True)  # answered UNKNOWN_LEASE
+            time.sleep(0.2)  # sent (by this thread or the I/O thread); no answer can come yet
+            with c._lock:  # as another pumping caller: read the reply and stash it for the I/O thread
+                daemon.proc.send_signal(signal.SIGCONT)
+                if fut.done() or not c._sock.poll(5000, zmq.POLLIN):
+                    continue  # the I/O thread read it first: try again
+                c._stash.append(decode_reply(c._sock.recv()))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
         t0 = time.monotonic()
         with pytest.raises(TierdError, match="UNKNOWN_LEASE"):
             fut.result(timeout=10)
