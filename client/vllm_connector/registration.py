@@ -37,6 +37,7 @@ class RankRegistration:
         self.publication = None  # CPU: /dev/shm names of the KV memory, only while a REGISTER is in flight
         self.stager = None  # CUDA, staged: the rank's staging buffer and copy streams
         self.direct = None  # CUDA, direct: the rank's GPU (the daemon copies straight to its blocks)
+        self.chunk_bytes = 0  # CUDA: a chunk's bytes on this rank (PageLayout.chunk_bytes)
         self.registered = False
         self._future = None
         self._sent_at = 0.0

@@ -71,7 +71,7 @@ class Driver:
     def __init__(self):
         self.ok = False
         self._primary: dict[int, int] = {}  # device -> its primary context
-        self._attrs: dict[tuple[bool, int], list] = {}  # (d2h, device) -> a batch's attribute arguments
+        self._attrs: dict[tuple[bool, int], tuple] = {}  # (d2h, device) -> a batch's attribute arguments
         self.batch = None  # (function, takes failIdx): CUDA 13's _v2 has none, 12.8's has one
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
@@ -111,8 +111,8 @@ class Driver:
         hosts, devs, sizes = _u64(hosts), _u64(devs), _u64(sizes)  # (size_t)
         dsts, srcs = (hosts, devs) if d2h else (devs, hosts)
         ptr = ctypes.c_void_p
-        args = [ptr(dsts.ctypes.data), ptr(srcs.ctypes.data), ptr(sizes.ctypes.data), len(sizes)]
-        args += self._attributes(d2h, device)
+        args = [ptr(dsts.ctypes.data), ptr(srcs.ctypes.data), ptr(sizes.ctypes.data)]
+        args += [ctypes.c_size_t(len(sizes)), *self._attributes(d2h, device)]
         failed = ctypes.c_size_t(0)
         if fail_index:
             args.append(ctypes.byref(failed))
@@ -120,7 +120,7 @@ class Driver:
         if err:
             raise RuntimeError(f"cuMemcpyBatchAsync failed at copy {failed.value}: CUDA driver error {err}")
 
-    def _attributes(self, d2h: bool, device: int) -> list:
+    def _attributes(self, d2h: bool, device: int) -> tuple:
         """A batch's attribute arguments for one direction of one GPU (made once, reused): every
         copy stream-ordered, with its source and destination kinds."""
         key = (d2h, device)
@@ -131,8 +131,8 @@ class Driver:
             dev, host = _Location(_LOC_DEVICE, device), _Location(_LOC_HOST, 0)
             attr.srcLocHint, attr.dstLocHint = (dev, host) if d2h else (host, dev)
             first = (ctypes.c_size_t * 1)(0)  # the one attribute applies from the first copy on
-            out = self._attrs[key] = [ctypes.byref(attr), first, ctypes.c_size_t(1), attr]
-        return out[:3]
+            out = self._attrs[key] = (ctypes.byref(attr), first, ctypes.c_size_t(1))  # (byref keeps attr)
+        return out
 
     def current(self, device: int) -> None:
         """Make ``device``'s primary context (torch's) current on this thread, if it is not."""
