@@ -29,7 +29,13 @@ Printed per workload and concurrency: TTFT p50/p99 (ms), TPOT p50 (ms), output t
 requests, the share of prompt tokens vLLM got from its connector (its own
 ``vllm:external_prefix_cache_hits``), and ratios: TTFT and tok/s to ``none``, TPOT to ``nothing``;
 ``same`` counts requests whose greedy output equals the ``nothing`` phase's. A 2-core machine with
-other work moves single runs 2x: read the same-run ratios, and use --repeat to interleave phases.
+other work moves single runs 2x: read the same-run ratios, and use --repeat N to run the phases N
+times, interleaved: each ratio is then taken within each round and printed as its median
+[min-max] over the rounds.
+
+A run that fails is no figure: a phase or fault whose client or server fails, a request vLLM's
+client counts as failed, or a faulted run that ends without a result stops the benchmark with the
+error on stderr and a non-zero exit, and no table is printed.
 """
 
 from __future__ import annotations
@@ -58,6 +64,43 @@ PHASES = ("none", "nothing", "cold", "warm", "lmcache-cold", "lmcache-warm")
 WORKLOADS = ("prefix", "random", "multiturn")
 MODEL_RECIPE = "tiny-llama-4l-v1"
 CHUNK_TOKENS = 256
+
+
+class BenchFailed(RuntimeError):
+    """A phase or fault run that gives no figure: the benchmark prints the error and exits 1."""
+
+
+def check_run(label: str, res: dict, row: dict) -> None:
+    """Refuse the figures of a run in which vLLM's client counted a failed request, or none completed."""
+    if row["failed"] or not row["completed"]:
+        errors = sorted({str(e).strip().splitlines()[-1][:300] for e in res.get("errors", []) if e})
+        raise BenchFailed(
+            f"{label}: {row['failed']} request(s) failed, {row['completed']} completed; "
+            f"vLLM's client reported: {errors[:3] or 'no error text'}"
+        )
+
+
+class Watched(threading.Thread):
+    """A thread whose exception is kept and raised again by ``outcome()``, never lost."""
+
+    def __init__(self, label: str, target, daemon: bool = False):
+        super().__init__(name=label, daemon=daemon)
+        self.label, self._target_fn = label, target
+        self.value, self.error = None, None
+
+    def run(self) -> None:
+        try:
+            self.value = self._target_fn()
+        except BaseException as exc:  # noqa: BLE001 - kept, and raised in the caller by outcome()
+            self.error = exc
+
+    def outcome(self, timeout: float | None = None):
+        self.join(timeout)
+        if self.is_alive():
+            raise BenchFailed(f"{self.label}: still running after {timeout:.0f} s")
+        if self.error is not None:
+            raise BenchFailed(f"{self.label}: {type(self.error).__name__}: {self.error}") from self.error
+        return self.value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,6 +275,7 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
                     seed=seed,
                 )
                 row = summarize(res, before, server.metrics())
+                check_run(f"round {rnd + 1}, phase {phase}, {wl} at concurrency {conc}", res, row)
                 out[f"{wl}/c{conc}"] = row
                 log(
                     f"r{rnd} {phase:12s} {wl:9s} c{conc:<3d} ttft p50 {row['ttft_p50']:7.1f} ms "
@@ -308,10 +352,11 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
         wl = client_args("prefix", 9000, args, workdir, tok)
         clean = bench_serve(server, model, wl, folder, concurrency=conc, seed=9000)
         stop = threading.Event()
-        result: dict = {}
+        aborter = None
         wl = client_args("prefix", 9001, args, workdir, tok)
-        run = threading.Thread(
-            target=lambda: result.update(bench_serve(server, model, wl, folder, concurrency=conc, seed=9001))
+        run = Watched(
+            f"fault {fault}: the faulted run",
+            lambda: bench_serve(server, model, wl, folder, concurrency=conc, seed=9001),
         )
         t0 = time.monotonic()
         run.start()
@@ -323,29 +368,27 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
             daemon.start()
         elif fault == "aborts":
             prompts = ["abort " + " ".join(str(i + j) for j in range(300)) for i in range(8)]
-            aborter = threading.Thread(
-                target=lambda: out.update(abort_streams(server.url, model, prompts, stop)), daemon=True
+            aborter = Watched(
+                f"fault {fault}: the aborting client",
+                lambda: abort_streams(server.url, model, prompts, stop),
+                daemon=True,
             )
             aborter.start()
         elif fault == "server":
-            run.join()  # the server is stopped between runs, never with requests in flight
+            run.outcome()  # the server is stopped between runs, never with requests in flight
             server.close()
             server = serve()
         out["fault_after_s"] = round(time.monotonic() - t0, 2)
-        run.join()
-        stop.set()
+        try:
+            result = run.outcome()
+        finally:
+            stop.set()
+        if aborter is not None:
+            out.update(aborter.outcome(timeout=120))  # each of its connections times out in 60 s
         if fault == "server":  # the restarted server serves the same prompts from the tier
             result = bench_serve(server, model, wl, folder, concurrency=conc, seed=9001)
-        out["clean"] = {
-            "failed": clean["failed"],
-            "ttft_max": max(clean["ttfts"]) * 1e3,
-            "ttft_p99": clean["p99_ttft_ms"],
-        }
-        out["faulted"] = {
-            "failed": result.get("failed", -1),
-            "ttft_max": max(result.get("ttfts") or [0]) * 1e3,
-            "ttft_p99": result.get("p99_ttft_ms", 0),
-        }
+        out["clean"] = fault_figures(f"fault {fault}: the run before the fault", clean)
+        out["faulted"] = fault_figures(f"fault {fault}: the faulted run", result)
         after_run = server.close()
         out["server_rc"] = after_run
         settled = daemon.status()
@@ -371,6 +414,45 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     return out
 
 
+def fault_figures(label: str, res: dict | None) -> dict:
+    """Failed requests, longest and p99 TTFT of one fault run's client result; a run without a
+    result, or with a failed request, is no figure (``BenchFailed``)."""
+    if not res or "ttfts" not in res or "completed" not in res:
+        raise BenchFailed(f"{label}: no client result")
+    row = {"failed": res.get("failed", 0), "completed": res["completed"]}
+    check_run(label, res, row)
+    return {"failed": row["failed"], "ttft_max": max(res["ttfts"]) * 1e3, "ttft_p99": res["p99_ttft_ms"]}
+
+
+def round_ratios(rounds: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Per phase and workload/concurrency key, each ratio taken within each round (the phase's figure
+    over the same round's ``none`` or ``nothing`` one): ``ttft`` and ``tok_s`` to none, ``tpot`` to
+    nothing. A ratio whose base phase did not run is left out."""
+    out: dict = {}
+    for ph, runs in rounds.items():
+        for rnd, run in enumerate(runs):
+            for key, r in run.items():
+                ratios = out.setdefault(ph, {}).setdefault(key, {})
+                for name, field, base_phase in (
+                    ("ttft", "ttft_p50", "none"),
+                    ("tok_s", "out_tok_s", "none"),
+                    ("tpot", "tpot_p50", "nothing"),
+                ):
+                    base = rounds.get(base_phase, [])
+                    if rnd < len(base) and base[rnd][key][field]:
+                        ratios.setdefault(name, []).append(r[field] / base[rnd][key][field])
+    return out
+
+
+def spread(values: list[float] | None) -> str:
+    """One round: the ratio; several: their median and [min-max]."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
 def median_rows(rows: list[dict]) -> dict:
     out = {}
     for k in rows[0]:
@@ -382,7 +464,8 @@ def median_rows(rows: list[dict]) -> dict:
     return out
 
 
-def table(results: dict, workloads, concurrency, phases) -> str:
+def table(results: dict, workloads, concurrency, phases, ratios: dict) -> str:
+    """Medians over rounds of each figure; the ratios from ``round_ratios``, round by round."""
     lines = [
         "| workload | conc | phase | TTFT p50 / p99 ms | TPOT p50 ms | out tok/s | ext. hits | failed "
         "| TTFT/none | tok/s / none | TPOT / nothing | same as nothing |",
@@ -391,16 +474,12 @@ def table(results: dict, workloads, concurrency, phases) -> str:
     for wl in workloads:
         for conc in concurrency:
             key = f"{wl}/c{conc}"
-            base = results.get("none", {}).get(key)
             ctrl = results.get("nothing", {}).get(key)
             for ph in phases:
                 r = results.get(ph, {}).get(key)
                 if r is None:
                     continue
-
-                def ratio(a, b):
-                    return f"{a / b:.2f}" if b else "-"
-
+                rr = ratios.get(ph, {}).get(key, {})
                 same = "-"
                 if ctrl and ph != "nothing" and ctrl["texts"]:
                     same = f"{sum(a == b for a, b in zip(r['texts'], ctrl['texts']))}/{len(ctrl['texts'])}"
@@ -408,14 +487,29 @@ def table(results: dict, workloads, concurrency, phases) -> str:
                     f"| {wl} | {conc} | {ph} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} "
                     f"| {r['tpot_p50']:.2f} "
                     f"| {r['out_tok_s']:.0f} | {r['external_hit_share']:.2f} | {r['failed']:.0f} "
-                    f"| {ratio(r['ttft_p50'], base['ttft_p50']) if base else '-'} "
-                    f"| {ratio(r['out_tok_s'], base['out_tok_s']) if base else '-'} "
-                    f"| {ratio(r['tpot_p50'], ctrl['tpot_p50']) if ctrl else '-'} | {same} |"
+                    f"| {spread(rr.get('ttft'))} | {spread(rr.get('tok_s'))} | {spread(rr.get('tpot'))} "
+                    f"| {same} |"
                 )
     return "\n".join(lines)
 
 
+def tokenizer(model: str):
+    """The model's tokenizer (the multiturn workload counts its tokens with it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def main() -> None:
+    try:
+        bench()
+    except BenchFailed as exc:
+        log(f"FAILED: {exc}")
+        print(f"serve.py: FAILED, no figures: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+def bench() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     ap.add_argument("--workloads", default="prefix,multiturn", help=f"comma list of {', '.join(WORKLOADS)}")
@@ -439,7 +533,13 @@ def main() -> None:
         "the schedule, so a near-tie token can differ between any two servers)",
     )
     ap.add_argument("--pool-gb", type=float, default=4.0, help="tier pool size (both tiers)")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds; phases interleaved in each")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds, phases interleaved in each; each ratio is then printed as its median [min-max] "
+        "over the rounds",
+    )
     ap.add_argument("--model", default="", help="a model folder (default: the tiny 4-layer model, built)")
     ap.add_argument("--lmcache-venv", default=str(ROOT / ".bench" / "lmcache-venv"))
     ap.add_argument("--skip-lmcache-install", action="store_true")
@@ -462,6 +562,8 @@ def main() -> None:
     for w in args.workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}; one of {', '.join(WORKLOADS)}")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if "warm" in args.phases and "cold" not in args.phases:
         ap.error("warm needs cold first (the tier is filled by the cold phase)")
     if "lmcache-warm" in args.phases and "lmcache-cold" not in args.phases:
@@ -475,10 +577,9 @@ def main() -> None:
     if args.engine_cpus:
         isolate_engine(args.engine_cpus)
     from tiny_model import build_tiny_model
-    from transformers import AutoTokenizer
 
     model = args.model or build_tiny_model(MODEL_RECIPE)
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = tokenizer(model)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tierd-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
     log(f"model {model}; logs and client results in {workdir}")
@@ -496,7 +597,8 @@ def main() -> None:
     results = {
         ph: {k: median_rows([r[k] for r in runs]) for k in runs[0]} for ph, runs in rounds.items() if runs
     }
-    print(table(results, args.workloads, args.concurrency, args.phases))
+    print(f"{args.repeat} round(s); ratios within each round, median [min-max] over the rounds")
+    print(table(results, args.workloads, args.concurrency, args.phases, round_ratios(rounds)))
     for f in faults:
         print(
             f"fault {f['fault']} at c{f['concurrency']}: failed {f['faulted']['failed']}, max TTFT "
@@ -506,7 +608,7 @@ def main() -> None:
             f"/dev/shm left {len(f['shm_left'])}"
         )
     if args.json:
-        out = {"args": vars(args), "results": results, "faults": faults}
+        out = {"args": vars(args), "results": results, "rounds": rounds, "faults": faults}
         Path(args.json).write_text(json.dumps(out, indent=1))
         log(f"wrote {args.json}")
     if not args.workdir:
