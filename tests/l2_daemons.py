@@ -13,6 +13,7 @@ Each scenario returns a JSON-able dict that tests/e2e/test_l2_daemon.py asserts 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,7 +35,15 @@ class Daemon(ServeProcess):
     """A real ``python -m tierd serve`` with --l2-url (tierd/testing.py's launcher), on an ipc socket
     in the work dir, with a client bound to it."""
 
-    def __init__(self, workdir: Path, name: str, *args: str, url: str = URL, pool_mb: int = 64):
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        *args: str,
+        url: str = URL,
+        pool_mb: int = 64,
+        env: dict[str, str] | None = None,
+    ):
         self.name, self.workdir = name, workdir
         super().__init__(
             workdir,
@@ -48,6 +57,7 @@ class Daemon(ServeProcess):
             pool_mb=pool_mb,
             log=workdir / f"daemon-{name}.log",
             cwd=ROOT,
+            env=env,
             preexec_fn=_die_with_parent,
         )
         self.port = self.http_port
@@ -152,12 +162,12 @@ def keys(tag: str, n: int) -> list[bytes]:
 
 
 def start(workdir: Path, started: list, *daemons: tuple) -> tuple:
-    """A master, then daemons given as (name, args[, pool MiB]), each connected."""
+    """A master, then daemons given as (name, args[, pool MiB[, env]]), each connected."""
     master = Master(workdir).start()
     started.append(master)
     out = [master]
-    for name, args, *mb in daemons:
-        d = Daemon(workdir, name, *args, pool_mb=mb[0] if mb else 64)
+    for name, args, *more in daemons:
+        d = Daemon(workdir, name, *args, pool_mb=more[0] if more else 64, env=more[1] if more[1:] else None)
         started.append(d)
         d.connected()
         out.append(d)
@@ -208,4 +218,49 @@ def evicted(workdir: Path, started: list) -> dict:
     out["retrieve_b"] = rb.retrieve(waves[1], lease=out["lookup_b"]["lease"])
     out["dst_b"] = rb.digests(8)
     out["status_a"], out["status_b"] = a.status(), b.status()
+    return out
+
+
+# Loaded (as sitecustomize) before tierd by daemon A of ``other_format``: a tierd whose PAGE hashes
+# and namespace ids mean something else (the next KEY_VERSION), as a node upgraded first would run.
+NEXT_KEY_VERSION = """
+import tierd.protocol.keys
+
+tierd.protocol.keys.KEY_VERSION += 1
+"""
+
+
+def next_key_version_env(workdir: Path) -> dict[str, str]:
+    folder = workdir / "next-key-version"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(NEXT_KEY_VERSION)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(folder) + (os.pathsep + path if path else "")}
+
+
+def other_format(workdir: Path, started: list) -> dict:
+    """A runs the next key format, C this one; both write through the same namespace, other keys.
+    B (this format, empty L1) serves C's chunks from L2 byte-exact and never A's, although A's
+    objects hold the same key bytes B asks for."""
+    _, a, c, b = start(
+        workdir,
+        started,
+        ("a", ("--l2-policy", "write-through"), 64, next_key_version_env(workdir)),
+        ("c", ("--l2-policy", "write-through")),
+        ("b", ()),
+    )
+    ra, rc = Rank(a, "a0", "fp-format", seed=5), Rank(c, "c0", "fp-format", seed=6)
+    rb = Rank(b, "b0", "fp-format", seed=7)
+    started += [ra, rc, rb]
+    ks_a, ks_c = keys("format/a", 8), keys("format/c", 8)
+    out = {"store_a": ra.store(ks_a), "store_c": rc.store(ks_c), "src_c": rc.digests(8)}
+    out["a_drained"], out["c_drained"] = a.drained()["l2"], c.drained()["l2"]
+    out["lookup_a_keys"] = rb.lookup(ks_a, lease=False)
+    out["lookup_c_keys"] = rb.lookup(ks_c)
+    out["retrieve_c_keys"] = rb.retrieve(ks_c, lease=out["lookup_c_keys"]["lease"])
+    out["dst"] = rb.digests(8)
+    out["status_b"] = b.status()
+    out["l2_lines"] = {
+        d.name: [ln for ln in d.log.read_text().splitlines() if "objects named" in ln] for d in (a, b, c)
+    }
     return out

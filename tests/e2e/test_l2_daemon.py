@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from test_l2_mooncake import run
 
+from tierd.protocol.keys import KEY_VERSION
 from tierd.testing import serve_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +75,33 @@ def test_a_chunk_evicted_from_l1_comes_back_from_l2_byte_exact():
     assert r["lookup_b"]["chunks"] == 8 and r["retrieve_b"] == {"ok": [True] * 8, "failed": []}
     assert r["dst_b"] == r["src"][1]
     assert r["status_a"]["l2"]["hit_chunks"] == 8 and r["status_a"]["l2"]["fetched"] == 8
+
+
+def test_objects_a_node_of_another_key_format_wrote_are_never_served():
+    """Daemon A derives keys under the next KEY_VERSION; the same key bytes then mean another
+    prefix, so B (this version) must not find A's objects in the shared store. C, of this
+    version, is the control: B serves its chunks from L2 byte-exact."""
+    r = run("other_format")
+    assert r["store_a"] == r["store_c"] == ["stored"] * 8
+    assert r["a_drained"]["writeback_puts"] == r["c_drained"]["writeback_puts"] == 8  # both in Mooncake
+    assert r["lookup_a_keys"]["chunks"] == 0  # A's objects: never found, never served
+    assert r["lookup_c_keys"]["chunks"] == 8 and r["retrieve_c_keys"] == {"ok": [True] * 8, "failed": []}
+    assert r["dst"] == r["src_c"]
+    l2 = r["status_b"]["l2"]
+    assert l2["lookups"] == 2 and l2["hit_chunks"] == 8 and l2["fetched"] == 8  # B asked L2 both times
+    # imported here, after the behaviour: a version whose names lack the format fails on that first
+    from tierd.tier2.keys import FORMAT, name_format
+
+    lines = r["l2_lines"]
+    ours, nexts = KEY_FORMAT_LINE.format(FORMAT), KEY_FORMAT_LINE.format(name_format(KEY_VERSION + 1))
+    assert len(lines["b"]) == len(lines["c"]) == len(lines["a"]) == 1, lines
+    assert ours in lines["b"][0] and ours in lines["c"][0] and nexts in lines["a"][0], lines
+
+
+KEY_FORMAT_LINE = (
+    "objects named tierd/{}/<key>: objects that other versions of the key derivation or object "
+    "layout wrote are never read"
+)
 
 
 def test_master_killed_mid_fetch_fails_exactly_the_l2_blocks_in_time_and_the_daemon_stays_healthy():

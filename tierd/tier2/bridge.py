@@ -29,6 +29,7 @@ from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.registry import Instance, Registry
 from tierd.tier2.fetch import Fetches
+from tierd.tier2.keys import FORMAT as NAME_FORMAT
 from tierd.tier2.lookups import PENDING, Caller, Folded, Lookups
 from tierd.tier2.lookups import Need as LookupNeed
 from tierd.tier2.retrieves import Need as RetrieveNeed
@@ -93,10 +94,13 @@ class SecondTier:
         self.lookups = Lookups(self, registry, settings.l2_lookup_timeout_ms / 1000)
         self.retrieves = Retrieves(self)
         log.info(
-            "l2: %s, %s, LOOKUPs wait at most %d ms",
+            "l2: %s, %s, LOOKUPs wait at most %d ms; objects named %s/%s/<key>: objects that other "
+            "versions of the key derivation or object layout wrote are never read",
             self.mc.url,
             settings.l2_policy,
             settings.l2_lookup_timeout_ms,
+            self.mc.url.prefix,
+            NAME_FORMAT,
         )
 
     # ---- what the main loop and handlers call -------------------------------------------------

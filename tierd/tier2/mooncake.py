@@ -21,9 +21,9 @@ Hazards first:
   the tier back. An agent silent for ``HANG_S`` is killed. A restarted master holds none of the
   old objects: old keys miss, and puts fail "full" for the second or so until every client has
   mounted its segment again.
-- Names. Keys are bytes (:func:`tierd.tier2.keys.chunk_key`), stored as ``<prefix>/v2/<hex>``, so
-  every node derives the same name. Mooncake does not separate tenants: the key bytes must carry
-  the namespace.
+- Names. Keys are bytes (:func:`tierd.tier2.keys.chunk_key`), stored as ``<prefix>/v3-k1-o2/<hex>``
+  (:data:`tierd.tier2.keys.FORMAT`), so every node of one format derives the same name. Mooncake
+  does not separate tenants: the key bytes must carry the namespace.
 """
 
 from __future__ import annotations
