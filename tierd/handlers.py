@@ -89,7 +89,15 @@ def ping(tier: Tier, call: Call, msg: m.Ping) -> m.PingReply:
 
 
 def status(tier: Tier, call: Call, msg: m.Status) -> dict:
-    return tier.status()
+    """An operator sees every tenant's namespaces and instances; any other tenant its own only (the
+    daemon-wide figures, as /metrics gives them, are everyone's)."""
+    out = tier.status()
+    if call.session.principal.operator:
+        return out
+    mine = call.tenant
+    out["namespaces"] = [n for n in out["namespaces"] if n["tenant"] == mine]
+    out["instances"] = [i for i in out["instances"] if i["tenant"] == mine]
+    return out
 
 
 def clear(tier: Tier, call: Call, msg: m.Clear) -> m.ClearReply:
@@ -165,7 +173,7 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
     ns_id = scoped_namespace_id(tenant, ns)
     registered = tier.registry.registered_layout(ns_id)
     if registered is not None:
-        inst_id, lay = registered
+        inst_name, lay = registered
         if (
             lay.specs[: len(msg.groups)] != msg.groups
             or len(msg.groups) > len(lay.specs)
@@ -175,7 +183,7 @@ def lookup(tier: Tier, call: Call, msg: m.Lookup) -> m.LookupReply:
             raise ProtocolError(
                 ErrorCode.LAYOUT_MISMATCH,
                 f"LOOKUP groups/chunk_tokens/replicated differ from the "
-                f"layout {inst_id!r} registered in this namespace",
+                f"layout {inst_name!r} registered in this namespace",
             )
     tier.registry.name_namespace(ns_id, ns, tenant)
     ranks = [0] if msg.replicated else list(range(ns.world_size))

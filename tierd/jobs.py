@@ -174,7 +174,7 @@ class RetrieveJob(Job):
             # The engine was told to wait for a copy that then failed: it must not use those blocks.
             # Drop the rank, so its next request fails and the client re-registers (the load is lost).
             log.error(
-                "retrieve DMA for %s failed after its reply: unregistering it (%r)", self.instance.id, exc
+                "retrieve DMA for %s failed after its reply: unregistering it (%r)", self.instance.label, exc
             )
             tier.registry.unregister(self.instance.id)
         return retrieved(tier, self.instance, self.plan, self.lease, exc)
@@ -203,7 +203,7 @@ def drop_broken(tier: Tier, inst: Instance, exc: BaseException) -> None:
     or gone): unregister it, so its next request fails UNKNOWN_INSTANCE and the client registers
     again. Nobody else is affected."""
     if inst.layout.device == "cpu" and not inst.closed:
-        log.warning("%s: its shared memory failed a copy, unregistering it: %s", inst.id, exc)
+        log.warning("%s: its shared memory failed a copy, unregistering it: %s", inst.label, exc)
         tier.registry.unregister(inst.id)
 
 

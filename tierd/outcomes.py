@@ -62,7 +62,7 @@ class Outcomes:
                 job.stamp("early reply")
                 continue
             if exc is not None and not isinstance(exc, Expired):
-                log.error("%s copy for %s failed: %r", job.op, job.instance.id, exc)
+                log.error("%s copy for %s failed: %r", job.op, job.instance.label, exc)
             try:
                 body = job.finish(self.tier, exc)
             except Exception as err:  # noqa: BLE001 - still answered

@@ -46,8 +46,11 @@ OWN_PEER = Peer(os.getuid(), os.getgid(), os.getpid())
 
 
 def instance_key(tenant: str, name: str) -> str:
-    """The registry's key (and copy lane) of instance ``name`` of ``tenant``."""
-    return f"{name}@{tenant}" if tenant else name
+    """The registry's key (and copy lane) of instance ``name`` of ``tenant``: the name, and for any
+    tenant but the default one a NUL and the tenant. A name holds no NUL (protocol.layout.Name), so
+    no name of one tenant spells another tenant's key, as ``name@tenant`` did (the default tenant's
+    instance ``r0@uid:5`` was tenant ``uid:5``'s ``r0``)."""
+    return f"{name}\x00{tenant}" if tenant else name
 
 
 @dataclass(eq=False)
@@ -62,6 +65,11 @@ class Instance:
     geometry: Geometry | None = None  # the planner's per-layout constants, made on first use
     name: str = ""  # as the client named it
     tenant: str = DEFAULT_TENANT
+
+    @property
+    def label(self) -> str:
+        """How logs name it: its name, and its tenant unless that is the default one."""
+        return f"{self.name} (tenant {self.tenant})" if self.tenant else self.name
 
     @property
     def rank_key(self) -> int:

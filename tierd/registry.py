@@ -140,7 +140,7 @@ class Registry:
             if old.layout != layout and old.session != session.identity and old.session in self.sessions:
                 raise ProtocolError(
                     ErrorCode.LAYOUT_MISMATCH,
-                    f"instance {inst_id!r} is registered by another live client with a different layout",
+                    f"instance {name!r} is registered by another live client with a different layout",
                 )
             if old.layout == layout:  # idempotent re-register (a reconnecting client)
                 previous = self.sessions.get(old.session)
@@ -223,16 +223,16 @@ class Registry:
         if session is not None:
             session.instances.discard(inst_id)
         self.lanes.detach(inst_id, last=inst.memory.close)  # unmapped after its queued copies
-        log.info("unregistered %s", inst_id)
+        log.info("unregistered %s", inst.label)
         return True
 
     def registered_layout(self, ns_id: bytes) -> tuple[str, PageLayout] | None:
-        """(instance id, layout) of some rank registered in namespace ``ns_id``."""
+        """(instance name, layout) of some rank registered in namespace ``ns_id``."""
         ids = self._by_ns.get(ns_id)
         if not ids:
             return None
         inst = self.instances[next(iter(ids))]
-        return inst.id, inst.layout
+        return inst.name, inst.layout
 
     def name_namespace(self, ns_id: bytes, ns: Namespace, tenant: str = DEFAULT_TENANT) -> None:
         self.namespaces.setdefault(ns_id, ns)

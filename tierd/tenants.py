@@ -84,6 +84,8 @@ def load_tokens(path: str) -> dict[str, str]:
                     f"--tcp-token-file {path}:{n}: want 'TENANT TOKEN' with a token of at least 16 characters"
                 )
             tenant, token = parts
+            if not tenant.isprintable():
+                raise TokenFileError(f"--tcp-token-file {path}:{n}: the tenant name has a control character")
             if token in tokens:
                 raise TokenFileError(
                     f"--tcp-token-file {path}:{n}: this token is already tenant {tokens[token]!r}'s"

@@ -249,3 +249,35 @@ def test_a_grant_counts_the_pins_another_grant_left_for_after_its_reply(reg):
         r.grant(s, objs[3:], 1)
     assert e.value.code is ErrorCode.LIMIT
     assert [o.pins for o in objs] == [1, 1, 1, 0, 0] and r.leased_bytes[""] == 3 * 256
+
+
+def test_no_instance_name_of_one_tenant_reaches_another_tenants_instance(reg):
+    """Registry keys once joined name and tenant with '@': the default tenant's 'r0@uid:5' was
+    tenant uid:5's 'r0', which that tenant could then unregister or store through."""
+    from tierd.registry import instance_key
+    from tierd.tenants import Principal
+
+    owner = reg.open_session(b"o", "x", 1)
+    other = reg.open_session(b"u", "x", 1, Principal("uid:5", False, "uid:5"))
+    mine = reg.register(owner, "r0@uid:5", layout(fingerprint="a"), lambda lay, peer: Memory())
+    theirs = reg.register(other, "r0", layout(fingerprint="b"), lambda lay, peer: Memory())
+    assert mine is not theirs and mine.tenant == "" and theirs.tenant == "uid:5"
+    assert reg.instance("r0", "uid:5") is theirs and reg.instance("r0@uid:5") is mine
+    with pytest.raises(ProtocolError) as e:
+        reg.instance("r0", "uid:5@")  # nor by spelling the tenant another way
+    assert e.value.code is ErrorCode.UNKNOWN_INSTANCE
+    assert reg.unregister(instance_key("uid:5", "r0"))
+    assert reg.instance("r0@uid:5") is mine and set(reg.instances) == {"r0@uid:5"}
+
+
+def test_a_token_files_tenant_names_hold_no_control_character(tmp_path):
+    """A tenant name is part of registry keys, which set a name apart from its tenant with a NUL."""
+    from tierd.tenants import TokenFileError, load_tokens
+
+    path = tmp_path / "tokens"
+    path.write_text("bob\x00x bob-token-0123456789ab\n")
+    path.chmod(0o600)
+    with pytest.raises(TokenFileError, match="control character"):
+        load_tokens(str(path))
+    path.write_text("bob bob-token-0123456789ab\n")  # control: a plain name
+    assert load_tokens(str(path)) == {"bob-token-0123456789ab": "bob"}
