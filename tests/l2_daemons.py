@@ -221,46 +221,51 @@ def evicted(workdir: Path, started: list) -> dict:
     return out
 
 
-# Loaded (as sitecustomize) before tierd by daemon A of ``other_format``: a tierd whose PAGE hashes
-# and namespace ids mean something else (the next KEY_VERSION), as a node upgraded first would run.
-NEXT_KEY_VERSION = """
-import tierd.protocol.keys
+# Loaded (as sitecustomize) before tierd by a daemon of ``other_formats``: a tierd of the next key
+# derivation (its PAGE hashes and namespace ids mean something else) or of the next object byte
+# layout, as a node upgraded before the others would run.
+NEXT_VERSION = """
+import tierd.{module}
 
-tierd.protocol.keys.KEY_VERSION += 1
+tierd.{module}.{name} += 1
 """
 
 
-def next_key_version_env(workdir: Path) -> dict[str, str]:
-    folder = workdir / "next-key-version"
+def next_version_env(workdir: Path, module: str, name: str) -> dict[str, str]:
+    folder = workdir / f"next-{name.lower()}"
     folder.mkdir(exist_ok=True)
-    (folder / "sitecustomize.py").write_text(NEXT_KEY_VERSION)
+    (folder / "sitecustomize.py").write_text(NEXT_VERSION.format(module=module, name=name))
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": str(folder) + (os.pathsep + path if path else "")}
 
 
-def other_format(workdir: Path, started: list) -> dict:
-    """A runs the next key format, C this one; both write through the same namespace, other keys.
-    B (this format, empty L1) serves C's chunks from L2 byte-exact and never A's, although A's
-    objects hold the same key bytes B asks for."""
-    _, a, c, b = start(
+def other_formats(workdir: Path, started: list) -> dict:
+    """K runs the next key derivation, O the next object layout, C this version; each writes
+    through 8 chunks of one namespace. B (this version, empty L1) serves C's chunks from L2
+    byte-exact and never K's or O's (O's objects hold the very key bytes B asks for)."""
+    through = ("--l2-policy", "write-through")
+    _, k, o, c, b = start(
         workdir,
         started,
-        ("a", ("--l2-policy", "write-through"), 64, next_key_version_env(workdir)),
-        ("c", ("--l2-policy", "write-through")),
+        ("k", through, 64, next_version_env(workdir, "protocol.keys", "KEY_VERSION")),
+        ("o", through, 64, next_version_env(workdir, "planner", "OBJECT_LAYOUT_VERSION")),
+        ("c", through),
         ("b", ()),
     )
-    ra, rc = Rank(a, "a0", "fp-format", seed=5), Rank(c, "c0", "fp-format", seed=6)
-    rb = Rank(b, "b0", "fp-format", seed=7)
-    started += [ra, rc, rb]
-    ks_a, ks_c = keys("format/a", 8), keys("format/c", 8)
-    out = {"store_a": ra.store(ks_a), "store_c": rc.store(ks_c), "src_c": rc.digests(8)}
-    out["a_drained"], out["c_drained"] = a.drained()["l2"], c.drained()["l2"]
-    out["lookup_a_keys"] = rb.lookup(ks_a, lease=False)
-    out["lookup_c_keys"] = rb.lookup(ks_c)
-    out["retrieve_c_keys"] = rb.retrieve(ks_c, lease=out["lookup_c_keys"]["lease"])
+    writers = {d.name: Rank(d, f"{d.name}0", "fp-format", seed=5 + i) for i, d in enumerate((k, o, c))}
+    rb = Rank(b, "b0", "fp-format", seed=9)
+    started += [*writers.values(), rb]
+    ks = {name: keys(f"format/{name}", 8) for name in writers}
+    out = {f"store_{name}": r.store(ks[name]) for name, r in writers.items()}
+    out["src_c"] = writers["c"].digests(8)
+    out["drained"] = {d.name: d.drained()["l2"] for d in (k, o, c)}
+    out["lookup_k_keys"] = rb.lookup(ks["k"], lease=False)
+    out["lookup_o_keys"] = rb.lookup(ks["o"], lease=False)
+    out["lookup_c_keys"] = rb.lookup(ks["c"])
+    out["retrieve_c_keys"] = rb.retrieve(ks["c"], lease=out["lookup_c_keys"]["lease"])
     out["dst"] = rb.digests(8)
     out["status_b"] = b.status()
     out["l2_lines"] = {
-        d.name: [ln for ln in d.log.read_text().splitlines() if "objects named" in ln] for d in (a, b, c)
+        d.name: [ln for ln in d.log.read_text().splitlines() if "objects named" in ln] for d in (k, o, c, b)
     }
     return out

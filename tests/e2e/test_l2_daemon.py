@@ -77,25 +77,32 @@ def test_a_chunk_evicted_from_l1_comes_back_from_l2_byte_exact():
     assert r["status_a"]["l2"]["hit_chunks"] == 8 and r["status_a"]["l2"]["fetched"] == 8
 
 
-def test_objects_a_node_of_another_key_format_wrote_are_never_served():
-    """Daemon A derives keys under the next KEY_VERSION; the same key bytes then mean another
-    prefix, so B (this version) must not find A's objects in the shared store. C, of this
-    version, is the control: B serves its chunks from L2 byte-exact."""
-    r = run("other_format")
-    assert r["store_a"] == r["store_c"] == ["stored"] * 8
-    assert r["a_drained"]["writeback_puts"] == r["c_drained"]["writeback_puts"] == 8  # both in Mooncake
-    assert r["lookup_a_keys"]["chunks"] == 0  # A's objects: never found, never served
+def test_objects_nodes_of_another_key_derivation_or_object_layout_wrote_are_never_served():
+    """K derives keys under the next KEY_VERSION, O lays objects out under the next
+    OBJECT_LAYOUT_VERSION: B, of this version, must not find their objects in the shared store (O's
+    hold the very key bytes B asks for). C, of this version, is the control: B serves its chunks
+    from L2 byte-exact."""
+    r = run("other_formats")
+    assert r["store_k"] == r["store_o"] == r["store_c"] == ["stored"] * 8
+    assert [d["writeback_puts"] for d in r["drained"].values()] == [8, 8, 8]  # all in Mooncake
+    assert r["lookup_k_keys"]["chunks"] == 0 and r["lookup_o_keys"]["chunks"] == 0  # never served
     assert r["lookup_c_keys"]["chunks"] == 8 and r["retrieve_c_keys"] == {"ok": [True] * 8, "failed": []}
     assert r["dst"] == r["src_c"]
     l2 = r["status_b"]["l2"]
-    assert l2["lookups"] == 2 and l2["hit_chunks"] == 8 and l2["fetched"] == 8  # B asked L2 both times
+    assert l2["lookups"] == 3 and l2["hit_chunks"] == 8 and l2["fetched"] == 8  # B asked L2 each time
     # imported here, after the behaviour: a version whose names lack the format fails on that first
-    from tierd.tier2.keys import FORMAT, name_format
+    from tierd.planner import OBJECT_LAYOUT_VERSION
+    from tierd.tier2.keys import name_format
 
     lines = r["l2_lines"]
-    ours, nexts = KEY_FORMAT_LINE.format(FORMAT), KEY_FORMAT_LINE.format(name_format(KEY_VERSION + 1))
-    assert len(lines["b"]) == len(lines["c"]) == len(lines["a"]) == 1, lines
-    assert ours in lines["b"][0] and ours in lines["c"][0] and nexts in lines["a"][0], lines
+    assert all(len(got) == 1 for got in lines.values()), lines
+    for name, fmt in {
+        "k": name_format(key_version=KEY_VERSION + 1),
+        "o": name_format(layout_version=OBJECT_LAYOUT_VERSION + 1),
+        "c": name_format(),
+        "b": name_format(),
+    }.items():
+        assert KEY_FORMAT_LINE.format(fmt) in lines[name][0], (name, lines)
 
 
 KEY_FORMAT_LINE = (

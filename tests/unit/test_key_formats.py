@@ -19,6 +19,7 @@ from types import SimpleNamespace as NS
 import msgpack
 import pytest
 
+from tierd.protocol import keys
 from tierd.protocol.keys import KEY_VERSION, namespace_id
 from tierd.protocol.layout import Namespace
 from tierd.tenants import scoped_namespace_id
@@ -108,6 +109,20 @@ def derive() -> dict:
 @pytest.mark.parametrize("what", list(GOLDEN[1]))
 def test_golden_keys(what):
     assert derive()[what] == golden(GOLDEN, KEY_VERSION)[what], f"{what}: {BUMP}"
+
+
+def test_keys_of_another_key_version_never_coincide_with_these(monkeypatch):
+    """The version is part of every digest, so two derivations never give one key two meanings:
+    an engine of another version sharing a daemon, a pool folder or a store with this one never
+    hits objects stored under this version's keys, even where its change left the inputs alone."""
+    here = derive()
+    monkeypatch.setattr(keys, "KEY_VERSION", KEY_VERSION + 1)
+    monkeypatch.setattr(keys, "_NS_IDS", {})  # namespace ids are memoised per process
+    other = derive()
+    for what in ("page_hashes", "page_hashes_salt_lora_image"):
+        assert not set(other[what]) & set(here[what]), what
+    assert other["namespace_id"] != here["namespace_id"]
+    assert other["tenant_namespace_id"] != here["tenant_namespace_id"]
 
 
 def test_a_version_without_golden_values_fails_saying_so():

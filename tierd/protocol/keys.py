@@ -18,10 +18,18 @@ from tierd.protocol.layout import Namespace
 KEY_BYTES = 16
 MIN_KEY_BYTES = 8
 MAX_KEY_BYTES = 64
-_ROOT = b"tierd/page/v1"
-# Bump with any change to how a PAGE hash or a namespace id is derived: a warm restart (--pool-dir)
-# then starts cold instead of serving objects under keys no client computes any more.
+# Bump with any change to how a PAGE hash or a namespace id is derived, or to what a client feeds
+# into one (the connector's salt, LoRA name, multimodal extras, layout fingerprint); the golden
+# values in tests/unit/test_key_formats.py then need this version's. Every digest changes with it
+# (see _tag), a warm restart (--pool-dir) starts cold, and L2 names move (tierd.tier2.keys).
 KEY_VERSION = 1
+
+
+def _tag(kind: str) -> bytes:
+    """A digest's domain tag, ``tierd/page/v1``: the version is in every key, so keys of two
+    derivations never coincide, and an engine, pool folder or store of another version never
+    answers this version's keys with objects stored under another meaning."""
+    return f"tierd/{kind}/v{KEY_VERSION}".encode()
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -41,7 +49,7 @@ def namespace_id(ns: Namespace) -> bytes:
     (memoised: every LOOKUP names its namespace)."""
     got = _NS_IDS.get(ns)
     if got is None:
-        got = _digest(b"tierd/ns/v1", msgpack.packb(ns.to_wire(), use_bin_type=True))
+        got = _digest(_tag("ns"), msgpack.packb(ns.to_wire(), use_bin_type=True))
         if len(_NS_IDS) >= _NS_IDS_MAX:
             _NS_IDS.clear()
         _NS_IDS[ns] = got
@@ -50,7 +58,7 @@ def namespace_id(ns: Namespace) -> bytes:
 
 def root_hash(cache_salt: str | None = None, lora: str | None = None, extra: object = None) -> bytes:
     """Parent of a prompt's first chunk: mixes in what makes a prefix distinct as a whole."""
-    return _digest(_ROOT, msgpack.packb([cache_salt or "", lora or "", extra], use_bin_type=True))
+    return _digest(_tag("page"), msgpack.packb([cache_salt or "", lora or "", extra], use_bin_type=True))
 
 
 def chunk_hashes(
