@@ -32,7 +32,6 @@ from tierd.peer import Peer
 from tierd.pool.pages import SMALL_PAGES
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.protocol.layout import PageLayout
 from tierd.respond import Replies
 from tierd.stats import Stats
 from tierd.status import StatusBoard, build_status
@@ -139,9 +138,6 @@ class Daemon:
             self.settings.http_max_connections,
         )
         self.http_port = self.http.server_address[1]
-
-    def _open_memory(self, layout: PageLayout, peer: Peer):
-        return self.memory(layout, peer)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:

@@ -5,11 +5,15 @@ Each refusal is LAYOUT_INVALID naming the tensor, the path and the reason, and c
 negative control: the same REGISTER by the file's owner, of a proper file, succeeds. Clients of
 another user are forked processes that really run as a throwaway user (the daemon takes the uid
 from the connection, SO_PEERCRED), so these tests need root and skip without it.
+
+A REGISTER's memory is opened by the daemon's ``Tier.open_memory`` (tierd.assemble.MemoryOpener),
+which hands CpuRankMemory the connection's credentials (tierd.peer.Peer). The negative controls of
+another user's own file test that: were the credentials not passed, the root daemon would check
+the file against its own uid 0, refuse it, and the control would fail.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import subprocess
@@ -32,16 +36,6 @@ from tierd_client.layouts import block_span, group, layout, namespace
 
 BLOCKS, BLOCK = 64, 256
 
-
-def _peer_wired() -> bool:
-    """Whether the daemon hands CpuRankMemory the connection's credentials (tierd.peer.Peer)."""
-    from tierd.server import Daemon
-
-    return "peer" in inspect.signature(Daemon._open_memory).parameters
-
-
-# without the peer the daemon checks files against its own uid: other users' controls fail
-needs_peer = pytest.mark.xfail(not _peer_wired(), reason="peer not wired", strict=True)
 NBYTES = 2 * BLOCKS * BLOCK  # two layers
 
 
@@ -145,7 +139,6 @@ def accepted(result: tuple[bool, dict]) -> None:
 
 
 # ---- the path -------------------------------------------------------------------------------------
-@needs_peer
 def test_a_symlink_as_the_last_component_is_refused(xdaemon, make_user, shm):
     """Was: an unprivileged client's link made the root daemon read /etc/hostname and a root file."""
     user = make_user()
@@ -156,7 +149,6 @@ def test_a_symlink_as_the_last_component_is_refused(xdaemon, make_user, shm):
     accepted(register_as(user, xdaemon, shm.file(shm.name("own"), owner=user)))
 
 
-@needs_peer
 def test_a_symlinked_folder_in_the_path_is_refused(xdaemon, make_user, shm):
     user = make_user()
     real = shm.folder(shm.name("dir"), owner=user)
@@ -167,7 +159,6 @@ def test_a_symlinked_folder_in_the_path_is_refused(xdaemon, make_user, shm):
     accepted(register_as(user, xdaemon, own))  # a real folder is fine
 
 
-@needs_peer
 def test_a_symlinked_subfolder_is_refused(xdaemon, make_user, shm):
     user = make_user()
     top = shm.folder(shm.name("top"), owner=user)
@@ -179,7 +170,6 @@ def test_a_symlinked_subfolder_is_refused(xdaemon, make_user, shm):
     accepted(register_as(user, xdaemon, shm.file(f"{top}/realsub/kv", owner=user)))
 
 
-@needs_peer
 def test_a_file_of_another_user_is_refused(xdaemon, make_user, shm):
     owner, other = make_user(), make_user()
     theirs = shm.file(shm.name("theirs"), owner=owner, mode=0o666)  # even world-writable: not the client's
@@ -188,7 +178,6 @@ def test_a_file_of_another_user_is_refused(xdaemon, make_user, shm):
     accepted(register_as(owner, xdaemon, theirs))
 
 
-@needs_peer
 def test_a_root_only_file_reached_through_a_symlink_is_refused(xdaemon, make_user, shm, tmp_path):
     """Was: the daemon read a root-only 0600 file for an unprivileged client."""
     user = make_user()
@@ -203,7 +192,6 @@ def test_a_root_only_file_reached_through_a_symlink_is_refused(xdaemon, make_use
     accepted(register(xdaemon.endpoint, kv_layout(shm_secret)))  # root, its owner, may
 
 
-@needs_peer
 def test_a_file_whose_owner_cannot_write_it_is_refused(xdaemon, make_user, shm):
     user = make_user()
     read_only = shm.file(shm.name("ro"), owner=user, mode=0o400)
@@ -212,7 +200,6 @@ def test_a_file_whose_owner_cannot_write_it_is_refused(xdaemon, make_user, shm):
     accepted(register_as(user, xdaemon, read_only))
 
 
-@needs_peer
 def test_proc_paths_are_refused(xdaemon, make_user, shm, raw, ranks):
     """Was: a client read the daemon's pool memfd (every tenant's KV) through /proc."""
     user = make_user()
@@ -256,7 +243,6 @@ def kv_layout_fd(ticket: bytes, index: int = 0) -> dict:
     return lay
 
 
-@needs_peer
 @pytest.mark.parametrize("kind", ["fifo", "folder"])
 def test_a_file_that_is_not_regular_is_refused(xdaemon, make_user, shm, kind):
     user = make_user()
@@ -281,7 +267,6 @@ def test_a_file_on_another_filesystem_mounted_under_dev_shm_is_refused(daemon, s
     accepted(register(daemon.endpoint, kv_layout(shm.file(f"{tmp}/kv"))))
 
 
-@needs_peer
 def test_a_folder_the_client_cannot_search_is_refused(xdaemon, make_user, shm):
     user = make_user()
     closed = shm.folder(shm.name("closed"), mode=0o700)  # root's
@@ -396,7 +381,6 @@ class TcpDaemon(DaemonProcess):
         super().start()
 
 
-@needs_peer
 def test_a_tcp_client_may_register_only_files_of_the_daemons_own_user(tmp_path, make_user, shm):
     """tcp:// carries no kernel credentials: its files must be the daemon's user's, and the
     connector's /proc fd links (which need the client's pid) are not accepted."""

@@ -43,8 +43,7 @@ def test_close_waits_for_running_copies_then_closes_memory_then_the_pool(tmp_pat
     events: list[str] = []
     settings = Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625, workers=workers)
     d = Daemon(settings)
-    d._open_memory = lambda lay, peer: SlowMemory(events, 0.5)
-    d.tier.open_memory = d._open_memory
+    d.tier.open_memory = lambda lay, peer: SlowMemory(events, 0.5)  # what REGISTER opens
     pool_close = d.pool.close
     d.pool.close = lambda: (events.append("pool closed"), pool_close())
     spans = [block_span((16, 256), (256, 1), 1, 0, tensor=0, offset=0)]
