@@ -15,8 +15,8 @@ for byte (digests). Each node times its own calls (put: submit to answer); GB/s 
 call time. Modes alternate raw, tier, raw, tier... for ``--rounds``; medians are reported, and
 the ratio tier / raw for each direction. Both nodes share the host's cores with the master.
 
-    .venv/bin/python benchmarks/l2_mooncake.py                    # 128 x 2 MiB, batches of 16, 3 rounds
-    .venv/bin/python benchmarks/l2_mooncake.py --chunk-mb 8 --chunks 64 --json
+    python benchmarks/l2_mooncake.py                    # 128 x 2 MiB, batches of 16, 3 rounds
+    python benchmarks/l2_mooncake.py --chunk-mb 8 --chunks 64 --json
 
 Recorded 2026-12-01, 2-core VM, mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP on loopback,
 medians of 5 rounds (every round in brackets shows the spread of a shared 2-core host):

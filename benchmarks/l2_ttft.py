@@ -20,8 +20,8 @@ neighbour request. Passes:
 Token ids of the verify step (``--verify-tokens`` greedy tokens for every prompt) are compared
 with ``recompute``. ``--rounds`` repeats it all with fresh daemons and new prompts.
 
-    .venv/bin/python benchmarks/l2_ttft.py                 # 4 requests of 4096+64 tokens, 1 round
-    .venv/bin/python benchmarks/l2_ttft.py --rounds 3 --json
+    python benchmarks/l2_ttft.py                 # 4 requests of 4096+64 tokens, 1 round
+    python benchmarks/l2_ttft.py --rounds 3 --json
 """
 
 from __future__ import annotations

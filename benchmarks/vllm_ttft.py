@@ -33,8 +33,8 @@ rounds), and `ratio_vs_none` = pass-2 median / median of every `none` request. O
 machine, use --rounds > 1 (each round: a fresh tier and a new prefix; configs interleaved) and
 --idle-wait; `cpu_ms` per request shows whether a slow request was descheduled or did more work.
 
-    /work/venv/bin/python benchmarks/vllm_ttft.py --configs none,tierd,lmcache
-    /work/venv/bin/python benchmarks/vllm_ttft.py --configs none,lmcache --json
+    python benchmarks/vllm_ttft.py --configs none,tierd,lmcache
+    python benchmarks/vllm_ttft.py --configs none,lmcache --json
 
 Logs of every process go to --workdir (default .bench/runs/ttft-<time>).
 """

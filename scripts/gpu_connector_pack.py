@@ -2,7 +2,7 @@
 imports into one archive for a GPU machine that has torch but no vLLM (an H200 host):
 ``.whl/vllm_pylib.tar.xz``, unpacked there by scripts/gpu_connector.sh next to the carried wheels.
 
-    .venv/bin/python scripts/gpu_connector_pack.py [--site SITE_PACKAGES] [--out .whl/vllm_pylib.tar.xz]
+    python scripts/gpu_connector_pack.py [--site SITE_PACKAGES] [--out .whl/vllm_pylib.tar.xz]
 
 What goes in: every file of ``vllm`` except its torch-ABI extensions (``_C*.so``: built against
 this machine's torch, they do not load under another; the scheduler, the KV cache config and

@@ -1,6 +1,6 @@
 """Tiny random-weight models and a locally trained byte-level BPE tokenizer, built without downloads.
 
-    build_tiny_llama() -> "/home/.../.cache/tierd/tiny-llama-v1"
+    build_tiny_llama() -> "~/.cache/tierd/tiny-llama-v1" (expanded: an absolute path)
     build_tiny_model("tiny-gemma3-w64-v1") -> ".../tiny-gemma3-w64-v1"
 
 The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:

@@ -109,3 +109,57 @@ def test_the_limits_table_cites_constants_that_exist_with_the_value_it_gives():
             assert values[0] == number, f"section 19 says {value!r} for {names[0]}, the code {values[0]}"
             checked += 1
     assert checked >= 8, checked
+
+
+# a folder of one machine (a home, root's home, a workspace) or a command that starts from one
+# virtual environment's interpreter instead of the README's activated environment's `python`
+MACHINE_PATH = re.compile(
+    r"(?<![\w.~])/(?:work|root|home/(?!\.\.\.))[/\w]|(?<![\w.~])/tmp/[\w.-]*venv|\S*venv/bin/python3?\s+\S+\.py"
+)
+# where a path stands for what it is: the CI entry checks for the README's .venv; a systemd unit
+# needs its interpreter's absolute path (deploy/tierd.service says where it comes from)
+MACHINE_PATH_OK = {".ci/run", "deploy/tierd.service"}
+
+
+def tracked_text_files() -> list[str]:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [
+        p for p in out.splitlines() if p.endswith((".md", ".py", ".sh", ".toml", ".txt", ".cfg", ".service"))
+    ]
+
+
+def test_no_command_or_path_of_one_machine_is_in_the_repository():
+    """Was: benchmarks/README.md and benchmarks/vllm_ttft.py started their examples with the
+    absolute virtual-environment path of the machine that wrote them."""
+    me = str(Path(__file__).relative_to(ROOT))
+    found = [
+        f"{path}:{n}: {line.strip()}"
+        for path in tracked_text_files()
+        if path not in MACHINE_PATH_OK and path != me and (ROOT / path).is_file()
+        for n, line in enumerate((ROOT / path).read_text(errors="replace").splitlines(), 1)
+        if MACHINE_PATH.search(line)
+    ]
+    assert not found, "write `python benchmarks/...` from the README's environment:\n" + "\n".join(found)
+
+
+def test_the_machine_path_check_would_see_the_paths_it_refuses():
+    for line in (
+        "/work/venv/bin/python benchmarks/vllm_ttft.py --configs none",
+        ".venv/bin/python benchmarks/l2_tierd.py --rounds 5",
+        'build_tiny_llama() -> "/home/alice/.cache/tierd/tiny-llama-v1"',
+        "cd /root/tierd && make",
+        "/tmp/lmcache-venv/bin/lmcache server",
+    ):
+        assert MACHINE_PATH.search(line), line
+    for line in (
+        "python benchmarks/vllm_ttft.py",
+        "~/.cache/tierd/ci-venv",
+        "/dev/shm/tierd-pool",
+        "a/work/b",
+    ):
+        assert not MACHINE_PATH.search(line), line
