@@ -9,6 +9,8 @@ index written, new process) after a crash restart (SIGKILL, journal replayed). E
 stop time, the new process's time to a LOOKUP hit measured from its exec (interpreter start,
 recovery, socket bind, HELLO, REGISTER, LOOKUP), the daemon's own ``warm_restart.seconds``, and
 the objects and bytes it recovered. The per-GiB and per-object parts are extrapolated to 1 TiB.
+A restart that does not serve the probe within --hit-timeout-s, a daemon that exits, or a sample
+chunk that comes back missing or with other bytes ends the run with the error and exit status 1.
 """
 
 from __future__ import annotations
@@ -58,19 +60,32 @@ def chunk(key: bytes, slot: int) -> dict:
     return {"key": key, "blocks": [list(range(slot * BLOCKS_PER_CHUNK, (slot + 1) * BLOCKS_PER_CHUNK))]}
 
 
-def first_hit(d: Daemon, t0: float, lay: dict, probe: bytes, spec: list) -> float:
-    """Seconds from ``t0`` (exec) until a fresh client's LOOKUP of ``probe`` hits."""
+def first_hit(d: Daemon, t0: float, lay: dict, probe: bytes, spec: list, timeout_s: float) -> float:
+    """Seconds from ``t0`` (exec) until a fresh client's LOOKUP of ``probe`` hits; an error once the
+    daemon has exited or ``timeout_s`` has passed without a hit."""
+    deadline = time.perf_counter() + timeout_s
+
+    def alive() -> None:
+        if d.proc.poll() is not None:
+            raise RuntimeError(f"the restarted daemon exited ({d.proc.returncode}) before a LOOKUP hit")
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"no LOOKUP hit of the probe {timeout_s:.0f} s after the restart")
+
     while True:
+        c = None
         try:
             c = TierdClient(d.endpoint, timeout_s=30, name="bench-restart", connect_timeout_s=0.5)
             c.wait_ready(60)
             break
         except Exception:  # noqa: BLE001 - not up yet
-            c.close()
+            if c is not None:
+                c.close()
+            alive()
             time.sleep(0.01)
     try:
         c.register("bench", lay)
         while not c.lookup(lay["namespace"], [probe], spec, BLOCKS_PER_CHUNK * 16, lease=False)["chunks"]:
+            alive()
             time.sleep(0.01)
         return time.perf_counter() - t0
     finally:
@@ -82,6 +97,7 @@ def main() -> None:
     ap.add_argument("--pool-gib", type=float, default=4.0)
     ap.add_argument("--object-mib", type=float, default=2.0)
     ap.add_argument("--dir", default="/dev/shm/tierd-bench-restart")
+    ap.add_argument("--hit-timeout-s", type=float, default=600.0, help="restart to first hit, at most")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     block_bytes = int(args.object_mib * MIB) // (LAYERS * BLOCKS_PER_CHUNK)
@@ -127,7 +143,7 @@ def main() -> None:
         for kind, sig in (("crash", signal.SIGKILL), ("planned", signal.SIGTERM)):  # crash first: all journal
             r = {"stop_s": d.stop(sig)}
             t0 = d.start()
-            r["first_hit_s"] = first_hit(d, t0, lay, probe, spec)
+            r["first_hit_s"] = first_hit(d, t0, lay, probe, spec, args.hit_timeout_s)
             wr = d.status()["warm_restart"]
             r.update(
                 warm=wr["warm"],
@@ -139,14 +155,20 @@ def main() -> None:
             c = TierdClient(d.endpoint, timeout_s=60)
             c.wait_ready(60)
             c.register("bench", lay)
-            wrong = 0
+            wrong = missing = 0
             for ks, data in sample.values():
                 kv[:] = 0
                 got = c.retrieve("bench", [chunk(k, s) for s, k in enumerate(ks)])
                 for s, ok in enumerate(got["ok"]):
                     blk = slice(s * BLOCKS_PER_CHUNK, (s + 1) * BLOCKS_PER_CHUNK)
+                    missing += not ok
                     wrong += ok and not np.array_equal(kv[:, blk], data[:, blk])
             c.close()
+            if wrong or missing:  # the sample was held when the daemon stopped: all of it comes back
+                raise RuntimeError(
+                    f"after the {kind} restart, of {SAMPLE * BATCH} sample chunks {missing} were not "
+                    f"served and {wrong} came back with other bytes"
+                )
             r["sample_wrong"] = wrong
             out[kind] = r
         obj = out["planned"]["objects"]

@@ -22,8 +22,8 @@ processes that contribute ``--segment-gb`` each:
 
 Bytes are random; B's destination blocks held other bytes; every chunk is compared by digest.
 
-    .venv/bin/python benchmarks/l2_tierd.py                        # 64 x 2 MiB, 3 rounds
-    .venv/bin/python benchmarks/l2_tierd.py --chunks 32 --chunk-mb 8 --json
+    python benchmarks/l2_tierd.py                        # 64 x 2 MiB, 3 rounds
+    python benchmarks/l2_tierd.py --chunks 32 --chunk-mb 8 --json
 """
 
 from __future__ import annotations
@@ -108,7 +108,10 @@ def tierd_round(workdir: Path, tag: str, args) -> dict:
         t0 = time.monotonic()
         for lo in range(0, args.chunks, 16):
             assert set(ra.store(ks[lo : lo + 16], first_block=4 * lo)) == {"stored"}
+        deadline = time.monotonic() + 300
         while (sa := a.status())["l2"]["writeback_puts"] < args.chunks:
+            if sa["l2"]["writeback_failed"] or time.monotonic() > deadline:  # no put rate from a failed put
+                raise RuntimeError(f"A's write-through did not put every object: {sa['l2']}")
             time.sleep(0.01)
         put_s = time.monotonic() - t0
         t0 = time.monotonic()

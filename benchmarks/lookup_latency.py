@@ -34,6 +34,7 @@ import gc
 import json
 import multiprocessing
 import os
+import queue
 import re
 import shutil
 import sys
@@ -169,7 +170,9 @@ def echo_floor(frame_bytes: int, repeats: int) -> dict:
     ready = ctx.Event()
     proc = ctx.Process(target=_echo, args=(endpoint, ready), daemon=True)
     proc.start()
-    ready.wait(10)
+    if not ready.wait(10):
+        proc.kill()
+        raise RuntimeError(f"the echo process did not bind {endpoint} in 10 s (exit {proc.exitcode})")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -227,10 +230,24 @@ def engines(endpoint: str, ns: dict, keys: list, chunk_tokens: int, n: int, repe
     time.sleep(1.0)
     t0 = time.perf_counter()
     go.set()
-    got = [out.get(timeout=600) for _ in procs]
+    got = []
+    deadline = time.monotonic() + 600
+    while len(got) < n:  # an engine that fails is an error now, not a wait of 600 s
+        try:
+            got.append(out.get(timeout=1))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(
+                    f"engine processes failed (exit codes {dead}) or gave no figures in 600 s"
+                ) from None
     wall = time.perf_counter() - t0
     for p in procs:
         p.join(30)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"engine processes exited with {[p.exitcode for p in procs]}")
     spun = [x for lat in got for x in lat[0]]
     slept = percentiles([x for lat in got for x in lat[1]])
     return {**percentiles(spun), "lookups_per_s": round(2 * len(spun) / wall), "no_spin": tails(slept)}
@@ -269,7 +286,8 @@ def fill(client, buf, ns, prompt_keys: list, objects: int, batch: int, show: boo
 def fill_256(client, buf, ns, keys: list) -> None:
     """The same prompt in 256-token chunks (16 blocks each), in a second namespace."""
     client.register("fill256", layout(ns, 0, 256, [buf.ref()], [group("full", 16, [_span()])]))
-    client.store("fill256", [{"key": k, "blocks": [list(range(16))]} for k in keys])
+    res = client.store("fill256", [{"key": k, "blocks": [list(range(16))]} for k in keys])
+    assert res["results"].count("stored") == len(keys), res["results"][:4]
 
 
 def main() -> None:

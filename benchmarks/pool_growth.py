@@ -15,7 +15,8 @@ the longest allocation and the sum of the allocations that grew the pool.
 ``--daemon``: what an engine sees instead. A private ``tierd serve`` (``--no-l1-grow-ahead`` or
 not) is filled to its ceiling over the wire at ``--fill-gbps``, STOREs of 16 one-MiB chunks from
 shared memory, while a second client PINGs it every 2 ms; prints the PINGs' p50, p99 and longest
-round trip.
+round trip. A PING or STORE that fails, or a fill that stops storing, ends the run with the error:
+the PINGs answered before it would leave out the very stall measured.
 """
 
 from __future__ import annotations
@@ -76,26 +77,36 @@ def serve(ceiling: int, ahead: bool, gbps: float) -> dict:
             spans = [block_span((nb, bb), (bb, 1), 1, 0, tensor=0, offset=0)]
             ns = namespace("growth", uuid.uuid4().hex)
             writer.register("w", layout(ns, 0, 16, [buf.ref()], [group("full", 16, spans)]))
-            pings, done = [], threading.Event()
+            pings, done, failed = [], threading.Event(), []
 
             def ping() -> None:
-                while not done.is_set():
-                    t0 = time.perf_counter()
-                    pinger.ping()
-                    pings.append(time.perf_counter() - t0)
-                    time.sleep(0.002)
+                try:
+                    while not done.is_set():
+                        t0 = time.perf_counter()
+                        pinger.ping()
+                        pings.append(time.perf_counter() - t0)
+                        time.sleep(0.002)
+                except BaseException as exc:  # noqa: BLE001 - raised again below, after the join
+                    failed.append(exc)
 
             th = threading.Thread(target=ping)
             th.start()
-            stored = 0
-            while stored < ceiling:
-                chunks = [{"key": uuid.uuid4().bytes, "blocks": [[j]]} for j in range(nb)]
-                t0 = time.perf_counter()
-                res = writer.store("w", chunks)
-                stored += bb * res["results"].count("stored")
-                time.sleep(max(0.0, nb * bb / (gbps * 1e9) - (time.perf_counter() - t0)))
-            done.set()
-            th.join()
+            try:
+                stored = 0
+                while stored < ceiling and not failed:
+                    chunks = [{"key": uuid.uuid4().bytes, "blocks": [[j]]} for j in range(nb)]
+                    t0 = time.perf_counter()
+                    res = writer.store("w", chunks)
+                    if "stored" not in res["results"]:
+                        got = res["results"]
+                        raise RuntimeError(f"a STORE stored nothing at {stored / MIB:.0f} MiB: {got}")
+                    stored += bb * res["results"].count("stored")
+                    time.sleep(max(0.0, nb * bb / (gbps * 1e9) - (time.perf_counter() - t0)))
+            finally:
+                done.set()
+                th.join()
+            if failed:
+                raise RuntimeError(f"a PING failed after {len(pings)} answered: {failed[0]!r}") from failed[0]
         finally:
             writer.close()
             pinger.close()

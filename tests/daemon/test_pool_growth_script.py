@@ -1,0 +1,47 @@
+"""benchmarks/pool_growth.py --daemon measures the longest PING while a real daemon's pool fills:
+a PING that fails ends the run with the error.
+
+Regression: the PINGs ran on a thread whose exception vanished; the run went on, and printed p50,
+p99 and the longest round trip of the PINGs answered before the failure, leaving out the very
+stall it measures."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import tierd_client
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def script():
+    spec = importlib.util.spec_from_file_location(
+        "pool_growth_under_test", ROOT / "benchmarks" / "pool_growth.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_ping_that_fails_ends_the_run_with_its_error(monkeypatch):
+    ping, calls = tierd_client.TierdClient.ping, []
+
+    def failing(self, *a, **kw):
+        calls.append(1)
+        if len(calls) > 3:
+            raise TimeoutError("no reply to PING in 30 s")
+        return ping(self, *a, **kw)
+
+    monkeypatch.setattr(tierd_client.TierdClient, "ping", failing)
+    with pytest.raises(
+        RuntimeError, match=r"a PING failed after 3 answered: TimeoutError\('no reply to PING"
+    ):
+        script().serve(64 << 20, True, 0.5)
+
+
+def test_without_a_failure_it_gives_the_figures():
+    got = script().serve(64 << 20, True, 2.0)
+    assert got["pings"] > 0 and 0 < got["p50"] <= got["p99"] <= got["max"]
