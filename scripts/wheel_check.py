@@ -2,10 +2,12 @@
 from the sdist, as ``python -m build`` does), check that they hold every file of tierd/, client/
 and native/ that git tracks (the .py files, and the C and CUDA sources compiled on first use),
 install the wheel into a fresh virtual environment outside the checkout (its dependencies from
-the package index), and from an empty folder, where the checkout is not importable, run what a
-user runs first: ``tierd serve``, ``tierd status``, a short ``tierd bench``, a STORE and RETRIEVE
-through ``tierd_client``, the connector's import, and ``tierd serve`` with the flags of
-deploy/tierd.service and deploy/tierd.env (the unit's program being the venv's console script).
+the package index, by default each at the lower bound the wheel declares: the test suite's
+environment has the newest, so both ends of each range run in CI), and from an empty folder,
+where the checkout is not importable, run what a user runs first: ``tierd serve``, ``tierd
+status``, a short ``tierd bench``, a STORE and RETRIEVE through ``tierd_client``, the
+connector's import, and ``tierd serve`` with the flags of deploy/tierd.service and
+deploy/tierd.env (the unit's program being the venv's console script).
 
 The connector needs vLLM, which the fresh environment does not have (a 2 GB install): there the
 vLLM-free part of ``tierd_client.vllm_connector`` is imported and ``TierdConnector`` must fail on
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -113,6 +116,27 @@ def build(dist: Path, isolation: bool) -> tuple[Path, Path]:
     if len(wheels) != 1 or len(sdists) != 1:
         raise Failed(f"expected one wheel and one sdist in {dist}, found {os.listdir(dist)}")
     return wheels[0], sdists[0]
+
+
+def lower_bounds(wheel: Path) -> list[tuple[str, str]]:
+    """(name, version) of each dependency the wheel always needs, at the lower bound it declares;
+    one without a lower bound fails (an untested floor is no floor)."""
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:") or ";" in line:  # a marker: an extra's or a platform's
+            continue
+        req = line.removeprefix("Requires-Dist:").strip()
+        name = re.match(r"[A-Za-z0-9._-]+", req).group(0)
+        low = re.search(r">=\s*([\w.]+)", req)
+        if low is None:
+            raise Failed(f"the dependency {req!r} declares no lower bound")
+        out.append((name, low.group(1)))
+    if not out:
+        raise Failed("the wheel declares no dependencies")
+    return out
 
 
 def check_contents(wheel: Path, sdist: Path) -> list[str]:
@@ -371,6 +395,13 @@ def main() -> int:
         action="store_true",
         help="build with this environment's setuptools (python -m build --no-isolation)",
     )
+    ap.add_argument(
+        "--deps",
+        choices=["lowest", "newest"],
+        default="lowest",
+        help="the wheel's dependencies at the lower bounds it declares (default: the tested floors; the"
+        " test suite's environment has the newest), or the newest the index has",
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tierd-wheel-check-"))
     t0 = time.monotonic()
@@ -381,18 +412,16 @@ def main() -> int:
         print(f"  {wheel.name}, {sdist.name}")
         with step("the wheel and the sdist hold every tracked file"):
             problems += check_contents(wheel, sdist)
-        with step("a fresh venv outside the checkout, the wheel installed"):
+        with step(f"a fresh venv outside the checkout, the wheel installed ({args.deps} dependencies)"):
             venv = work / "venv"
             run([sys.executable, "-m", "venv", str(venv)], "python -m venv")
-            pip = [
-                str(venv / "bin" / "pip"),
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "--no-compile",
-                str(wheel),
-            ]
-            run(pip, "pip install <wheel>", cwd=work, env=clean_env(venv))
+            pip = [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "--no-compile"]
+            if args.deps == "lowest":
+                pins = work / "lowest.txt"
+                pins.write_text("".join(f"{name}=={low}\n" for name, low in lower_bounds(wheel)))
+                print(textwrap.indent(pins.read_text().strip(), "  "))
+                pip += ["--only-binary", ":all:", "--constraint", str(pins)]
+            run([*pip, str(wheel)], "pip install <wheel>", cwd=work, env=clean_env(venv))
         version = wheel.name.split("-")[1]
         serve_and_use(work, venv, version)
         serve_as_deployed(work, venv)

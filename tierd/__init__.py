@@ -24,7 +24,8 @@ Edge: bytes in, typed requests out; outcomes in, replies out.
     tierd/protocol/       the wire contract both sides import: frames (codec), typed requests
                           with every limit (messages), page layouts and their arithmetic
                           (layout), key hashing (keys), error codes (errors), the socket paths
-                          and side-socket constants (sockets), what one copy touches (copies)
+                          and side-socket constants (sockets), what one copy touches (copies),
+                          the versions both sides name: tierd, key format, vLLM (versions)
     tierd/channel.py      the lookup channel: LOOKUP and PING without ZeroMQ
     tierd/endpoint.py     one daemon per socket path
     tierd/fdinbox.py      engine memory handed over as file descriptors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierd.pool.pages import SMALL_PAGES
+from tierd.protocol.versions import vllm_in_tested_range
 from tierd.stats import STAGES
 
 
@@ -19,10 +20,28 @@ def _rows(rows: list[tuple[str, object]]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _version(s: dict) -> str:
+    key_format = (s.get("versions") or {}).get("key_format")
+    keys = "" if key_format is None else f", key format {key_format}"
+    return f"tierd {s['version']}{keys} (pid {s['pid']}, up {s['uptime_s']:.0f} s)"
+
+
+def _vllm(v: dict) -> str:
+    """The daemon's environment's vLLM next to the releases tierd is tested with."""
+    here, tested = v.get("vllm"), v.get("vllm_tested")
+    text = f"{here} in the daemon's environment" if here else "none in the daemon's environment"
+    if not tested:
+        return text + "; tested range unknown (tierd runs from a source tree, not installed)"
+    text += f"; tierd is tested with vLLM {tested}"
+    if here and vllm_in_tested_range(here, tested) is False:
+        text += f" (this {here.split()[0]} is not)"
+    return text + ("" if here else "; each engine's connector logs its own")
+
+
 def status_table(s: dict) -> str:
     hit = s["hit_chunks"] / s["lookup_chunks"] if s.get("lookup_chunks") else 0.0
     rows = [
-        ("version", f"{s['version']} (pid {s['pid']}, up {s['uptime_s']:.0f} s)"),
+        ("version", _version(s)),
         ("socket", s["socket"]),
         ("memory", _memory(s)),
         (
@@ -60,6 +79,7 @@ def status_table(s: dict) -> str:
                 f"({_bytes(s['largest_free_bytes'])} without evicting)",
             ),
         )
+    rows.insert(1, ("vllm", _vllm(s.get("versions") or {})))
     for op, row in sorted((s.get("request_stages") or {}).items()):
         rows.append((f"{op.lower()} stages", _stages(row)))
     if s.get("warm_restart"):

@@ -10,6 +10,7 @@ the daemon is stopping or the loop is gone, asks are answered from the last stat
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import queue
@@ -18,6 +19,7 @@ import time
 from concurrent.futures import Future
 
 from tierd import __version__, warm
+from tierd.protocol.versions import versions
 from tierd.stats import COUNTERS
 
 ASK_TIMEOUT_S = 5.0
@@ -100,6 +102,13 @@ class StatusBoard:
             os.close(fd)
 
 
+@functools.cache
+def environment_versions() -> dict:
+    """tierd's, the key format's and the vLLM of the daemon's environment (read once: the
+    installed metadata is scanned, and what the daemon runs does not change under it)."""
+    return versions()
+
+
 def public_namespace(ns) -> dict:
     """A namespace as /status shows it: never its salt (a tenant's secret), only whether it has one."""
     return {
@@ -114,10 +123,12 @@ def build_status(daemon) -> dict:
     """The /status object (docs/protocol.md section 16), on the main loop."""
     pool, counts, reg = daemon.pool, daemon.stats.counts, daemon.registry
     huge = pool.segments.huge_pages()  # (reads the kernel's settings: not under the pool's lock)
+    versions_here = dict(environment_versions())  # (the first time, reads installed metadata)
     with pool.lock:
         free, storable = pool.room()
         out = {
             "version": __version__,
+            "versions": versions_here,
             "boot_id": daemon.boot_id,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - daemon.stats.started, 3),

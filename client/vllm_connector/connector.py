@@ -38,7 +38,7 @@ from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.events import ChunkReports, RouterEvents
 from tierd_client.vllm_connector.geometry import build_geometry
 from tierd_client.vllm_connector.leave import arm as arm_leaving
-from tierd_client.vllm_connector.log import get_logger
+from tierd_client.vllm_connector.log import get_logger, say_versions
 from tierd_client.vllm_connector.metadata import TierdMetadata
 from tierd_client.vllm_connector.scheduler import SchedulerSide
 from tierd_client.vllm_connector.worker import WorkerSide
@@ -56,6 +56,7 @@ def _host_hit_source():
 
 class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        say_versions(log, role.name.lower())  # the first line: which tierd, key format and vLLM
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         source = _host_hit_source()
         if source is not None:

@@ -27,6 +27,33 @@ class _ToVllm(logging.Handler):
             vllm.handle(record)
 
 
+def versions_line(vllm_version: str, tested: str | None) -> tuple[int, str]:
+    """(level, text) of the connector's first line: tierd's, the key format's and vLLM's versions,
+    and the vLLM releases tierd is tested with; a warning when this vLLM is not one of them."""
+    from tierd.protocol.versions import KEY_VERSION, TIERD_VERSION, vllm_in_tested_range
+
+    text = f"tierd {TIERD_VERSION} (key format {KEY_VERSION}) on vLLM {vllm_version}"
+    if not tested:
+        return (
+            logging.INFO,
+            text + "; tested vLLM range unknown (tierd runs from a source tree, not installed)",
+        )
+    if vllm_in_tested_range(vllm_version, tested) is False:
+        return logging.WARNING, text + f", which tierd is not tested with (tested: vLLM {tested})"
+    return logging.INFO, text + f"; tierd is tested with vLLM {tested}"
+
+
+def say_versions(log: logging.Logger, role: str) -> None:
+    """Log ``versions_line`` for the running vLLM, prefixed with the connector's role."""
+    import vllm
+
+    from tierd.protocol.versions import vllm_installed, vllm_tested
+
+    running = getattr(vllm, "__version__", None) or vllm_installed() or "unknown"
+    level, text = versions_line(running, vllm_tested())
+    log.log(level, "TierdConnector (%s): %s", role, text)
+
+
 def get_logger(name: str):
     """A vLLM logger (``info_once`` etc.) named ``name``, under ``tierd_client``."""
     route_to_vllm()
