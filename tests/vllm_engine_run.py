@@ -4,7 +4,10 @@
         [--pause-after-batch N --pause-file F]
 
 With ``--url`` the engine uses TierdConnector against that daemon. The prompts file holds a list
-of batches (lists of token-id lists); batches run one after another. With ``--pause-after-batch``
+of batches (lists of token-id lists); batches run one after another. A batch may also be an object
+``{"prompts": [...], "reset_prefix_cache": true, "load_states": false}``: the engine drops its own
+prefix cache before it, and (test-only) the connector's loads leave recurrent states unwritten.
+``preempted`` in the output counts, per prompt, the times vLLM preempted it. With ``--pause-after-batch``
 the engine writes ``F.paused`` after that batch and waits for ``F.go`` before the next (so a test
 can kill the daemon in the middle of a run).
 """
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--logprobs", action="store_true", help="also record each generated token's logprob")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--retention-interval", type=int, default=None, help="prefix_cache_retention_interval")
     ap.add_argument("--compile", action="store_true", help="let vLLM compile the model (not enforce_eager)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (num_gpu_blocks_override)")
     ap.add_argument("--multiprocessing", action="store_true", help="vLLM's default engine-core process")
@@ -60,6 +64,8 @@ def main() -> None:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.retention_interval is not None:
+        kw["prefix_cache_retention_interval"] = args.retention_interval
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -74,10 +80,18 @@ def main() -> None:
     sp = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=1 if args.logprobs else None
     )
-    result = {"outputs": [], "cached": [], "ttft_s": [], "logprobs": []}
+    result = {"outputs": [], "cached": [], "ttft_s": [], "logprobs": [], "preempted": []}
+    preempted = _count_preemptions(llm)
     for i, batch in enumerate(batches):
+        if isinstance(batch, dict):
+            if batch.get("reset_prefix_cache"):
+                assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+            _worker_connector().worker._load_states = batch.get("load_states", True)
+            batch = batch["prompts"]
+        preempted.clear()
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        result["preempted"] += [preempted[o.request_id] for o in outs]
         result["ttft_s"].append(time.perf_counter() - t)
         result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
         result["cached"] += [o.num_cached_tokens for o in outs]
@@ -95,6 +109,34 @@ def main() -> None:
                 time.sleep(0.05)
     Path(args.out).write_text(json.dumps(result))
     del llm
+
+
+def _worker_connector():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()
+
+
+def _count_preemptions(llm):
+    """req id -> how often vLLM preempted it, read off the scheduler's output (in-process engine
+    core only; empty otherwise)."""
+    from collections import Counter
+
+    counts = Counter()
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        return counts
+    schedule = scheduler.schedule
+
+    def counting(*args, **kw):
+        so = schedule(*args, **kw)
+        for rid in so.preempted_req_ids or ():
+            counts[rid.split("-")[0]] += 1
+        return so
+
+    scheduler.schedule = counting
+    return counts
 
 
 if __name__ == "__main__":

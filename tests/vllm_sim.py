@@ -190,6 +190,7 @@ class SimEngine:
         spec_accept: int = 0,
         share_pages: bool = True,
         kv_events: dict | None = None,
+        retention: int | None = None,
     ):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -220,6 +221,7 @@ class SimEngine:
             num_blocks=num_blocks,
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in zip(self.layer_names, specs)],
+            prefix_cache_retention_interval=retention,  # vLLM's engine: its --prefix-cache-retention-interval
         )
         vc.cache_config.num_gpu_blocks = num_blocks
         self.kv_cache_config = kcc
@@ -402,7 +404,8 @@ class SimEngine:
             start = req.num_computed_tokens - n
             ids = self.scheduler.kv_cache_manager.get_block_ids(rid)
             tokens = list(req.all_token_ids)
-            first = len(self.computed[rid]) == 1
+            # a forward that (re)starts the request: its first, or one after a preemption
+            first = start < max((s + m for s, m in self.computed[rid][:-1]), default=start + 1)
             for gi, g in enumerate(self.groups):
                 for li, name in enumerate(self.layer_names[gi]):
                     kv = self.kv[name].numpy()

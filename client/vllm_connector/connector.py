@@ -40,6 +40,7 @@ from tierd_client.vllm_connector.geometry import build_geometry
 from tierd_client.vllm_connector.leave import arm as arm_leaving
 from tierd_client.vllm_connector.log import get_logger, say_versions
 from tierd_client.vllm_connector.metadata import TierdMetadata
+from tierd_client.vllm_connector.recurrent import apply_to_manager, keep_states_at_chunks, step_warning
 from tierd_client.vllm_connector.scheduler import SchedulerSide
 from tierd_client.vllm_connector.worker import WorkerSide
 
@@ -72,9 +73,13 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._retention: int | None = None  # the retention interval set for recurrent states
         kv_events = getattr(vllm_config, "kv_events_config", None)
         events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
+            self._retention = keep_states_at_chunks(vllm_config, kv_cache_config, self.geo)
+            if (warning := step_warning(vllm_config, self.geo)) is not None:
+                log.warning(warning)
             router = (
                 RouterEvents(
                     self.geo,
@@ -164,6 +169,7 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side -------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
+        apply_to_manager(kv_cache_manager, self._retention)
         if self.scheduler is not None:
             self.scheduler.kv_cache_manager = kv_cache_manager
             hash_block = getattr(getattr(kv_cache_manager, "block_pool", None), "hash_block_size", None)

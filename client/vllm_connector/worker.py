@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 
 from tierd.protocol import messages
+from tierd.protocol.layout import GroupKind
 from tierd_client.errors import TierdError
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import EngineGeometry
@@ -76,8 +77,11 @@ class WorkerSide:
         # Test-only switches, never user settings: with _store_fence off a store's gather does not wait
         # for the forward's writes; with _load_fence off a load is reported once its scatter is queued,
         # not done. The GPU tests turn them off to show that each one is what keeps the bytes right.
+        # With _load_states off a load leaves the recurrent-state blocks unwritten (attention only):
+        # the negative control of the recurrent models' exactness tests.
         self._store_fence = True
         self._load_fence = True
+        self._load_states = True
 
     # ---- registration -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict, rank: int) -> None:
@@ -119,6 +123,8 @@ class WorkerSide:
         ready = None  # CUDA: where on the forward stream the loads' blocks may be written
         for job in meta.loads:
             ids = [self._ids(c) for c in job.chunks]
+            if not self._load_states:
+                ids = [self._states_nulled(c) for c in ids]
             if not self._try_register():
                 self._fail_load(job.req_id, self._flat(ids))
                 continue
@@ -277,6 +283,12 @@ class WorkerSide:
     def _ids(self, chunk: ChunkIO) -> list[list[int]]:
         null, vnull = self.null, self.vllm_null
         return [[null if b == SKIP or b == vnull else int(b) for b in ids] for ids in chunk.blocks]
+
+    def _states_nulled(self, per_group: list[list[int]]) -> list[list[int]]:
+        null = self.null
+        return [
+            [null] * len(b) if g.kind is GroupKind.STATE else b for g, b in zip(self.geo.groups, per_group)
+        ]
 
     def _flat(self, ids: list[list[list[int]]]) -> list[int]:
         """Every non-null block id of a job's chunks (per chunk, per group lists)."""
