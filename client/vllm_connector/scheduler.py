@@ -17,12 +17,14 @@ import time
 
 from tierd.protocol import messages
 from tierd.protocol.layout import GroupKind, GroupSpec
+from tierd_client.vllm_connector import stages
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import EngineGeometry
 from tierd_client.vllm_connector.keys import extend_keys
 from tierd_client.vllm_connector.keys import unkeyable as _unkeyable
 from tierd_client.vllm_connector.log import get_logger
 from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, LoadOrder, TierdMetadata
+from tierd_client.vllm_connector.metrics import SchedulerMetrics
 from tierd_client.vllm_connector.requests import ReqState, RequestCaps
 from tierd_client.vllm_connector.store_plan import (
     block_resolver,
@@ -52,6 +54,7 @@ class SchedulerSide:
         # token (the state at that boundary is what is stored); attention-only models may
         # serve a whole-prompt hit and recompute just the last token.
         self.need_spare_token = not geo.attention_only
+        self.metrics = SchedulerMetrics(self)  # vLLM's connector stats (get_kv_connector_stats)
 
     # ---- keys ---------------------------------------------------------------------------------
     def _keys(self, st: ReqState, upto_chunks: int) -> list[bytes]:
@@ -60,6 +63,16 @@ class SchedulerSide:
 
     # ---- lookups --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        t0 = time.perf_counter()
+        out = self._matched(request, num_computed_tokens)
+        req_id = request.request_id
+        stages.add(req_id, "hook_s", time.perf_counter() - t0)
+        stages.add(req_id, "hook_calls", 1)
+        if out[0]:
+            stages.stamp(req_id, "hit_seen")
+        return out
+
+    def _matched(self, request, num_computed_tokens: int):
         req_id = request.request_id
         st = self.reqs.get(req_id)
         if st is None:
@@ -94,7 +107,10 @@ class SchedulerSide:
                 log.warning("tierd lookup for %s not sent: %s", req_id, exc)
                 return 0, False
             st.lookup_at = time.monotonic()
+            self.metrics.lookup_sent(st.lookup, len(keys) * C)
             st.hit_chunks, st.lease = 0, 0
+            stages.stamp(req_id, "lookup_sent")
+            st.lookup.add_done_callback(lambda _f, r=req_id: stages.stamp(r, "lookup_answered"))
             if self.cfg.lookup_wait_ms > 0:
                 try:
                     st.lookup.result(timeout=self.cfg.lookup_wait_ms / 1000)
@@ -134,6 +150,7 @@ class SchedulerSide:
                 per_group.append(self._chunk_blocks(g, spec, block_ids[g.index], j, need, local))
             chunks.append(ChunkIO(st.keys[j], per_group))
         self.pending_loads.append(LoadOrder(request.request_id, st.lease, chunks))
+        stages.stamp(request.request_id, "allocated")
         st.loading = True
         st.stored_chunks = max(st.stored_chunks, hit)
 
@@ -187,6 +204,7 @@ class SchedulerSide:
         failed = set(getattr(output, "failed_recving", None) or ())
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
         failed |= set(getattr(worker_meta, "failed_loads", ()) or ())
+        self.metrics.loads_failed(sum(1 for r in failed if r in self.reqs))
         for req_id in failed:
             st = self.reqs.get(req_id)
             if st is not None:
@@ -194,6 +212,7 @@ class SchedulerSide:
                 st.bypass = True
                 st.stored_chunks = min(st.stored_chunks, st.local_tokens // self.geo.chunk_tokens)
         for req_id in getattr(output, "finished_recving", None) or ():
+            stages.stamp(req_id, "finished_seen")
             st = self.reqs.get(req_id)
             if st is not None:
                 st.loading, st.lease = False, 0  # consumed by the ranks' retrieves

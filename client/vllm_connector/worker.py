@@ -36,6 +36,7 @@ import time
 from tierd.protocol import messages
 from tierd.protocol.layout import GroupKind
 from tierd_client.errors import TierdError
+from tierd_client.vllm_connector import stages
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import EngineGeometry
 from tierd_client.vllm_connector.log import get_logger
@@ -81,6 +82,9 @@ class WorkerSide:
         # the negative control of the recurrent models' exactness tests.
         self._store_fence = True
         self._load_fence = True
+        # Test-only too: each load leaves its first block unwritten yet reports success, the negative
+        # control of the engine harness's exactness checks (any model family).
+        self._skip_one_block = False
         self._load_states = True
 
     # ---- registration -----------------------------------------------------------------------------
@@ -122,7 +126,10 @@ class WorkerSide:
     def start_load_kv(self, meta: TierdMetadata) -> None:
         ready = None  # CUDA: where on the forward stream the loads' blocks may be written
         for job in meta.loads:
+            stages.stamp(job.req_id, "load_start")
             ids = [self._ids(c) for c in job.chunks]
+            if self._skip_one_block:
+                ids = self._without_one_block(ids)
             if not self._load_states:
                 ids = [self._states_nulled(c) for c in ids]
             if not self._try_register():
@@ -146,6 +153,8 @@ class WorkerSide:
                 continue
             self.loads[job.req_id] = (fut, ids)
             self._landing.pop(job.req_id, None)
+            stages.stamp(job.req_id, "load_sent")
+            fut.add_done_callback(lambda _f, r=job.req_id: stages.stamp(r, "load_answered"))
 
     def wait_for_save(self, meta: TierdMetadata) -> None:
         if not meta.stores:
@@ -188,8 +197,10 @@ class WorkerSide:
     def transfer_results(self) -> tuple[set[str], set[str]]:
         finished, failed = set(), set()
         for req_id, (fut, ids) in list(self.loads.items()):
+            stages.add(req_id, "load_polls", 1)
             if not fut.done() or not self._landed(req_id, fut):
                 continue
+            stages.stamp(req_id, "landed")
             del self.loads[req_id]
             self._landing.pop(req_id, None)
             finished.add(req_id)
@@ -289,6 +300,17 @@ class WorkerSide:
         return [
             [null] * len(b) if g.kind is GroupKind.STATE else b for g, b in zip(self.geo.groups, per_group)
         ]
+
+    def _without_one_block(self, ids: list[list[list[int]]]) -> list[list[list[int]]]:
+        """``ids`` with its first non-null block made null (``_skip_one_block``)."""
+        null = self.null
+        for c in ids:
+            for per_group in c:
+                for i, b in enumerate(per_group):
+                    if b != null:
+                        per_group[i] = null
+                        return ids
+        return ids
 
     def _flat(self, ids: list[list[list[int]]]) -> list[int]:
         """Every non-null block id of a job's chunks (per chunk, per group lists)."""
