@@ -127,6 +127,11 @@ class Connection(Transport):
         return self._hello
 
     @property
+    def connected(self) -> bool:
+        """Whether the daemon is there now: a HELLO answered and the connection not lost since."""
+        return self._hello is not None and self._connected
+
+    @property
     def refusal(self) -> TierdError | None:
         """The daemon's error if it refused our last HELLO (e.g. UNSUPPORTED_VERSION), else None."""
         return self._hello_error

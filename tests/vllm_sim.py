@@ -257,6 +257,7 @@ class SimEngine:
         self.block_ids: dict[str, list[list[int]]] = {}  # req -> its block table at its first forward
         self.steps = 0
         self.reads_checked = 0  # positions stale_reads verified (a test can assert it did work)
+        self.connector_stats: list[dict] = []  # each step's kv_connector_stats, as vLLM's loggers get it
         self.on_forward = None
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -339,9 +340,13 @@ class SimEngine:
                 invalid_block_ids=invalid,
                 kv_cache_events=kv_events,
                 kv_connector_worker_meta=wmeta,
+                kv_connector_stats=w.get_kv_connector_stats(),  # as vLLM's model runner does
             ),
         )
         engine_out = self.scheduler.update_from_output(so, out)
+        for outs in engine_out.values():
+            if outs.scheduler_stats is not None and outs.scheduler_stats.kv_connector_stats:
+                self.connector_stats.append(outs.scheduler_stats.kv_connector_stats)
         if self.spec_tokens:
             from vllm.v1.outputs import DraftTokenIds
 

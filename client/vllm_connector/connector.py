@@ -16,6 +16,7 @@ at once; a SIGKILLed engine leaves no files (``tierd_client.shm``).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -40,6 +41,7 @@ from tierd_client.vllm_connector.geometry import build_geometry
 from tierd_client.vllm_connector.leave import arm as arm_leaving
 from tierd_client.vllm_connector.log import get_logger, say_versions
 from tierd_client.vllm_connector.metadata import TierdMetadata
+from tierd_client.vllm_connector.metrics import TierdConnectorStats, TierdPromMetrics
 from tierd_client.vllm_connector.recurrent import apply_to_manager, keep_states_at_chunks, step_warning
 from tierd_client.vllm_connector.scheduler import SchedulerSide
 from tierd_client.vllm_connector.worker import WorkerSide
@@ -177,7 +179,10 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
                 self.scheduler.events.hash_block_size = int(hash_block)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        t0 = time.perf_counter()
+        out = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        self.scheduler.metrics.queried(request, num_computed_tokens, out, time.perf_counter() - t0)
+        return out
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -205,6 +210,20 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.request_finished(request)
 
     # ---- both ---------------------------------------------------------------------------------------
+    def get_kv_connector_stats(self):
+        """This side's figures since the last call, for vLLM's metrics (``metrics``): the scheduler
+        side's every step (they carry the session gauge), a rank's when it moved bytes."""
+        side = self.scheduler if self.scheduler is not None else self.worker
+        return side.metrics.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return TierdConnectorStats(data=data) if data is not None else TierdConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TierdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def instances_to_drop(self) -> tuple[str, ...]:
         """What to UNREGISTER when leaving in a hurry: the scheduler side names every rank of this
         engine (the workers may be killed before they can say goodbye); a worker nothing, as its

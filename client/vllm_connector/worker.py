@@ -41,6 +41,7 @@ from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import EngineGeometry
 from tierd_client.vllm_connector.log import get_logger
 from tierd_client.vllm_connector.metadata import SKIP, ChunkIO, TierdMetadata, TierdWorkerMeta
+from tierd_client.vllm_connector.metrics import WorkerMetrics
 from tierd_client.vllm_connector.registration import RankRegistration
 
 log = get_logger("tierd_client.vllm_connector")
@@ -75,6 +76,7 @@ class WorkerSide:
         # copies straight to and from its blocks); the same calls, the same ordering
         self.gpu = None
         self.device = None
+        self.metrics = WorkerMetrics(self.reg)  # vLLM's connector stats (get_kv_connector_stats)
         # Test-only switches, never user settings: with _store_fence off a store's gather does not wait
         # for the forward's writes; with _load_fence off a load is reported once its scatter is queued,
         # not done. The GPU tests turn them off to show that each one is what keeps the bytes right.
@@ -152,6 +154,7 @@ class WorkerSide:
                 self._fail_load(job.req_id, self._flat(ids))
                 continue
             self.loads[job.req_id] = (fut, ids)
+            self.metrics.load_sent(fut, ids, self.null)
             self._landing.pop(job.req_id, None)
             stages.stamp(job.req_id, "load_sent")
             fut.add_done_callback(lambda _f, r=job.req_id: stages.stamp(r, "load_answered"))
@@ -180,6 +183,7 @@ class WorkerSide:
                 self._report(keys, "failed")
                 continue
             self.stores.append((fut, self._block_set(ids)))
+            self.metrics.store_sent(fut, ids, self.null)
             if self.reports is not None:
                 self._store_keys[id(fut)] = keys
         self._prune_stores()
