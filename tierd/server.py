@@ -33,7 +33,7 @@ from tierd.pool.pages import SMALL_PAGES
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.respond import Replies
-from tierd.stats import Stats
+from tierd.stats import Stats, live_families
 from tierd.status import StatusBoard, build_status
 from tierd.transfer.engine import TransferEngine
 from tierd.zmtp import Router
@@ -78,7 +78,9 @@ class Daemon:
             self._unbind()
             raise
         # /metrics is scraped on the HTTP thread: it asks the main loop
-        self.stats.install(self.board.ask, assemble.l2_families if self.l2 is not None else None)
+        self.stats.install(
+            self.board.ask, assemble.l2_families if self.l2 is not None else None, self._live_families
+        )
 
     def _open(self, settings: Settings) -> None:
         self.cuda = assemble.cuda_support(settings)
@@ -138,6 +140,10 @@ class Daemon:
             self.settings.http_max_connections,
         )
         self.http_port = self.http.server_address[1]
+
+    def _live_families(self):
+        """/metrics figures read on the HTTP thread, not asked of the main loop (tierd.stats)."""
+        return live_families(time.monotonic() - self.board.beat, self.http)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> None:

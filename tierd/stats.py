@@ -9,6 +9,8 @@ from operator import itemgetter
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tierd.protocol.errors import ErrorCode
+
 # Counters every reply path maintains; names are the /status keys, prefixed tierd_ on /metrics.
 COUNTERS = (
     ("lookups", "LOOKUP requests answered"),
@@ -106,17 +108,51 @@ class Stats:
             for op, acc in sorted(self.stage_seconds.items())
         }
 
-    def install(self, gauges, extra=None) -> None:
+    def install(self, gauges, extra=None, live=None) -> None:
         """``gauges()`` returns the live /status dict; scraped values come from it. ``extra(status)``
-        yields more families (the second tier's: given by the daemon, so nothing here imports it)."""
-        self.registry.register(_Collector(self, gauges, extra))
+        yields more families (the second tier's: given by the daemon, so nothing here imports it);
+        ``live()`` those read on the scraping thread after the status came (``live_families``)."""
+        self.registry.register(_Collector(self, gauges, extra, live))
+
+
+def live_families(beat_age_s: float, http):
+    """What the HTTP thread reads without the main loop: how long since that loop last beat (it beats
+    at every housekeeping, several times a second; /healthz fails past tierd.status.STALL_S), asked
+    after the status, which waits up to 5 s for a stalled loop; and the HTTP server's own counts."""
+    yield GaugeMetricFamily(
+        "tierd_main_loop_heartbeat_age_seconds",
+        "seconds since the main loop last beat (a stalled loop: past 5 s, /healthz fails)",
+        value=round(beat_age_s, 3),
+    )
+    if http is None:
+        return
+    for name, attr, doc in (
+        (
+            "http_thread_restarts",
+            "restarts",
+            "times the HTTP accepting thread had ended and was started again",
+        ),
+        (
+            "http_failures",
+            "failures",
+            "exceptions the HTTP server survived (a connection closed, or a loop reset)",
+        ),
+        (
+            "http_refused",
+            "refused",
+            "HTTP connections answered 503: too many open, or too many being answered",
+        ),
+        ("http_timed_out", "timed_out", "HTTP connections closed before their request arrived in time"),
+    ):
+        yield CounterMetricFamily(f"tierd_{name}", doc, value=getattr(http, attr))
 
 
 class _Collector:
-    def __init__(self, stats: Stats, gauges, extra=None):
+    def __init__(self, stats: Stats, gauges, extra=None, live=None):
         self.stats = stats
         self.gauges = gauges
         self.extra = extra
+        self.live = live
 
     def describe(self):
         return []
@@ -128,8 +164,8 @@ class _Collector:
         err = CounterMetricFamily(
             "tierd_errors_by_code", "requests answered with an error, by code", labels=["code"]
         )
-        for code, n in sorted(self.stats.errors_by_code.items()):
-            err.add_metric([code], n)
+        for code in sorted({c.name for c in ErrorCode} | set(self.stats.errors_by_code)):
+            err.add_metric([code], self.stats.errors_by_code.get(code, 0))  # every code: rates from 0
         yield err
         stage = CounterMetricFamily(
             "tierd_request_stage_seconds",
@@ -166,6 +202,7 @@ class _Collector:
             per.add_metric([group], n)
         yield per
         yield GaugeMetricFamily("tierd_instances", "registered ranks", value=len(status["instances"]))
+        yield from _tenant_families(status)
         yield GaugeMetricFamily(
             "tierd_hit_ratio",
             "hit_chunks / lookup_chunks since start (0 before any LOOKUP)",
@@ -212,6 +249,8 @@ class _Collector:
         )
         if self.extra is not None:
             yield from self.extra(status)
+        if self.live is not None:
+            yield from self.live()
         warm = status.get("warm_restart")
         if warm is not None:  # --pool-dir
             yield GaugeMetricFamily(
@@ -227,3 +266,25 @@ class _Collector:
                 "1 while the pool folder is kept restartable, 0 once a journal or index write failed",
                 value=0 if warm["persist_error"] else 1,
             )
+
+
+def _tenant_families(status: dict):
+    """Per tenant (``default`` for the daemon's own user's, else ``uid:N`` / ``tcp:NAME``): the
+    objects and bytes its namespaces hold and the ranks it has registered."""
+    objects: Counter[str] = Counter()
+    held: Counter[str] = Counter()
+    ranks: Counter[str] = Counter()
+    for ns in status["namespaces"]:
+        objects[ns["tenant"] or "default"] += ns["objects"]
+        held[ns["tenant"] or "default"] += ns["bytes"]
+    for inst in status["instances"]:
+        ranks[inst["tenant"] or "default"] += 1
+    for name, doc, values in (
+        ("tenant_objects", "objects held, per tenant", objects),
+        ("tenant_bytes", "pool bytes (slots) held, per tenant", held),
+        ("tenant_instances", "registered ranks, per tenant", ranks),
+    ):
+        fam = GaugeMetricFamily(f"tierd_{name}", doc, labels=["tenant"])
+        for tenant, n in sorted(values.items()):
+            fam.add_metric([tenant], n)
+        yield fam
