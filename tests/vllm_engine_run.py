@@ -5,9 +5,12 @@
 
 With ``--url`` the engine uses TierdConnector against that daemon. The prompts file holds a list
 of batches (lists of token-id lists); batches run one after another. A batch may also be an object
-``{"prompts": [...], "reset_prefix_cache": true, "load_states": false}``: the engine drops its own
-prefix cache before it, and (test-only) the connector's loads leave recurrent states unwritten.
-``preempted`` in the output counts, per prompt, the times vLLM preempted it. With ``--pause-after-batch``
+``{"prompts": [...], "reset_prefix_cache": true, "load_states": false, "max_tokens": N,
+"kv_transfer_params": {...}}``: the engine drops its own prefix cache before it, (test-only) the
+connector's loads leave recurrent states unwritten, and its requests generate N tokens and carry
+those params. ``preempted``, ``loads`` and ``loaded_chunks`` in the output count, per prompt, the
+times vLLM preempted it, the loads TierdConnector planned for it and the chunks those loads
+restore. With ``--pause-after-batch``
 the engine writes ``F.paused`` after that batch and waits for ``F.go`` before the next (so a test
 can kill the daemon in the middle of a run).
 """
@@ -80,18 +83,31 @@ def main() -> None:
     sp = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=1 if args.logprobs else None
     )
-    result = {"outputs": [], "cached": [], "ttft_s": [], "logprobs": [], "preempted": []}
-    preempted = _count_preemptions(llm)
+    result = {"outputs": [], "cached": [], "ttft_s": [], "logprobs": []}
+    result.update(preempted=[], loads=[], loaded_chunks=[])
+    seen = _watch_scheduler(llm)
     for i, batch in enumerate(batches):
+        batch_sp = sp
         if isinstance(batch, dict):
             if batch.get("reset_prefix_cache"):
                 assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
-            _worker_connector().worker._load_states = batch.get("load_states", True)
+            if "load_states" in batch:
+                _worker_connector().worker._load_states = batch["load_states"]
+            params = batch.get("kv_transfer_params")
+            batch_sp = SamplingParams(
+                max_tokens=batch.get("max_tokens", args.max_tokens),
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=sp.logprobs,
+                extra_args={"kv_transfer_params": params} if params else None,
+            )
             batch = batch["prompts"]
-        preempted.clear()
+        for counts in seen.values():
+            counts.clear()
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
-        result["preempted"] += [preempted[o.request_id] for o in outs]
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], batch_sp, use_tqdm=False)
+        for key, counts in seen.items():
+            result[key] += [counts[o.request_id] for o in outs]
         result["ttft_s"].append(time.perf_counter() - t)
         result["outputs"] += [list(o.outputs[0].token_ids) for o in outs]
         result["cached"] += [o.num_cached_tokens for o in outs]
@@ -117,26 +133,29 @@ def _worker_connector():
     return get_kv_transfer_group()
 
 
-def _count_preemptions(llm):
-    """req id -> how often vLLM preempted it, read off the scheduler's output (in-process engine
-    core only; empty otherwise)."""
+def _watch_scheduler(llm) -> dict:
+    """{"preempted", "loads", "loaded_chunks": Counter} by request id (LLM's own, without vLLM's
+    suffix), read off each scheduler output (in-process engine core only; empty otherwise)."""
     from collections import Counter
 
-    counts = Counter()
+    seen = {"preempted": Counter(), "loads": Counter(), "loaded_chunks": Counter()}
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
     if scheduler is None:
-        return counts
+        return seen
     schedule = scheduler.schedule
 
-    def counting(*args, **kw):
+    def watching(*args, **kw):
         so = schedule(*args, **kw)
         for rid in so.preempted_req_ids or ():
-            counts[rid.split("-")[0]] += 1
+            seen["preempted"][rid.split("-")[0]] += 1
+        for job in getattr(so.kv_connector_metadata, "loads", None) or ():
+            seen["loads"][job.req_id.split("-")[0]] += 1
+            seen["loaded_chunks"][job.req_id.split("-")[0]] += len(job.chunks)
         return so
 
-    scheduler.schedule = counting
-    return counts
+    scheduler.schedule = watching
+    return seen
 
 
 if __name__ == "__main__":
