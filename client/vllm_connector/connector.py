@@ -41,7 +41,8 @@ from tierd_client.vllm_connector.geometry import build_geometry
 from tierd_client.vllm_connector.leave import arm as arm_leaving
 from tierd_client.vllm_connector.log import get_logger, say_versions
 from tierd_client.vllm_connector.metadata import TierdMetadata
-from tierd_client.vllm_connector.metrics import TierdConnectorStats, TierdPromMetrics
+from tierd_client.vllm_connector.metrics import TierdConnectorStats
+from tierd_client.vllm_connector.metrics_prom import TierdPromMetrics
 from tierd_client.vllm_connector.recurrent import apply_to_manager, keep_states_at_chunks, step_warning
 from tierd_client.vllm_connector.scheduler import SchedulerSide
 from tierd_client.vllm_connector.worker import WorkerSide

@@ -7,7 +7,7 @@ with the model runner's output and are summed over the ranks, the scheduler side
 them in the engine core, and their ``data`` goes to the front end. There vLLM rebuilds them
 (``build_kv_connector_stats``), sums them over each logging interval for the log line
 (``reduce``), and hands every step's to the connector's Prometheus metrics (``build_prom_metrics``,
-``TierdPromMetrics.observe``), labelled ``model_name`` and ``engine`` like vLLM's own.
+``metrics_prom.TierdPromMetrics``), labelled ``model_name`` and ``engine`` like vLLM's own.
 
 Series (``FIGURES``): where a figure means what one of vLLM's offloading connector's does, it has
 that name, so dashboards built on ``vllm:kv_offload_*`` show the tier as they show vLLM's own CPU
@@ -53,10 +53,9 @@ from tierd.protocol.layout import PageLayout
 from tierd_client.vllm_connector.keys import unkeyable
 
 try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # pragma: no cover - the recorders work without vLLM (tools, tests)
     KVConnectorStats = object  # type: ignore[assignment,misc]
-    KVConnectorPromMetrics = object  # type: ignore[assignment,misc]
 
 # vLLM's own buckets for transfer sizes and lookup delays (vllm/distributed/kv_transfer/
 # kv_connector/v1/offloading/metrics.py), so one dashboard's quantiles mean the same for both
@@ -117,7 +116,7 @@ BYPASS_REASONS = {
     "unkeyable": "it has no token ids to key (prompt embeddings)",
     "lookup_failed": "its LOOKUP was not sent, or failed",
 }
-_BYPASS = "bypassed:"  # counter keys of BYPASSED, by reason
+BYPASS_KEY = "bypassed:"  # counter keys of BYPASSED, by reason
 
 
 @dataclass
@@ -171,57 +170,14 @@ class TierdConnectorStats(KVConnectorStats):
             if c.get(key):
                 out[key] = int(c[key])
         for key, n in sorted(c.items()):
-            if key.startswith(_BYPASS) and n:
-                out[f"bypassed_{key[len(_BYPASS) :]}"] = int(n)
+            if key.startswith(BYPASS_KEY) and n:
+                out[f"bypassed_{key[len(BYPASS_KEY) :]}"] = int(n)
         if "connected" in g:
             out["daemon_connected"] = int(g["connected"])
         return out
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in ("counters", "gauges", "samples"))
-
-
-class TierdPromMetrics(KVConnectorPromMetrics):
-    """``FIGURES`` and BYPASSED as Prometheus series of the front end, per engine. Every series
-    exists from the start (0), so rates and dashboards have it before its first event."""
-
-    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict):
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        kinds = {"counter": self._counter_cls, "gauge": self._gauge_cls, "histogram": self._histogram_cls}
-        self._children: dict[tuple[int, str], Any] = {}
-        for key, (name, kind, doc, buckets) in FIGURES.items():
-            kw: dict[str, Any] = {"name": name, "documentation": doc, "labelnames": labelnames}
-            if buckets is not None:
-                kw["buckets"] = buckets
-            if kind == "gauge":
-                kw["multiprocess_mode"] = "mostrecent"
-            metric = kinds[kind](**kw)
-            for engine, values in per_engine_labelvalues.items():
-                self._children[(engine, key)] = metric.labels(*values)
-        bypassed = self._counter_cls(
-            name=BYPASSED,
-            documentation="Requests that did not use the tier, by reason",
-            labelnames=[*labelnames, "reason"],
-        )
-        for engine, values in per_engine_labelvalues.items():
-            for reason in BYPASS_REASONS:
-                self._children[(engine, _BYPASS + reason)] = bypassed.labels(*values, reason)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
-        data = transfer_stats_data or {}
-        for key, n in data.get("counters", {}).items():
-            child = self._children.get((engine_idx, key))
-            if child is not None and n:
-                child.inc(n)
-        for key, value in data.get("gauges", {}).items():
-            child = self._children.get((engine_idx, key))
-            if child is not None:
-                child.set(value)
-        for key, values in data.get("samples", {}).items():
-            child = self._children.get((engine_idx, key))
-            if child is not None:
-                for v in values:
-                    child.observe(v)
 
 
 class _Recorder:
@@ -282,7 +238,7 @@ class SchedulerMetrics(_Recorder):
             seen = self._why.setdefault(request.request_id, set()) if why else None
             if why and why not in seen:
                 seen.add(why)
-                self.count(_BYPASS + why)
+                self.count(BYPASS_KEY + why)
 
     def loads_failed(self, n: int) -> None:
         if n:

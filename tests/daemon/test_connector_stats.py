@@ -66,7 +66,8 @@ class Front:
         out = {}
         for fam in text_string_to_metric_families(generate_latest(self.registry).decode()):
             for s in fam.samples:
-                key = s.name + (f"{{{s.labels['reason']}}}" if "reason" in s.labels else "")
+                extra = s.labels.get("reason") or s.labels.get("transfer_type")
+                key = s.name + (f"{{{extra}}}" if extra else "")
                 if "le" not in s.labels:
                     out[key] = s.value
         return out
@@ -114,6 +115,11 @@ def test_lookups_hits_bytes_bypasses_and_the_session_reach_vllms_log_line_and_pr
     assert got["vllm:kv_offload_store_bytes_total"] == stored["stored_bytes"] - base["stored_bytes"]
     assert got["vllm:kv_offload_load_bytes_total"] == after["retrieved_bytes"] - stored["retrieved_bytes"] > 0
     assert got["vllm:kv_offload_load_time_total"] > 0 and got["vllm:kv_offload_store_time_total"] > 0
+    # and under the names vLLM's CPU offloading used before (kept while they are deprecated)
+    assert got["vllm:kv_offload_total_bytes_total{CPU_to_GPU}"] == got["vllm:kv_offload_load_bytes_total"]
+    assert got["vllm:kv_offload_total_bytes_total{GPU_to_CPU}"] == got["vllm:kv_offload_store_bytes_total"]
+    assert got["vllm:kv_offload_total_time_total{CPU_to_GPU}"] == got["vllm:kv_offload_load_time_total"]
+    assert got["vllm:kv_offload_size_count{GPU_to_CPU}"] == got["vllm:kv_offload_store_size_count"]
     assert got["vllm:kv_offload_load_size_count"] == 1
     assert got["vllm:kv_offload_store_size_count"] >= 1
     assert got["vllm:kv_offload_lookup_sync_delay_seconds_count"] >= 2
