@@ -13,7 +13,8 @@ Phase options: ``max_tokens``, ``reset`` (vLLM's own prefix cache emptied before
 only the tier or compute serves it), ``again`` (each prompt a second time straight after, served by
 vLLM's own prefix cache: the engine's cost of a whole-prompt hit, the forward of its last block),
 ``skip_one_block`` (the worker's test switch: each load leaves one block unwritten),
-``daemon`` (an HTTP base: the daemon's /status request_stages are read around the phase).
+``daemon`` (an HTTP base: the daemon's /status request_stages are read around the phase),
+``switch_interval_s`` (the interpreter's GIL switch interval during the phase).
 ``copy_bytes``: the raw pinned host-to-device copy of each size is timed in the process too.
 """
 
@@ -69,6 +70,14 @@ def make_llm(spec: dict):
     from vllm import LLM
 
     install_scaled_init(spec["model"])
+    if (
+        spec.get("device", "cuda") == "cuda"
+        and spec.get("backend") == "TRITON_MLA"
+        and spec.get("mla_shims", True)
+    ):
+        from gpu_engine_mla import install
+
+        install()  # this engine build has no vllm._C: torch versions of the MLA path's C ops
     kw = dict(
         model=write(spec["model"], Path(spec["workdir"]) / "models"),
         dtype=spec.get("dtype", "bfloat16"),
@@ -171,6 +180,8 @@ def raw_copy_ms(nbytes: int, reps: int = 5) -> float:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if spec.get("switch_interval_s"):  # the interpreter's GIL hand-over period (default 5 ms)
+        sys.setswitchinterval(spec["switch_interval_s"])
     result: dict = {"spec": {k: v for k, v in spec.items() if k != "phases"}, "phases": {}}
     t0 = time.perf_counter()
     llm = make_llm(spec)
@@ -183,6 +194,9 @@ def main() -> int:
         if conn is not None and hasattr(conn, "worker") and conn.worker is not None:
             conn.worker._skip_one_block = bool(ph.get("skip_one_block"))
         before = daemon_stages(ph.get("daemon"))
+        interval = sys.getswitchinterval()
+        if ph.get("switch_interval_s"):
+            sys.setswitchinterval(ph["switch_interval_s"])
         rows = []
         for p in prompts(ph["seed"], ph["n"], ph["len"], vocab):
             if ph.get("reset", True):
@@ -191,6 +205,7 @@ def main() -> int:
             if ph.get("again"):
                 row["again"] = one(llm, p, ph.get("max_tokens", 1), False)
             rows.append(row)
+        sys.setswitchinterval(interval)
         result["phases"][ph["name"]] = {
             "rows": rows,
             "daemon_stages": stage_means(before, daemon_stages(ph.get("daemon"))),

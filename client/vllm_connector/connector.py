@@ -16,6 +16,7 @@ at once; a SIGKILLed engine leaves no files (``tierd_client.shm``).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -67,6 +68,7 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
             self._cache_hit_source = source
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg = ConnectorConfig.from_extra(extra)
+        _shorten_gil_switch(self.cfg.gil_switch_us)
         if kv_cache_config is None:
             raise ValueError("TierdConnector needs the KV cache config (vLLM >= 0.27)")
         self.geo = build_geometry(vllm_config, kv_cache_config, self.cfg.chunk_tokens)
@@ -240,6 +242,12 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.shutdown()
         self.client.close()
+
+
+def _shorten_gil_switch(us: float) -> None:
+    """Lower the interpreter's GIL switch interval to ``us`` (``ConnectorConfig.gil_switch_us``)."""
+    if us > 0 and us / 1e6 < sys.getswitchinterval():
+        sys.setswitchinterval(us / 1e6)
 
 
 def _global_rank() -> int:
