@@ -35,6 +35,7 @@ class GroupDef:
     layers: int = 2
     block_size: int = 16
     window: int = 0
+    extra: int = 0  # sliding: vLLM's extra_retained_tokens (multi-module speculative decoding)
 
 
 def token_bytes(token: int, pos: int, layer: int) -> np.ndarray:
@@ -79,6 +80,7 @@ def make_specs(groups: list[GroupDef]):
                     head_size=TOK_BYTES // 4,
                     dtype=torch.int8,
                     sliding_window=g.window,
+                    extra_retained_tokens=g.extra,
                 )
             )
         elif g.kind == "mamba":
@@ -421,7 +423,8 @@ class SimEngine:
                             if not np.array_equal(kv[b], state_bytes(tokens[:start], li)):
                                 bad.append((rid, gi, li, f"state@{start}", b))
                         continue
-                    lo = 0 if g.kind == "full" else max(0, start - g.window + 1)
+                    # sliding: the window, and the tokens vLLM keeps below it for a drafter's re-prefill
+                    lo = 0 if g.kind == "full" else max(0, start - g.window + 1 - g.extra)
                     pos = np.arange(lo, min(start, len(tokens)))
                     if not len(pos):
                         continue

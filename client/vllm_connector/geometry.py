@@ -75,7 +75,10 @@ def _classify(spec) -> tuple[GroupKind, int, bool]:
     if isinstance(spec, MambaSpec):
         return GroupKind.STATE, 0, bool(getattr(spec, "tp_replicated", False))
     if type(spec) is SlidingWindowSpec:
-        return GroupKind.SLIDING, int(spec.sliding_window), False
+        # With multi-module speculative decoding vLLM keeps extra_retained_tokens below the window
+        # (a drafter may re-prefill them): a restore must write those too
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return GroupKind.SLIDING, int(spec.sliding_window) + extra, False
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
         return GroupKind.FULL, 0, isinstance(spec, MLAAttentionSpec)
     raise ValueError(
