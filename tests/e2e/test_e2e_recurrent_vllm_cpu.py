@@ -37,7 +37,7 @@ from conftest import DaemonProcess  # noqa: E402
 from engine_runs import engine  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=150)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow(seconds=90)]
 
 CHUNK = 256
 KS = list(range(1, 9))  # shared prefixes, in chunks
