@@ -233,6 +233,16 @@ def metric_names(expr: str) -> set[str]:
     return out
 
 
+def series(text: str, name: str) -> dict[str, float]:
+    """{label text: value} of the samples ``name`` in a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if m:
+            out[m.group(1) or ""] = float(m.group(2))
+    return out
+
+
 def exposed_names(text: str) -> set[str]:
     """Sample names of a Prometheus text exposition (``_bucket``/``_sum``/``_count`` included)."""
     out = set()

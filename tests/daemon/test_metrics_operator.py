@@ -13,6 +13,7 @@ import urllib.request
 
 from conftest import ROOT, free_port
 from kv import FakeRank, GroupGeom, keys
+from operate import series
 from test_healthz_main_loop import SENT, LogPipe, healthz
 from util import chunk
 from wire import Raw, wait_for
@@ -25,16 +26,6 @@ GEOM = GroupGeom("full", layers=2, block_bytes=512, block_tokens=4)
 SPECS = [{"kind": "full", "block_tokens": 4, "window_tokens": 0}]
 
 
-def values(text: str, name: str) -> dict[str, float]:
-    """{label text: value} of the series ``name`` in /metrics."""
-    out = {}
-    for line in text.splitlines():
-        m = re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line)
-        if m:
-            out[m.group(1) or ""] = float(m.group(2))
-    return out
-
-
 def test_each_tenants_objects_bytes_and_ranks_and_every_error_code_are_series(daemon_factory, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(
@@ -44,13 +35,13 @@ def test_each_tenants_objects_bytes_and_ranks_and_every_error_code_are_series(da
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     d = daemon_factory("--socket", endpoint, "--tcp-token-file", str(tokens))
     text = d.metrics()
-    codes = values(text, "tierd_errors_by_code_total")
+    codes = series(text, "tierd_errors_by_code_total")
     assert {re.search(r'code="(\w+)"', k).group(1) for k in codes} == {c.name for c in ErrorCode}
     assert set(codes.values()) == {0.0}
-    assert values(text, "tierd_tenant_objects") == {}  # no tenant holds anything yet
+    assert series(text, "tierd_tenant_objects") == {}  # no tenant holds anything yet
     for name in ("tierd_http_thread_restarts_total", "tierd_http_failures_total", "tierd_http_refused_total"):
-        assert values(text, name) == {"": 0.0}, name
-    assert 0 <= values(text, "tierd_main_loop_heartbeat_age_seconds")[""] < 1
+        assert series(text, name) == {"": 0.0}, name
+    assert 0 <= series(text, "tierd_main_loop_heartbeat_age_seconds")[""] < 1
 
     ranks, conns = [], []
     try:
@@ -74,11 +65,11 @@ def test_each_tenants_objects_bytes_and_ranks_and_every_error_code_are_series(da
             raw.close()
         for rank in ranks:
             rank.close()
-    objects, held = values(text, "tierd_tenant_objects"), values(text, "tierd_tenant_bytes")
+    objects, held = series(text, "tierd_tenant_objects"), series(text, "tierd_tenant_bytes")
     assert objects == {'{tenant="tcp:alice"}': 3.0, '{tenant="tcp:bob"}': 1.0}, objects
     assert held['{tenant="tcp:alice"}'] == 3 * held['{tenant="tcp:bob"}'] > 0
-    assert values(text, "tierd_tenant_instances") == {'{tenant="tcp:alice"}': 1.0, '{tenant="tcp:bob"}': 1.0}
-    assert values(text, "tierd_errors_by_code_total")['{code="UNKNOWN_LEASE"}'] == 1
+    assert series(text, "tierd_tenant_instances") == {'{tenant="tcp:alice"}': 1.0, '{tenant="tcp:bob"}': 1.0}
+    assert series(text, "tierd_errors_by_code_total")['{code="UNKNOWN_LEASE"}'] == 1
 
 
 def test_a_scrape_while_the_main_loop_is_stuck_answers_with_the_heartbeats_age_past_five_seconds(tmp_path):
@@ -118,11 +109,11 @@ def test_a_scrape_while_the_main_loop_is_stuck_answers_with_the_heartbeats_age_p
         time.sleep(ASK_TIMEOUT_S + 0.5)
         logs.release()
         t.join(30)
-        age = values(got["text"], "tierd_main_loop_heartbeat_age_seconds")[""]
+        age = series(got["text"], "tierd_main_loop_heartbeat_age_seconds")[""]
         assert age > max(STALL_S, ASK_TIMEOUT_S), age  # what TierdMainLoopStalled fires on
         wait_for(lambda: healthz(port) == (200, b"ok\n"), timeout=5, interval=0.1)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert values(text, "tierd_main_loop_heartbeat_age_seconds")[""] < 1  # beating again
+        assert series(text, "tierd_main_loop_heartbeat_age_seconds")[""] < 1  # beating again
     finally:
         logs.release()
         if r is not None:

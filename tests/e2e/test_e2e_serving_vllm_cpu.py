@@ -75,18 +75,8 @@ def raw_metrics(url: str) -> str:
         return r.read().decode()
 
 
-def series(text: str, name: str) -> dict[str, float]:
-    """{label text: value} of ``name`` in a text exposition."""
-    out = {}
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
-        if m:
-            out[m.group(1) or ""] = float(m.group(2))
-    return out
-
-
 def total(text: str, name: str) -> float:
-    return sum(series(text, name).values())
+    return sum(operate.series(text, name).values())
 
 
 def recorded(prom: operate.Prometheus, expr: str, start: float, end: float) -> tuple[dict, list[float]]:
@@ -242,7 +232,7 @@ def test_the_connectors_figures_are_in_the_servers_metrics_and_log_line_and_matc
     }
     want |= {name + sfx for name, kind, _ in TWINS.values() for sfx in kinds[kind]}
     assert not want - names, f"not in the server's /metrics: {sorted(want - names)}"
-    bypassed = series(text, BYPASSED + "_total")
+    bypassed = operate.series(text, BYPASSED + "_total")
     assert {re.search(r'reason="(\w+)"', k).group(1) for k in bypassed} == set(BYPASS_REASONS)
     by = {re.search(r'reason="(\w+)"', k).group(1): v for k, v in bypassed.items()}
     assert by["short"] >= 1 and by["request"] >= 1 and by["no_daemon"] == 0, by
@@ -258,7 +248,7 @@ def test_the_connectors_figures_are_in_the_servers_metrics_and_log_line_and_matc
         total(text, "vllm:kv_offload_load_time_total") > 0
         and total(text, "vllm:kv_offload_store_time_total") > 0
     )
-    twin = series(text, "vllm:kv_offload_total_bytes_total")  # vLLM's older name, by transfer_type
+    twin = operate.series(text, "vllm:kv_offload_total_bytes_total")  # vLLM's older name, by transfer_type
     loaded = sum(v for k, v in twin.items() if "CPU_to_GPU" in k)
     assert loaded == total(text, "vllm:kv_offload_load_bytes_total")
     assert total(text, "vllm:tierd_failed_loads_total") == 0
