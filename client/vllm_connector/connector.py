@@ -17,7 +17,6 @@ at once; a SIGKILLed engine leaves no files (``tierd_client.shm``).
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -182,10 +181,7 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
                 self.scheduler.events.hash_block_size = int(hash_block)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        t0 = time.perf_counter()
-        out = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        self.scheduler.metrics.queried(request, num_computed_tokens, out, time.perf_counter() - t0)
-        return out
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
