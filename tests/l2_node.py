@@ -7,7 +7,7 @@ the same object names (the benchmark's baseline). Mooncake logs to stderr; the p
 to a file. Keys travel as hex; memory is named by offsets into the mapping.
 
 Commands: fill(offset,size,seed) digest(offset,size) put/get(keys,offsets,sizes[,timeout_s])
-exists/remove(keys) loop(op,keys,offsets,sizes,seconds) wait_finished(timeout) wait_state(state,
+exists/remove(keys) loop(op,keys,offsets,sizes,seconds[,tail,most_seconds]) wait_finished(timeout) wait_state(state,
 timeout) kill_agent status quit. Every reply carries ``t`` (the node's monotonic clock).
 """
 
@@ -142,24 +142,34 @@ def main() -> None:
 
 
 def loop(tier: MooncakeTier, cmd: dict, keys, addrs, sizes) -> list[dict]:
-    """Back-to-back calls for ``seconds``: per call its start, elapsed, keys ok and the state after."""
+    """Back-to-back calls for ``seconds``: per call its start, elapsed, keys ok, the state after and
+    how long Mooncake held the memory past the call's answer. With ``tail``, the loop goes on past
+    ``seconds`` (up to ``most_seconds``) until ``tail`` calls have started since the last one whose
+    memory Mooncake held past its deadline: a read cut off by a dying master may keep it for
+    seconds, and the calls after it are what a test asks about."""
     calls = []
-    end = time.monotonic() + cmd["seconds"]
-    while time.monotonic() < end:
+    start = time.monotonic()
+    end, last = start + cmd["seconds"], start + cmd.get("most_seconds", cmd["seconds"])
+    tail, since_held = cmd.get("tail", 0), 0
+    while (now := time.monotonic()) < end or (since_held < tail and now < last):
         t0 = time.monotonic()
         op = getattr(tier, cmd["call"])(keys, addrs, sizes, timeout_s=cmd.get("timeout_s"))
         ok = op.done.result()
+        answered = time.monotonic()
+        if not op.finished.done():
+            op.finished.result()  # the memory is still Mooncake's: wait before reusing it
+        held = time.monotonic() - answered
         calls.append(
             {
                 "t": t0,
-                "elapsed": time.monotonic() - t0,
+                "elapsed": answered - t0,
+                "held": held,
                 "ok": sum(ok),
                 "timed_out": op.timed_out,
                 "state": tier.state,
             }
         )
-        if not op.finished.done():
-            op.finished.result()  # the memory is still Mooncake's: wait before reusing it
+        since_held = 0 if held > (cmd.get("timeout_s") or 1.0) else since_held + 1
         if calls[-1]["elapsed"] < 1e-3 and not ok[0]:
             time.sleep(0.01)  # failing fast: do not spin
     return calls
