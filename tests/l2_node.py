@@ -7,8 +7,8 @@ the same object names (the benchmark's baseline). Mooncake logs to stderr; the p
 to a file. Keys travel as hex; memory is named by offsets into the mapping.
 
 Commands: fill(offset,size,seed) digest(offset,size) put/get(keys,offsets,sizes[,timeout_s])
-exists/remove(keys) loop(op,keys,offsets,sizes,seconds[,tail,most_seconds]) wait_finished(timeout) wait_state(state,
-timeout) kill_agent status quit. Every reply carries ``t`` (the node's monotonic clock).
+exists/remove(keys) loop(op,keys,offsets,sizes,seconds[,tail,most_seconds]) wait_finished(timeout)
+wait_state(state,timeout) kill_agent status quit. Every reply carries ``t`` (the node's monotonic clock).
 """
 
 from __future__ import annotations

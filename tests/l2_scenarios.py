@@ -105,7 +105,15 @@ def master_dies(workdir: Path, started: list) -> dict:
     src, dst = layout(sizes), layout(sizes, base=64 * MIB)
     out = {"src": fill(a, src, sizes, seed=1), "put": a("put", keys=ks, offsets=src, sizes=sizes)["ok"]}
     b.send(
-        "loop", call="get", keys=ks, offsets=dst, sizes=sizes, seconds=6.0, timeout_s=1.5, tail=20, most_seconds=60
+        "loop",
+        call="get",
+        keys=ks,
+        offsets=dst,
+        sizes=sizes,
+        seconds=6.0,
+        timeout_s=1.5,
+        tail=20,
+        most_seconds=60,
     )
     time.sleep(2.0)
     out["t_kill"] = master.kill()

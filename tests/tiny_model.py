@@ -190,7 +190,7 @@ RECIPES = {
 }
 
 
-def _mamba2_decay(name: str, shape) -> "torch.Tensor | None":
+def _mamba2_decay(name: str, shape):
     """Mamba2's own per-head decay and step, spread evenly instead of drawn: ``A_log`` = log of 1..16,
     ``dt_bias`` = softplus^-1 of 0.001..0.1 (log-spaced), the
     slowest step on the slowest decay: per token the state keeps exp(-A dt), 0.999 down to 0.2."""

@@ -105,6 +105,15 @@ class Settings:
         min=0,
         max=10000,
     )
+    lookup_settle_objects: int = _opt(
+        256,
+        "A LOOKUP's bookkeeping (the eviction order's touch of what it found, its lease's pins) is "
+        "applied after its reply while no request waits, this many objects at a time, so the next "
+        "request waits for one part at most (benchmarks/lookup_settle.py); 0: all of it right after "
+        "each reply, before the next request is read.",
+        min=0,
+        max=1 << 20,
+    )
     drop_on_disconnect: bool = _opt(
         True,
         "Drop a client's session (its leases and registered ranks) as soon "

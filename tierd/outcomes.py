@@ -75,7 +75,6 @@ class Outcomes:
     def finish_l2(self) -> None:
         for call, op, result in self.l2.drain(time.monotonic()):
             self.after_l2(call, op, result)
-        self.tier.pool.settle()  # the touches and lease pins of LOOKUPs answered now
 
     def after_l2(self, call: Call, op: str, result) -> None:
         """A request that waited for L2, back to its handler: a LOOKUP's fold, a RETRIEVE to plan

@@ -51,6 +51,9 @@ SHUTDOWN_GRACE_S = 8.0
 # requests a turn takes before housekeeping: per lookup channel read, and in all while it reads
 # between two requests (tierd.backlog)
 RECV_BURST = 256
+# LOOKUP bookkeeping (tierd.pool.recency), in objects and keys: the most left unapplied when
+# requests leave the loop no idle time (two 2,048-key LOOKUPs)
+SETTLE_MAX = 1 << 13
 NO_STATE_OPS = ("PING", "STATUS")  # answered while stopping
 SESSIONLESS_OPS = ("HELLO",)
 
@@ -177,7 +180,9 @@ class Daemon:
         active = 0.0
         while True:
             events = poller.poll(
-                0 if spin and time.perf_counter() - active < spin else self.outcomes.poll_ms(HOUSEKEEPING_S)
+                0
+                if self.pool.unsettled or (spin and time.perf_counter() - active < spin)
+                else self.outcomes.poll_ms(HOUSEKEEPING_S)
             )
             for sock, _ in events:
                 if self._read(sock):
@@ -191,6 +196,8 @@ class Daemon:
             self.outcomes.finish_jobs()
             if self.l2 is not None:
                 self.outcomes.finish_l2()
+            if self.pool.unsettled:
+                self._settle(poller)
             if spin and events:
                 active = time.perf_counter()
             now = time.monotonic()
@@ -234,6 +241,21 @@ class Daemon:
                 self.outcomes.finish_jobs()
                 for sock, _ in poller.poll(0):
                     self._read(sock)
+
+    def _settle(self, poller) -> None:
+        """What LOOKUP replies did not wait for (their LRU touches, lease pins and the policy's
+        observations), --lookup-settle-objects at a time while nothing waits to be read: a
+        request that arrives meanwhile waits for one part at most. Never more than SETTLE_MAX
+        behind: a loop with too little idle time applies, each turn, what its turn added beyond."""
+        pool, part = self.pool, self.settings.lookup_settle_objects
+        if not part:  # at once (what a LOOKUP answered after the second tier left)
+            pool.settle()
+            return
+        while pool.unsettled > SETTLE_MAX and pool.settle(part):
+            pass
+        while pool.settle(part):
+            if poller.poll(0):
+                return
 
     def _read(self, sock) -> bool:
         """Requests ``sock`` holds into the backlog, if it is the ROUTER's or a lookup channel's."""
@@ -310,7 +332,8 @@ class Daemon:
             self.respond(envelope, req_id, op, t0, exc)
         else:
             self.outcomes.carry(call, op, outcome)
-        self.pool.settle()  # what the reply did not wait for (a LOOKUP's LRU touch), before the next request
+        if not self.settings.lookup_settle_objects:
+            self.pool.settle()  # at once (--lookup-settle-objects 0)
 
     def _error(self, envelope, req_id: int, code: ErrorCode, message: str, op: str) -> None:
         self.respond(envelope, req_id, op, 0.0, ProtocolError(code, message))

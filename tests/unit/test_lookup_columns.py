@@ -2,14 +2,16 @@
 key -> committed object, the column saying whether the object is whole) hold exactly the committed
 objects through every way an object comes and goes (commit, abort, eviction, replacement by a
 fuller copy, CLEAR), a LOOKUP over them answers what the fold over the chunk entries (every object
-read and checked) answers, and a LOOKUP's LRU touch, left for after its reply, is applied before
-anybody else takes the pool's lock: eviction order is what it was with the touch applied at once."""
+read and checked) answers, and a LOOKUP's LRU touch, left for after its reply, is applied by the
+daemon's loop when no request waits (a part at a time while one does) and before anybody else
+takes the pool's lock: eviction order is what it was with the touch applied at once."""
 
 import random
 import threading
 import time
 
 import pytest
+import zmq
 from test_pool import FULL, KIB, key, pool  # noqa: F401 - pool: fixture
 
 from tierd.pool import fold
@@ -121,7 +123,7 @@ def test_a_touch_that_fails_leaves_the_pool_lock_free(pool, monkeypatch):
     pool.commit([obj])
     pool.lookup(b"ns", [key(0)], [FULL], 16, [0])
 
-    def broken(objs):
+    def broken(objs, **_):
         raise RuntimeError("touch broke")
 
     monkeypatch.setattr(pool, "touch_objects", broken)
@@ -196,29 +198,52 @@ def stored(tmp_path):
         buf.close()
 
 
-def test_the_daemon_applies_a_lookups_touch_once_its_reply_is_sent(stored):
-    """The reply goes out, then the touch is applied, before the next request is taken."""
+def waiting(d) -> zmq.Poller:
+    """A poller over the daemon's ROUTER with a request waiting on it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(d.settings.socket)
+    sock.send(b"waiting")
+    poller = zmq.Poller()
+    poller.register(d.router.fd, zmq.POLLIN)
+    deadline = time.monotonic() + 5
+    while not poller.poll(10) and time.monotonic() < deadline:
+        pass
+    return poller
+
+
+def test_the_daemon_applies_a_lookups_touch_after_its_reply_while_no_request_waits(stored):
+    """The reply goes out and the next request is taken without waiting for the touch; the loop
+    applies it when nothing waits, a part at a time while something does."""
     d, objs, keys, lookup, sent = stored
     lookup(2, lease=False)
     (req_id, ok, body), untouched_at_send, _ = sent[0]
     assert (req_id, ok, body["chunks"]) == (7, True, 2), sent
     assert untouched_at_send == [objs[:2]]  # the reply did not wait for the touch
-    assert d.pool._untouched == []  # ... and it was applied before _on_request returned
+    assert d.pool._untouched == [objs[:2]]  # ... nor does the next request
+    lookup(3, lease=False)
+    assert d.pool.unsettled == (2 + 2) + (3 + 3)  # per LOOKUP: objects to touch, keys to observe
+    d.settings.lookup_settle_objects = 1
+    d._settle(waiting(d))  # a request waits: one part, then back to the loop
+    assert d.pool.unsettled == 9 and objs[1].tick > objs[0].tick  # the first LOOKUP's tail, alone
+    d._settle(zmq.Poller())  # nothing waits: all of it
+    assert d.pool.unsettled == 0 and d.pool._untouched == []
     order = [o.key for o in sorted(objs, key=lambda o: o.tick)]
     assert order == [keys[3], keys[2], keys[1], keys[0]]  # the looked-up head most recent
 
 
-def test_the_daemon_applies_a_leases_pins_once_its_reply_is_sent(stored):
-    """A LOOKUP's lease: the reply does not wait for its pins, which are applied before the next
-    request is taken; the lease's objects then outlive a CLEAR, and its RELEASE frees them."""
+def test_the_daemon_applies_a_leases_pins_after_its_reply_before_anything_evicts(stored):
+    """A LOOKUP's lease: the reply does not wait for its pins, which the loop applies when idle and
+    the pool's lock applies first whoever takes it; the lease's objects then outlive a CLEAR, and
+    its RELEASE frees them."""
     d, objs, keys, lookup, sent = stored
     lookup(3, lease=True)
     (req_id, ok, body), _, pins_at_send = sent[0]
     assert ok and body["chunks"] == 3 and body["lease"] > 0
     assert pins_at_send == [0, 0, 0, 0]  # the reply went first
+    assert [o.pins for o in objs] == [0, 0, 0, 0]  # and the loop has not settled yet
+    assert d.pool.clear() == 1 and [o.key for o in objs if o.ready] == keys[:3]  # CLEAR applied them first
     assert [o.pins for o in objs] == [1, 1, 1, 0] and [o.leases for o in objs] == [1, 1, 1, 0]
     assert d.registry.leased_bytes[""] == sum(o.nbytes for o in objs[:3])
-    assert d.pool.clear() == 1 and [o.key for o in objs if o.ready] == keys[:3]
     assert d.registry.release(body["lease"])
     assert [o.pins for o in objs[:3]] == [0, 0, 0] and not d.registry.leased_bytes
 

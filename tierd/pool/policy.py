@@ -99,9 +99,11 @@ class LRU:
     def leave(self, q: OrderedDict, obj: Obj) -> None:
         q.pop(obj, None)
 
-    def touch(self, lrus: dict, objs: Sequence[Obj], tick: int, hit: bool) -> int:
+    def touch(self, lrus: dict, objs: Sequence[Obj], tick: int, hit: bool, weight: int | None = None) -> int:
         """Touch ready objects (all in ``lrus``, their class's queues) tail first: the first ends up
-        most recent. ``hit``: a LOOKUP found them. Returns the last tick given."""
+        most recent. ``hit``: a LOOKUP found them. ``weight``: how many objects the LOOKUP's reuse
+        distance counts for (``Reuse``; default ``len(objs)``, 0 for the later parts of one LOOKUP
+        touched in parts, tail first). Returns the last tick given."""
         cls = move = None
         for obj in reversed(objs):
             tick += 1
@@ -215,12 +217,12 @@ class Reuse:
     def leave(self, q: Levels, obj: Obj) -> None:
         q.q[obj.hits].pop(obj, None)
 
-    def touch(self, lrus: dict, objs: Sequence[Obj], tick: int, hit: bool) -> int:
+    def touch(self, lrus: dict, objs: Sequence[Obj], tick: int, hit: bool, weight: int | None = None) -> int:
         if not objs:
             return tick
         top = LEVELS - 1
-        if hit:  # the distance of the deepest object found, for every object of the hit
-            self._sample(tick + 1 - objs[-1].tick, len(objs))
+        if hit and weight != 0:  # the distance of the deepest object found, for every object of the hit
+            self._sample(tick + 1 - objs[-1].tick, len(objs) if weight is None else weight)
         cls = qs = mtop = None
         if not hit:
             for obj in reversed(objs):

@@ -124,7 +124,7 @@ class Pool(Recency, Allocation):
         self.segments = segments
         self.slabs = SlabAllocator(self.segments)
         self.index = Index()
-        self._untouched, self._unobserved = [], []
+        self._untouched, self._unobserved, self._touched, self.unsettled = [], [], 0, 0
         self.lru: dict[SizeClass, OrderedDict[Obj, None]] = {}  # the policy's queue per class
         self._tick = 0
         self.objects = 0

@@ -1,6 +1,8 @@
 """What the pool holds and how recently: LOOKUP's reads of the index, the policy's queues (LRU
 per size class, and per namespace with a quota), pins, lease pins, and the touches and pins a
-LOOKUP's reply does not wait for (applied when the pool's lock is next taken: ``PoolLock``).
+LOOKUP's reply does not wait for: applied by the daemon while no request waits, a part at a time
+(``Recency.settle``), and all at once whenever anything but a LOOKUP takes the pool's lock
+(``PoolLock``), so nothing that evicts or reads the order sees it without them.
 
 A part of :class:`tierd.pool.pool.Pool` (its state lives there); the lock held where it says.
 """
@@ -20,14 +22,16 @@ class PoolLock:
     the pins of the leases it granted (Recency.defer_lease), then its LRU touches (Recency.lookup). So
     nobody sees pins or the LRU without them, and the daemon applies them itself right after each
     reply (Recency.settle). ``plain`` is the same lock applying the pins only, for code that neither
-    reads nor changes the LRU (lease grants and releases)."""
+    reads nor changes the LRU (lease grants and releases); ``reads`` the same lock applying
+    nothing, for LOOKUP's read of the index, which neither order nor pins decide."""
 
-    __slots__ = ("_lock", "_pool", "plain")
+    __slots__ = ("_lock", "_pool", "plain", "reads")
 
     def __init__(self, pool: Recency):
         self._lock = threading.Lock()
         self._pool = pool
         self.plain = _PinsLock(self._lock, pool)
+        self.reads = self._lock
 
     def acquire(self) -> None:
         _take(self._lock, self._pool, touches=True)
@@ -79,6 +83,8 @@ class Recency:
 
     def init_recency(self) -> None:
         self._untouched: list[list[Obj]] = []  # LOOKUP answers whose touch is not applied yet
+        self._touched = 0  # of _untouched[0], the objects (from its tail) touched already
+        self.unsettled = 0  # objects and keys LOOKUPs left to touch, pin and observe
         # LOOKUPs (namespace, keys, hit) the policy has not seen yet, if it looks at them
         self._observes = hasattr(self.policy, "observe")
         self._unobserved: list[tuple[bytes, Sequence[bytes], int]] = []
@@ -95,20 +101,32 @@ class Recency:
         ranks: Sequence[int],
     ):
         """Longest servable boundary and the objects a retrieve there reads (tierd.pool.fold).
-        They are touched (most recent: the first) when the lock is next taken, or at ``settle``."""
-        with self.lock:
+        They are touched (most recent: the first) when the lock is next taken, or at ``settle``;
+        what earlier LOOKUPs left is not applied first (the read depends on neither)."""
+        with self.lock.reads:
             hit, objs = self.index.lookup(ns, keys, specs, chunk_tokens, ranks)
             if objs:
                 self._untouched.append(objs)
+                self.unsettled += len(objs)
             if self._observes:
                 self._unobserved.append((ns, keys, hit))
+                self.unsettled += len(keys)
             return hit, objs
 
-    def settle(self) -> None:
-        """Apply the pins and touches LOOKUPs left (the daemon calls this once a reply is sent)."""
-        if self._untouched or self._unpinned or self._unobserved:
+    def settle(self, budget: int | None = None) -> bool:
+        """Apply the pins and touches LOOKUPs left: all of them, or (``budget``) the pins and about
+        that many objects' touches and keys' observations, the next in order (a LOOKUP's objects
+        tail first, as ``touch_objects`` takes them: any split gives the order of one call).
+        Returns whether any are left."""
+        if not (self._untouched or self._unpinned or self._unobserved):
+            return False
+        if budget is None:
             with self.lock:  # taking it applies them (PoolLock.acquire)
                 pass
+            return False
+        with self.lock.plain:  # the pins
+            self._apply_touches(budget)
+        return bool(self._untouched or self._unobserved)
 
     def defer_lease(self, objs: Sequence[Obj], owner: str) -> None:
         """``pin_lease(objs, owner)`` runs when the lock is next taken, before anything else does."""
@@ -151,15 +169,29 @@ class Recency:
         while self._unpinned:
             self.pin_lease(*self._unpinned.pop(0))
 
-    def _apply_touches(self) -> None:
-        untouched, self._untouched = self._untouched, []
-        for objs in untouched:
-            self.touch_objects(objs)
-        if self._unobserved:
-            seen, self._unobserved = self._unobserved, []
-            held = sum(map(len, self.index.spaces.values()))  # keys
-            for ns, keys, hit in seen:
-                self.policy.observe(ns, keys, hit, held)
+    def _apply_touches(self, budget: float = float("inf")) -> None:
+        """The touches, then the observations, LOOKUPs left: about ``budget`` objects and keys of
+        them (all by default). The lock held."""
+        while self._untouched and budget > 0:
+            # taken off first: a touch that raises drops its own LOOKUP's, not every later lock's
+            objs, done, self._touched = self._untouched.pop(0), self._touched, 0
+            left = len(objs) - done
+            self.unsettled -= left
+            take = left if budget >= left else int(budget)
+            part = objs[left - take : left] if take < len(objs) else objs
+            self.touch_objects(part, weight=0 if done else len(objs))
+            budget -= take
+            if take < left:
+                self._untouched.insert(0, objs)
+                self._touched, self.unsettled = done + take, self.unsettled + left - take
+        if self._untouched or not self._unobserved:
+            return
+        held = sum(map(len, self.index.spaces.values()))  # keys
+        while self._unobserved and budget > 0:
+            ns, keys, hit = self._unobserved.pop(0)
+            self.policy.observe(ns, keys, hit, held)
+            budget -= len(keys)
+            self.unsettled -= len(keys)
 
     def touch(self, ns: bytes, keys: Sequence[bytes]) -> None:
         """Mark a prefix's chunks used, tail first, so the head is the most recent."""
@@ -229,9 +261,10 @@ class Recency:
                 lru = self.nslru[obj.ns, obj.slab.cls] = self.policy.queue()
             self.policy.join(lru, obj)
 
-    def touch_objects(self, objs: Sequence[Obj], hit: bool = True) -> None:
+    def touch_objects(self, objs: Sequence[Obj], hit: bool = True, weight: int | None = None) -> None:
         """Touch ready objects tail first: the first one ends up most recent. ``hit``: a LOOKUP
-        found them, which the policy counts (False: only their recency changes). The lock held."""
-        self._tick = self.policy.touch(self.lru, objs, self._tick, hit)
+        found them, which the policy counts (False: only their recency changes; ``weight``: see
+        ``policy.LRU.touch``). The lock held."""
+        self._tick = self.policy.touch(self.lru, objs, self._tick, hit, weight)
         if self.ns_quota_bytes:
             self.policy.retouch(self.nslru, objs)

@@ -1,0 +1,68 @@
+"""A LOOKUP's bookkeeping applied in parts (the daemon applies it between requests, a few
+hundred objects at a time, tierd.pool.recency) leaves the pool exactly as applying it at once
+does: the same eviction order, levels, evictions and policy estimates, whatever the parts and
+whenever a store's lock applies the rest. Pure: pools without a daemon, exact ids."""
+
+import random
+
+import pytest
+from test_eviction_policy import FULL, NS, key, make, order, store
+
+
+def state(pool) -> tuple:
+    objs = pool.coldest(1 << 30)
+    return (
+        [int(o.key[1:]) for o in objs],
+        [o.hits for o in objs],
+        [o.tick for o in objs],
+        pool.evictions,
+        pool.policy.status(),
+    )
+
+
+def workload(seed: int, n: int = 1500, keys: int = 160) -> list[tuple[str, list[int]]]:
+    """Stores of short prefixes and LOOKUPs of prefixes of them, of every length."""
+    rng = random.Random(seed)
+    heads = [list(range(s, s + rng.randrange(2, 20))) for s in range(0, keys, 20)]
+    out = []
+    for _ in range(n):
+        prefix = rng.choice(heads)[: rng.randrange(1, 20)]
+        out.append((rng.choice(["store", "lookup", "lookup"]), prefix))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["reuse", "lru"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_touches_applied_in_parts_leave_the_order_of_touches_applied_at_once(policy, seed):
+    at_once, in_parts = make(policy, 48), make(policy, 48)
+    rng = random.Random(seed + 100)
+    for op, ids in workload(seed):
+        for pool in (at_once, in_parts):
+            if op == "store":
+                store(pool, *[i for i in ids if key(i) not in pool.index.spaces.get(NS, {})])
+            else:
+                pool.lookup(NS, [key(i) for i in ids], [FULL], 16, [0])
+        if op == "lookup":
+            at_once.settle()
+            if rng.random() < 0.7:  # else the next store's lock applies it
+                while in_parts.settle(rng.randrange(1, 8)):
+                    pass
+        assert in_parts.unsettled == 0 or op == "lookup"
+    at_once.settle()
+    in_parts.settle()
+    assert state(in_parts) == state(at_once)
+    assert len(order(at_once)) == 48 and at_once.evictions > 100  # the workload did evict
+
+
+def test_a_part_takes_the_lookups_tail_first_and_the_rest_stays_pending():
+    pool = make("reuse", 8)
+    objs = store(pool, 0, 1, 2, 3, 4)  # 0 the most recent
+    assert [o.tick for o in objs] == [5, 4, 3, 2, 1]
+    pool.lookup(NS, [key(i) for i in range(5)], [FULL], 16, [0])
+    assert pool.unsettled == 5 + 5  # five objects to touch, five keys to observe
+    assert pool.settle(2)  # the tail: 4, then 3
+    assert pool.unsettled == 8 and pool.policy.weight == 5  # the LOOKUP's distance counted once, for all 5
+    assert [o.tick for o in objs] == [5, 4, 3, 7, 6] and [o.hits for o in objs] == [0, 0, 0, 1, 1]
+    assert not pool.settle(3 + 5)  # the rest, and the observation
+    assert pool.unsettled == 0 and pool.policy.weight == 5
+    assert [o.tick for o in objs] == [10, 9, 8, 7, 6] and [o.hits for o in objs] == [1] * 5
