@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tierd.testing import ServeProcess  # noqa: E402
+from tierd.tools.testing import ServeProcess  # noqa: E402
 from tierd_client import TierdClient  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402
@@ -38,7 +38,7 @@ LAYERS, BLOCKS_PER_CHUNK, BATCH, SAMPLE = 32, 16, 8, 8
 
 
 class Daemon(ServeProcess):
-    """``tierd serve --pool-dir`` (tierd/testing.py's launcher); ``start`` returns its exec time."""
+    """``tierd serve --pool-dir`` (tierd/tools/testing.py's launcher); ``start`` returns its exec time."""
 
     def __init__(self, folder: str, pool_gib: float, tmp: str):
         super().__init__(

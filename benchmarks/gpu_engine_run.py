@@ -123,7 +123,7 @@ def daemon_stages(base: str | None) -> dict:
 
 
 def stage_means(before: dict, after: dict) -> dict:
-    from tierd.bench.common import stage_means as means
+    from tierd.tools.bench.common import stage_means as means
 
     return means(before, after)
 

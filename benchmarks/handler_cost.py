@@ -35,11 +35,11 @@ import msgspec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tierd import handlers  # noqa: E402
-from tierd.config import Settings  # noqa: E402
-from tierd.handlers import Call  # noqa: E402
+from tierd.base.config import Settings  # noqa: E402
+from tierd.core import handlers  # noqa: E402
+from tierd.core.handlers import Call  # noqa: E402
+from tierd.daemon.server import Daemon  # noqa: E402
 from tierd.protocol import codec, messages  # noqa: E402
-from tierd.server import Daemon  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402
 

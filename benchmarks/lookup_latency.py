@@ -47,8 +47,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tierd.bench.common import private_daemon  # noqa: E402
 from tierd.protocol import codec  # noqa: E402
+from tierd.tools.bench.common import private_daemon  # noqa: E402
 from tierd_client import TierdClient  # noqa: E402
 from tierd_client.layouts import block_span, group, layout, namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402

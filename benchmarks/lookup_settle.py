@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lookup_latency import BLOCK_BYTES, SPECS, fill, fill_256, percentiles  # noqa: E402
 
-from tierd.bench.common import private_daemon  # noqa: E402
-from tierd.config import Settings  # noqa: E402
+from tierd.base.config import Settings  # noqa: E402
+from tierd.tools.bench.common import private_daemon  # noqa: E402
 from tierd_client import TierdClient  # noqa: E402
 from tierd_client.layouts import namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402

@@ -60,7 +60,7 @@ def fill(ceiling: int, ahead: bool, gbps: float) -> dict:
 
 def serve(ceiling: int, ahead: bool, gbps: float) -> dict:
     """PING round trips while a real daemon's pool is filled to ``ceiling`` (module doc)."""
-    from tierd.testing import ServeProcess
+    from tierd.tools.testing import ServeProcess
     from tierd_client import TierdClient
     from tierd_client.layouts import block_span, group, layout, namespace
     from tierd_client.shm import SharedBuffer

@@ -1,4 +1,4 @@
-"""Handing shared memory to the daemon as file descriptors (the daemon side: tierd.fdinbox; the
+"""Handing shared memory to the daemon as file descriptors (the daemon side: tierd.edge.fdinbox; the
 socket's path and message format: tierd.protocol.sockets).
 
 Memory this process holds open but has no name for (torch's unlinked /dev/shm storages, memfds)

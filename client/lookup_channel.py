@@ -1,4 +1,4 @@
-"""The lookup channel's half of the client's transport (tierd.channel; docs/protocol.md section 2.1).
+"""The lookup channel's half of the client's transport (tierd.edge.channel; docs/protocol.md section 2.1).
 
 Once a HELLO is answered with
 ``channel_max_bytes`` the I/O thread connects the daemon's ``PATH.lookup`` seqpacket socket and

@@ -63,7 +63,7 @@ bench() {  # name, args...
     check "bench $name" "$rc"
     return
   fi
-  python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
+  python3 -c "import json,sys; from tierd.tools.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
     "$OUT/bench_$name.json" >> "$OUT/bench.log" 2>&1
 }
 variant() {  # LAYOUT[:PATH[:BURST]] -> bench arguments

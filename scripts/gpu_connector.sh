@@ -87,7 +87,7 @@ if [ "${BENCH:-0}" = 1 ]; then  # `tierd bench --device cuda` goes through the s
   rc=$?
   echo "== bench exit $rc ($(( $(date +%s) - t0 )) s)"
   if [ "$rc" = 0 ]; then
-    python3 -c "import json,sys; from tierd.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
+    python3 -c "import json,sys; from tierd.tools.report import bench_table; print(bench_table(json.load(open(sys.argv[1]))))" \
       "$OUT/bench.json" 2>&1 | tail -30
   else  # whatever it wrote is no figure
     check bench "$rc"

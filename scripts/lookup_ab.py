@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from lookup_latency import BLOCK_BYTES, NBLOCKS, SPECS, fill, fill_256, free_port, op_seconds, percentiles  # noqa: E402
 
-from tierd.bench.common import private_daemon  # noqa: E402
+from tierd.tools.bench.common import private_daemon  # noqa: E402
 from tierd_client import TierdClient  # noqa: E402
 from tierd_client.layouts import namespace  # noqa: E402
 from tierd_client.shm import SharedBuffer  # noqa: E402

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import io
 import os
 import random
@@ -52,15 +53,27 @@ def old_tree(rev: str) -> str:
     return name
 
 
+def module(package: str, *names: str):
+    """The first of ``names`` under ``package`` that exists: a module's place in this tree, then
+    where a revision from before the layer folders kept it."""
+    for name in names:
+        if importlib.util.find_spec(f"{package}.{name.split('.')[0]}") is not None:
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError:
+                continue
+    raise ModuleNotFoundError(f"none of {names} in {package}")
+
+
 class Side:
     """One daemon of one tree, with the bench's layout registered."""
 
     def __init__(self, package: str, groups: int, nb: int):
-        self.handlers = importlib.import_module(f"{package}.handlers")
+        self.handlers = module(package, "core.handlers", "handlers")
         self.codec = importlib.import_module(f"{package}.protocol.codec")
         messages = importlib.import_module(f"{package}.protocol.messages")
-        settings = importlib.import_module(f"{package}.config").Settings
-        daemon = importlib.import_module(f"{package}.server").Daemon
+        settings = module(package, "base.config", "config").Settings
+        daemon = module(package, "daemon.server", "server").Daemon
         sock = f"ipc://{tempfile.mkdtemp(prefix='tierd-ab-')}/h.sock"
         self.d = daemon(settings(socket=sock, l1_size_gb=4, http_port=-1))
         self.bufs = [SharedBuffer(LAYERS * nb * BLOCK_BYTES) for _ in range(groups)]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierd.testing import ROOT, DaemonExited, ServeProcess, free_port  # noqa: F401 - tests import these
+from tierd.tools.testing import ROOT, DaemonExited, ServeProcess, free_port  # noqa: F401 - tests import these
 
 # A few tests import helpers from a module of another layer (e2e from daemon); with every layer's
 # folder on the path that works however a run is scoped (``pytest tests/e2e`` alone, too).
@@ -18,7 +18,7 @@ for _layer in ("unit", "daemon", "e2e"):
 
 
 class DaemonProcess(ServeProcess):
-    """``tierd serve`` (tierd/testing.py's launcher) on ``ipc://<tmp>/tierd.sock``, with an HTTP
+    """``tierd serve`` (tierd/tools/testing.py's launcher) on ``ipc://<tmp>/tierd.sock``, with an HTTP
     port on loopback and debug logs in ``<tmp>/daemon.log``; ready when it returns."""
 
     def __init__(self, tmp: Path, *args: str, pool_mb: int = 256):

@@ -24,7 +24,7 @@ import numpy as np
 from kv import FakeRank, GroupGeom
 from l2_harness import ROOT, Master, _die_with_parent, tail
 
-from tierd.testing import ServeProcess
+from tierd.tools.testing import ServeProcess
 from tierd_client import TierdClient
 
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
@@ -32,7 +32,7 @@ URL = "mooncake://127.0.0.1?segment_gb=0.25&timeout_ms=2000&retry_s=0.5&fail_aft
 
 
 class Daemon(ServeProcess):
-    """A real ``python -m tierd serve`` with --l2-url (tierd/testing.py's launcher), on an ipc socket
+    """A real ``python -m tierd serve`` with --l2-url (tierd/tools/testing.py's launcher), on an ipc socket
     in the work dir, with a client bound to it."""
 
     def __init__(
@@ -192,7 +192,7 @@ def shared(workdir: Path, started: list) -> dict:
     out["lookup_again"] = rb.lookup(ks, lease=False)  # now from B's own L1
     out["status_a"], out["status_b"] = a.status(), b.status()
     out["metrics_b"] = b.metrics()
-    from tierd.report import status_table
+    from tierd.tools.report import status_table
 
     out["table_b"] = status_table(out["status_b"])
     return out

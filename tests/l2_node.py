@@ -26,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tierd.base.l2url import parse_url, route_host  # noqa: E402
 from tierd.tier2.client import advertise, load_store_class, open_store  # noqa: E402
 from tierd.tier2.keys import object_name  # noqa: E402
 from tierd.tier2.mooncake import MooncakeTier  # noqa: E402
-from tierd.tier2.url import parse_url, route_host  # noqa: E402
 
 
 class Memory:

@@ -1,10 +1,10 @@
-"""A STORE planned the way handlers.store plans it (tierd.planner decides, tierd.pool.reserve
+"""A STORE planned the way handlers.store plans it (tierd.state.planner decides, tierd.pool.reserve
 reserves, tierd.transfer.plans binds), for tests that pin its decisions with exact ids."""
 
 from __future__ import annotations
 
-from tierd import planner
 from tierd.pool.reserve import reserve
+from tierd.state import planner
 from tierd.transfer.plans import CopyPlan, bind
 
 

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tierd.testing import free_port
+from tierd.tools.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,3 +1,3 @@
-from tierd.cli import main
+from tierd.tools.cli import main
 
 main()

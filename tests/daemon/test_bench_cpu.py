@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from tierd.bench.common import fill_pattern
 from tierd.pool import pages
-from tierd.report import bench_table
+from tierd.tools.bench.common import fill_pattern
+from tierd.tools.report import bench_table
 
 
 def test_the_bench_pattern_fills_a_strided_view_in_place():

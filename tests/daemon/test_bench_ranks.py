@@ -9,7 +9,7 @@ import sys
 
 from conftest import ROOT
 
-from tierd.bench.ranks import _aggregate
+from tierd.tools.bench.ranks import _aggregate
 
 SMALL = [
     "--layers",

@@ -12,7 +12,7 @@ from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 
 def tierd(*args, timeout=60):
@@ -126,7 +126,7 @@ def test_status_with_no_socket_file_fails_within_the_start_grace_saying_how_to_s
     STATUS deadline, then said only 'DEADLINE'."""
     from click.testing import CliRunner
 
-    from tierd.cli import STARTING_S, main
+    from tierd.tools.cli import STARTING_S, main
 
     sock = f"ipc://{tmp_path}/tierd.sock"
     t0 = time.monotonic()

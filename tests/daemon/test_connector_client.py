@@ -17,7 +17,7 @@ from conftest import ROOT, DaemonProcess
 
 from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 from tierd_client import DaemonUnavailable, TierdClient, TierdError
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 pytest.importorskip("vllm")
 

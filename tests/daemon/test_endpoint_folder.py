@@ -1,4 +1,4 @@
-"""The socket's folder belongs to the daemon (tierd.endpoint.check_folder): whoever can write it
+"""The socket's folder belongs to the daemon (tierd.edge.endpoint.check_folder): whoever can write it
 could move the live socket away and bind their own, so a folder of another user, one its group
 or others can write, a symlinked one, or one under a folder others can write (not sticky) or
 behind another user's symlink stops ``tierd serve`` with a usage error naming it; the daemon's
@@ -27,9 +27,9 @@ import pytest
 import zmq
 from conftest import ROOT, DaemonProcess
 
-from tierd.endpoint import EndpointError, check_folder
+from tierd.edge.endpoint import EndpointError, check_folder
 from tierd.protocol import codec
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown and setuid to other users need root")
 

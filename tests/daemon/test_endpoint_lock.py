@@ -1,4 +1,4 @@
-"""One daemon per endpoint, decided by the flock on ``<socket>.lock`` (tierd.endpoint), not by a
+"""One daemon per endpoint, decided by the flock on ``<socket>.lock`` (tierd.edge.endpoint), not by a
 probe: a second daemon on a busy socket refuses naming the lock and its holder's pid, a SIGKILLed
 daemon's lock is free at once, a clean stop (and a start that fails after taking the lock) leaves
 no file behind, a daemon racing that removal never holds a lock on a removed file, and only a
@@ -20,9 +20,9 @@ import pytest
 import zmq
 from conftest import ROOT, DaemonProcess, free_port
 
-from tierd.endpoint import EndpointError, bind
-from tierd.testing import serve_argv
-from tierd.zmtp import Router
+from tierd.edge.endpoint import EndpointError, bind
+from tierd.edge.zmtp import Router
+from tierd.tools.testing import serve_argv
 
 REFUSE_WAIT_S = 20  # a second daemon that refuses exits long before; one that serves never does
 
@@ -162,7 +162,7 @@ def test_a_daemon_racing_the_lock_files_removal_takes_the_new_file(tmp_path, mon
     """The lock file goes at a clean stop. A daemon that opened it just before, and flocks it just
     after, holds a lock on a removed file: it must see that and start over on the path, else a
     third daemon would take the path's new file and two would serve."""
-    from tierd import endpoint
+    from tierd.edge import endpoint
 
     sock = str(tmp_path / "tierd.sock")
     lock = sock + endpoint.LOCK_SUFFIX

@@ -10,8 +10,8 @@ from kv import keys
 from test_eviction import GEOM, OBJ, src
 from util import chunk, ranks  # noqa: F401 - fixtures
 
-from tierd.report import status_table
-from tierd.testing import serve_argv
+from tierd.tools.report import status_table
+from tierd.tools.testing import serve_argv
 
 
 def fill_past_capacity(d, c, rank) -> int:

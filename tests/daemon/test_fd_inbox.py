@@ -1,4 +1,4 @@
-"""Shared memory handed to the daemon as descriptors (tierd.fdinbox, tierd_client.fdpass).
+"""Shared memory handed to the daemon as descriptors (tierd.edge.fdinbox, tierd_client.fdpass).
 
 The inbox alone (real Unix seqpacket sockets, real memfds, no daemon): what it keeps, for whom,
 for how long and how much. Then through a real daemon: a REGISTER by descriptor copies the bytes,
@@ -19,7 +19,7 @@ from kv import keys
 from users import make_user, run_as, shared_socket_dir  # noqa: F401 - fixture
 from wire import Raw, wait_for
 
-from tierd.fdinbox import FdInbox
+from tierd.edge.fdinbox import FdInbox
 from tierd.protocol.sockets import MAGIC
 from tierd_client import fdpass
 from tierd_client.layouts import block_span, group, layout, namespace

@@ -1,4 +1,4 @@
-"""The descriptor inbox (tierd.fdinbox) outlives anything one connection does to it.
+"""The descriptor inbox (tierd.edge.fdinbox) outlives anything one connection does to it.
 
 It is one thread; if it ended, no engine could hand its CPU KV memory over until the daemon
 restarts. Hostile messages (credentials instead of descriptors, too many descriptors, an empty or
@@ -20,7 +20,7 @@ from conftest import DaemonProcess  # noqa: F401 - fixtures from conftest
 from test_fd_inbox import memfds, open_fds, round_trip_by_descriptor
 from wire import wait_for
 
-from tierd.fdinbox import MAGIC, MAX_FDS_PER_MESSAGE, FdInbox
+from tierd.edge.fdinbox import MAGIC, MAX_FDS_PER_MESSAGE, FdInbox
 from tierd_client import fdpass
 
 GOOD = MAGIC + bytes(16)

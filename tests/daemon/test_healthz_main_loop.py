@@ -19,8 +19,8 @@ import urllib.request
 from conftest import ROOT, free_port
 from wire import Raw, wait_for
 
-from tierd.status import STALL_S
-from tierd.testing import serve_argv
+from tierd.daemon.status import STALL_S
+from tierd.tools.testing import serve_argv
 
 SENT = 200
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+ on Linux; spelled out for older builds)

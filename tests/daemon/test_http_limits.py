@@ -2,7 +2,7 @@
 --http-max-connections descriptors, each has --http-timeout-s for its whole request (a client
 dripping bytes gets no extension), /status answers while idle connections fill the cap (the oldest
 unfinished one makes room), and when every open connection is being answered a new one gets 503
-without a thread (tierd.http.server)."""
+without a thread (tierd.edge.http.server)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tierd.http.server import WORKERS, BoundedHTTPServer
+from tierd.edge.http.server import WORKERS, BoundedHTTPServer
 
 IDLE = 400
 
@@ -182,7 +182,7 @@ def test_busy_server_answers_503_without_a_thread():
 
 @pytest.mark.parametrize("flag,value", [("--http-timeout-s", "0"), ("--http-max-connections", "0")])
 def test_http_limit_flags_are_checked(flag, value):
-    from tierd.config import Settings
+    from tierd.base.config import Settings
 
     name = flag[2:].replace("-", "_")
     with pytest.raises(ValueError, match=flag):

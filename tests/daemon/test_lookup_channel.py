@@ -1,4 +1,4 @@
-"""The lookup channel (docs/protocol.md section 2.1, tierd.channel): LOOKUP and PING on a Unix
+"""The lookup channel (docs/protocol.md section 2.1, tierd.edge.channel): LOOKUP and PING on a Unix
 seqpacket socket next to the ipc:// endpoint. A real daemon, real sockets: what the client sends
 there and the answers it gets, what the daemon refuses there, and that a hostile or slow peer on
 it stalls nobody."""
@@ -17,7 +17,7 @@ from users import make_user, run_as  # noqa: F401 - fixture
 from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import request, wait_for
 
-from tierd.channel import MAX_BYTES
+from tierd.edge.channel import MAX_BYTES
 from tierd.protocol.sockets import CHANNEL_SUFFIX
 from tierd_client import DaemonUnavailable, TierdError
 

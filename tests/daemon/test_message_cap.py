@@ -1,6 +1,6 @@
 """What one ZeroMQ message of many parts costs a real ``tierd serve`` (docs/protocol.md sections 2
 and 19): a request is one frame, so a message of more parts is refused, TOO_LARGE when its parts
-sum past the message cap (2 x --max-frame-mb). The daemon reads the wire itself (tierd.zmtp): it
+sum past the message cap (2 x --max-frame-mb). The daemon reads the wire itself (tierd.edge.zmtp): it
 holds a message's first frame and counts the later parts as they stream past, so a message of
 any number of parts costs it at most one cap. The control: a bare libzmq ROUTER given the same
 message holds all of it before its first part can be read (ZeroMQ delivers messages whole;
@@ -19,7 +19,7 @@ import zmq
 from util import raw  # noqa: F401 - fixture
 from wire import request
 
-from tierd.channel import MAX_BYTES
+from tierd.edge.channel import MAX_BYTES
 from tierd.protocol.sockets import CHANNEL_SUFFIX, MAGIC
 
 MIB = 1 << 20

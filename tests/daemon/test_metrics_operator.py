@@ -18,9 +18,9 @@ from test_healthz_main_loop import SENT, LogPipe, healthz
 from util import chunk
 from wire import Raw, wait_for
 
+from tierd.daemon.status import ASK_TIMEOUT_S, STALL_S
 from tierd.protocol.errors import ErrorCode
-from tierd.status import ASK_TIMEOUT_S, STALL_S
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 GEOM = GroupGeom("full", layers=2, block_bytes=512, block_tokens=4)
 SPECS = [{"kind": "full", "block_tokens": 4, "window_tokens": 0}]

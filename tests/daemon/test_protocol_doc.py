@@ -11,10 +11,10 @@ import msgspec
 import pytest
 from kv import FakeRank, GroupGeom, keys
 
-from tierd.cli import serve
+from tierd.base.stats import COUNTERS
 from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode
-from tierd.stats import COUNTERS
+from tierd.tools.cli import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "protocol.md"

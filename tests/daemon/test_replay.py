@@ -10,8 +10,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from tierd import replay
-from tierd.cli import main
+from tierd.tools import replay
+from tierd.tools.cli import main
 
 # Worked by hand, 4-block pool, tail-first LRU (most recent first after each request):
 #   [1,2,3]    miss, store 1 2 3          -> 1 2 3

@@ -1,5 +1,5 @@
 """A RETRIEVE that arrives behind STOREs is handled before them: an engine waits for its
-restores, not for its stores (tierd.backlog). Here the STORE ahead of it needs room in a full
+restores, not for its stores (tierd.core.backlog). Here the STORE ahead of it needs room in a full
 pool; handled first, it would evict one of the objects the RETRIEVE reads."""
 
 import signal

@@ -23,7 +23,7 @@ from kv import GroupGeom
 from util import ranks, raw  # noqa: F401 - fixtures
 from wire import Raw, pack, wait_for
 
-from tierd.zmtp import Router
+from tierd.edge.zmtp import Router
 
 TESTS = Path(__file__).resolve().parents[1]
 

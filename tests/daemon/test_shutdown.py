@@ -12,7 +12,7 @@ from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks, raw  # noqa: F401 - fixtures
 
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

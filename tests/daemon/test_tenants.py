@@ -19,7 +19,7 @@ from users import UserProcess, make_user, shared_socket_dir  # noqa: F401 - fixt
 from util import chunk
 from wire import Raw
 
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 GEOM = GroupGeom("full", layers=2, block_bytes=512, block_tokens=4)
 NS_FP = "shared-fingerprint"

@@ -14,7 +14,7 @@ import pytest
 from wire import wait_for
 
 import tierd_client.transport as transport
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 from tierd_client import TierdClient
 
 

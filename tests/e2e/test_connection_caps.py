@@ -15,7 +15,7 @@ import zmq
 from conftest import ROOT, DaemonProcess
 from wire import wait_for
 
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 from tierd_client import TierdClient
 
 

@@ -1,7 +1,7 @@
 """The HTTP endpoints outlive hostile clients, against a real ``tierd serve``: more unfinished
 requests than --http-max-connections (each one past the cap closes the oldest, serving goes on),
 and a storm of slow, half-open, reset and garbage connections in a row while a prober asks
-/healthz every few milliseconds and must always be answered (tierd.http.server)."""
+/healthz every few milliseconds and must always be answered (tierd.edge.http.server)."""
 
 from __future__ import annotations
 

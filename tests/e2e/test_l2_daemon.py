@@ -17,7 +17,7 @@ import pytest
 from test_l2_mooncake import run
 
 from tierd.protocol.keys import KEY_VERSION
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "protocol.md").read_text()
@@ -91,7 +91,7 @@ def test_objects_nodes_of_another_key_derivation_or_object_layout_wrote_are_neve
     l2 = r["status_b"]["l2"]
     assert l2["lookups"] == 3 and l2["hit_chunks"] == 8 and l2["fetched"] == 8  # B asked L2 each time
     # imported here, after the behaviour: a version whose names lack the format fails on that first
-    from tierd.planner import OBJECT_LAYOUT_VERSION
+    from tierd.state.planner import OBJECT_LAYOUT_VERSION
     from tierd.tier2.keys import name_format
 
     lines = r["l2_lines"]
@@ -187,7 +187,7 @@ def test_a_bad_l2_url_is_a_usage_error_naming_the_part(url, says):
 
 def test_importing_the_daemon_does_not_import_the_second_tier():
     code = (
-        "import sys, tierd.server, tierd.cli, tierd.status, tierd.stats; "
+        "import sys, tierd.daemon.server, tierd.tools.cli, tierd.daemon.status, tierd.base.stats; "
         "print(sorted(m for m in sys.modules if m.startswith(('mooncake', 'tierd.l2', 'tierd.tier2'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, free_port
 
-from tierd.testing import serve_argv
+from tierd.tools.testing import serve_argv
 
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```sh\n(.*?)```", README, re.S)

@@ -6,8 +6,8 @@ negative control: the same REGISTER by the file's owner, of a proper file, succe
 another user are forked processes that really run as a throwaway user (the daemon takes the uid
 from the connection, SO_PEERCRED), so these tests need root and skip without it.
 
-A REGISTER's memory is opened by the daemon's ``Tier.open_memory`` (tierd.assemble.MemoryOpener),
-which hands CpuRankMemory the connection's credentials (tierd.peer.Peer). The negative controls of
+A REGISTER's memory is opened by the daemon's ``Tier.open_memory`` (tierd.daemon.assemble.MemoryOpener),
+which hands CpuRankMemory the connection's credentials (tierd.edge.peer.Peer). The negative controls of
 another user's own file test that: were the credentials not passed, the root daemon would check
 the file against its own uid 0, refuse it, and the control would fail.
 """
@@ -28,7 +28,7 @@ from users import make_user, run_as, shared_socket_dir  # noqa: F401 - fixture
 from util import chunk, ids, ranks, raw  # noqa: F401 - fixtures
 from wire import Raw, wait_for
 
-from tierd.peer import Peer
+from tierd.edge.peer import Peer
 from tierd.protocol.errors import ProtocolError
 from tierd.protocol.layout import PageLayout
 from tierd.transfer.cpu import CpuRankMemory

@@ -15,9 +15,9 @@ from pool_dirs import shm_dir  # noqa: F401 - fixture
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 from wire import wait_for
 
-from tierd import warm
-from tierd.config import Settings
-from tierd.testing import serve_argv
+from tierd.base.config import Settings
+from tierd.daemon import warm
+from tierd.tools.testing import serve_argv
 
 N = NULL
 GROUPS = (GroupGeom("full", layers=2, block_bytes=1024, block_tokens=4), GroupGeom("state", block_tokens=16))

@@ -15,9 +15,9 @@ from test_warm_restart_cold import restarted_cold, stored_then_stopped
 from util import ranks  # noqa: F401 - fixture
 from wire import wait_for
 
-from tierd.planner import OBJECT_LAYOUT_VERSION
 from tierd.pool.model import FORMAT, MAGIC
 from tierd.protocol.keys import KEY_VERSION
+from tierd.state.planner import OBJECT_LAYOUT_VERSION
 
 HEAD = struct.Struct("<8sIIQ")  # the index header, as tierd.pool.persist documents it
 SUM = 32  # blake2b-256 of the header and the body, after the header

@@ -1,8 +1,8 @@
-"""The order the main loop handles waiting requests in (tierd.backlog): arrival order, except
+"""The order the main loop handles waiting requests in (tierd.core.backlog): arrival order, except
 that a RETRIEVE goes before the STOREs ahead of it, the two kinds then taking turns, and never
 past any other op."""
 
-from tierd.backlog import OTHER, RETRIEVE, STORE, Backlog, kind
+from tierd.core.backlog import OTHER, RETRIEVE, STORE, Backlog, kind
 from tierd.protocol import codec
 
 

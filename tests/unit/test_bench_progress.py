@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 
-from tierd.bench.common import Progress
+from tierd.tools.bench.common import Progress
 
 
 class Clock:

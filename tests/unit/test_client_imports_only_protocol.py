@@ -53,17 +53,17 @@ def test_the_check_tells_the_protocol_from_the_rest_of_the_daemon():
         "from tierd import protocol\n"
         "import tierd_client.shm\n"
         "def f():\n"
-        "    from tierd.channel import channel_path\n"
-        "import tierd.config\n"
-        "from tierd import fdinbox\n"
+        "    from tierd.edge.channel import channel_path\n"
+        "import tierd.base.config\n"
+        "from tierd.edge import fdinbox\n"
         "from tierd.protocolx import y\n"
         "import tierd.native\n"
         "import tierd\n"
     )
     assert forbidden_imports(src) == [
-        (7, "tierd.channel"),
-        (8, "tierd.config"),
-        (9, "tierd.fdinbox"),
+        (7, "tierd.edge.channel"),
+        (8, "tierd.base.config"),
+        (9, "tierd.edge"),
         (10, "tierd.protocolx"),
         (12, "tierd"),
     ]

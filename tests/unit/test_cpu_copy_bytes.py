@@ -543,12 +543,12 @@ def test_a_block_outermost_chunk_of_consecutive_blocks_is_one_memcpy(shm, monkey
 def test_status_says_how_a_rank_is_copied_and_which_groups_are_block_major(shm, tmp_path):
     """/status names each instance's copies and per group its object order; ``tierd status``
     marks a block-major group ``/block``."""
-    from tierd import handlers
-    from tierd.config import Settings
-    from tierd.handlers import Call
+    from tierd.base.config import Settings
+    from tierd.core import handlers
+    from tierd.core.handlers import Call
+    from tierd.daemon.server import Daemon
     from tierd.protocol import messages
-    from tierd.report import status_table
-    from tierd.server import Daemon
+    from tierd.tools.report import status_table
 
     d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625))
     try:

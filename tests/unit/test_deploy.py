@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tierd.cli import serve
-from tierd.config import Settings
-from tierd.server import SHUTDOWN_GRACE_S
+from tierd.base.config import Settings
+from tierd.daemon.server import SHUTDOWN_GRACE_S
+from tierd.tools.cli import serve
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNIT = DEPLOY / "tierd.service"
@@ -114,7 +114,9 @@ def test_socket_admits_group_tierd_and_its_folder_passes_the_daemons_check():
     mode = int(exec_start[exec_start.index("--socket-mode") + 1], 8)
     assert mode == 0o660, "owner and group tierd read-write, others nothing"
     folder_mode = int(svc["RuntimeDirectoryMode"], 8)
-    assert folder_mode & 0o022 == 0, "tierd.endpoint refuses a socket folder its group or others can write"
+    assert folder_mode & 0o022 == 0, (
+        "tierd.edge.endpoint refuses a socket folder its group or others can write"
+    )
     assert folder_mode & 0o050 == 0o050 and folder_mode & 0o007 == 0, "group tierd may enter, others not"
     assert "--socket-mode" not in tierd_args(), "the socket's mode is the unit's"
 

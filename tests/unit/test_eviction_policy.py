@@ -9,13 +9,13 @@ import math
 
 import pytest
 
-from tierd.config import Settings
+from tierd.base.config import Settings
 from tierd.pool import policy as policies
 from tierd.pool import shadow as shadows
 from tierd.pool.index import Span
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupKind, GroupSpec
-from tierd.trace import block_key
+from tierd.tools.trace import block_key
 
 CAP, SLOT, NS = 4, 64, b"ns"
 SPAN = Span({0: (0, 0)}, {0: 1})

@@ -1,4 +1,4 @@
-"""The HTTP server's accepting thread is never lost (tierd.http.server): an exception while serving
+"""The HTTP server's accepting thread is never lost (tierd.edge.http.server): an exception while serving
 one connection closes that connection only, one in the loop itself drops the unfinished requests
 and serving goes on, a thread that ended all the same is started again by ``check()`` (the
 daemon's housekeeping calls it), and /healthz is answered by that thread itself, also while every
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tierd.http.server import WORKERS, BoundedHTTPServer
+from tierd.edge.http.server import WORKERS, BoundedHTTPServer
 
 
 class Ok:

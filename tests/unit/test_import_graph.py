@@ -81,7 +81,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_project_has_no_import_circles():
     mods = modules()
-    assert "tierd.server" in mods and "tierd_client.vllm_connector.worker" in mods
+    assert "tierd.daemon.server" in mods and "tierd_client.vllm_connector.worker" in mods
     found = cycles(graph(mods))
     assert found == [], f"import circles: {found}"
 
@@ -132,31 +132,31 @@ def test_no_module_reaches_into_another_modules_private_attributes():
     assert not found, "use (or add) a public name instead:\n" + "\n".join(found)
 
 
-# The daemon's layers, top first: a module may import (at module level, in a function, or for
-# type checking only) modules of its own layer and of the layers below it, never above. So a
-# request's path goes down, edge -> handler -> (second tier) -> state -> planner -> pool ->
-# transfer, and comes back as returned values, never as a call from below into a module it left.
+# The daemon's layers, top first, each a folder of tierd/: a module may import (at module level,
+# in a function, or for type checking only) modules of its own layer and of the layers below it,
+# never above. So a request's path goes down, daemon -> core -> (second tier) -> state (and the
+# planner) -> pool -> transfer, over the edge's sockets, and comes back as returned values, never
+# as a call from below into a module it left.
 LAYERS = [
-    (
-        "edge and operators",
-        ("tierd.__main__", "tierd.cli", "tierd.server", "tierd.outcomes", "tierd.respond", "tierd.assemble")
-        + ("tierd.status", "tierd.http", "tierd.report", "tierd.bench", "tierd.replay", "tierd.trace")
-        + ("tierd.warm", "tierd.backlog"),
-    ),
-    ("handlers", ("tierd.handlers", "tierd.jobs")),
+    ("operator's tools", ("tierd.__main__", "tierd.tools")),
+    ("daemon", ("tierd.daemon",)),
+    ("request core", ("tierd.core",)),
     ("second tier", ("tierd.tier2",)),
-    ("state", ("tierd.registry", "tierd.records", "tierd.tenants")),
-    ("planner", ("tierd.planner",)),
+    ("state and planner", ("tierd.state",)),
     ("pool", ("tierd.pool",)),
     ("transfer", ("tierd.transfer",)),
-    (
-        "wire and settings",
-        ("tierd.protocol", "tierd.config", "tierd.stats", "tierd.channel", "tierd.endpoint")
-        + ("tierd.fdinbox", "tierd.peer", "tierd.zmtp", "tierd")
-        # the --l2-url grammar is pure: config checks the flag with it
-        + ("tierd.tier2.url",),
-    ),
+    ("edge", ("tierd.edge",)),
+    ("wire and settings", ("tierd.protocol", "tierd.base", "tierd")),
 ]
+
+
+def test_every_layer_is_a_folder_and_every_folder_a_layer():
+    """tierd/'s folders are its layers: no module beside them but the package's own two."""
+    folders = {p.name for p in PACKAGES["tierd"].iterdir() if (p / "__init__.py").exists()}
+    listed = {p.split(".")[1] for _, prefixes in LAYERS for p in prefixes if p.count(".") == 1}
+    assert folders - {"native"} == listed - {"__main__"}
+    loose = {p.name for p in PACKAGES["tierd"].glob("*.py")}
+    assert loose == {"__init__.py", "__main__.py"}, f"put these in a layer's folder: {loose}"
 
 
 def layer_of(module: str, layers=LAYERS) -> int | None:
@@ -269,14 +269,14 @@ def test_the_pool_and_registry_of_a_running_daemon_hold_no_callback_into_a_highe
     """A daemon in process, a lease granted but its pins not applied yet (the pool holds them
     as data), then the pool's and the registry's attributes are walked for callables of a
     higher layer."""
-    from tierd.config import Settings
-    from tierd.server import Daemon
+    from tierd.base.config import Settings
+    from tierd.daemon.server import Daemon
 
     d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1, l1_size_gb=0.0625))
     try:
         session = d.registry.open_session(b"i" * 16, "c", 1)
         d.registry.grant(session, [], 1)
-        found = callbacks_up(d.pool, "tierd.pool.pool") + callbacks_up(d.registry, "tierd.registry")
+        found = callbacks_up(d.pool, "tierd.pool.pool") + callbacks_up(d.registry, "tierd.state.registry")
         assert not found, "a lower layer holds a callback into a higher one:\n" + "\n".join(found)
     finally:
         d.close()
@@ -285,11 +285,11 @@ def test_the_pool_and_registry_of_a_running_daemon_hold_no_callback_into_a_highe
 def test_the_callback_walk_finds_one():
     from functools import partial
 
-    from tierd import handlers
+    from tierd.core import handlers
 
     class Holder:
         __module__ = "tierd.pool.pool"
 
     h = Holder()
     h.hooks = {"evict": partial(handlers.hello, None)}
-    assert callbacks_up(h, "tierd.pool.pool") == ["tierd.pool.pool.hooks['evict']: tierd.handlers"]
+    assert callbacks_up(h, "tierd.pool.pool") == ["tierd.pool.pool.hooks['evict']: tierd.core.handlers"]

@@ -22,7 +22,7 @@ import pytest
 from tierd.protocol import keys
 from tierd.protocol.keys import KEY_VERSION, namespace_id
 from tierd.protocol.layout import Namespace
-from tierd.tenants import scoped_namespace_id
+from tierd.state.tenants import scoped_namespace_id
 from tierd.tier2.keys import FORMAT, chunk_key, object_name
 from tierd_client.vllm_connector.keys import extend_keys
 

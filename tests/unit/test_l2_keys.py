@@ -21,11 +21,11 @@ print(object_name(chunk_key(bytes(range(16)), bytes(range(100, 116)), 3, 1), "ti
 
 OTHER_VERSION = """
 import sys
-import tierd.planner
+import tierd.state.planner
 import tierd.protocol.keys
 
 tierd.protocol.keys.KEY_VERSION += int(sys.argv[1])
-tierd.planner.OBJECT_LAYOUT_VERSION += int(sys.argv[2])
+tierd.state.planner.OBJECT_LAYOUT_VERSION += int(sys.argv[2])
 from tierd.tier2.keys import chunk_key, object_name
 print(object_name(chunk_key(bytes(range(16)), bytes(range(100, 116)), 3, 1), "tierd"))
 """

@@ -9,10 +9,10 @@ import random
 import pytest
 from planning import plan_store
 
-from tierd.planner import Geometry
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupSpec, PageLayout
 from tierd.protocol.messages import Chunk
+from tierd.state.planner import Geometry
 from tierd.tier2.parts import Part, Remote, fold, missing, obj_name, part_name
 
 NULL = -1

@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 from planning import plan_store
 
-from tierd.planner import Geometry
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import PageLayout
 from tierd.protocol.messages import Chunk
+from tierd.state.planner import Geometry
 from tierd.tier2.fetch import Fetches
 from tierd.tier2.parts import Part
 from tierd.tier2.spill import Spill

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from tierd.tier2.url import MooncakeUrl, parse_url, route_host
+from tierd.base.l2url import MooncakeUrl, parse_url, route_host
 
 
 def test_defaults_follow_the_master_host():

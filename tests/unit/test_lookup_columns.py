@@ -18,7 +18,7 @@ from tierd.pool import fold
 from tierd.pool.index import Span, column_of
 from tierd.pool.pool import EXISTS, Pool
 from tierd.protocol.layout import GroupKind, GroupSpec
-from tierd.registry import OWN_PEER
+from tierd.state.registry import OWN_PEER
 
 
 def derived_columns(pool: Pool) -> dict:
@@ -154,11 +154,11 @@ def test_a_touch_of_an_object_gone_meanwhile_touches_the_rest(pool):
 def stored(tmp_path):
     """An in-process Daemon (real handlers and pool) with one session and four committed chunks,
     the last one least recent; its ``replies.send`` records each reply and what was pending then."""
-    from tierd import handlers
-    from tierd.config import Settings
-    from tierd.handlers import Call
+    from tierd.base.config import Settings
+    from tierd.core import handlers
+    from tierd.core.handlers import Call
+    from tierd.daemon.server import Daemon
     from tierd.protocol import codec, messages
-    from tierd.server import Daemon
     from tierd_client.layouts import block_span, group, layout, namespace
     from tierd_client.shm import SharedBuffer
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from planning import plan_store
 
-from tierd.planner import Geometry, plan_retrieve
 from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
 from tierd.protocol.messages import Chunk
+from tierd.state.planner import Geometry, plan_retrieve
 
 NULL = -1
 NS = b"ns-planner-0"

@@ -13,17 +13,17 @@ import threading
 import pytest
 from pool_dirs import shm_dir  # noqa: F401 - fixture
 
-from tierd.config import Settings
+from tierd.base.config import Settings
 from tierd.pool.pool import Pool
 from tierd.pool.segments import SegmentSet
-from tierd.report import status_table
+from tierd.tools.report import status_table
 
 KIB, MIB = 1 << 10, 1 << 20
 NS = b"namespace-0"
 
 
 def test_a_first_small_object_backs_one_64_mib_segment_not_a_whole_gib(tmp_path):
-    from tierd.server import Daemon
+    from tierd.daemon.server import Daemon
 
     d = Daemon(Settings(socket=f"ipc://{tmp_path}/t.sock", http_port=-1))  # defaults: an 8 GiB ceiling
     try:

@@ -12,7 +12,7 @@ from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.keys import namespace_id
 from tierd.protocol.layout import PageLayout
-from tierd.registry import Registry
+from tierd.state.registry import Registry
 from tierd.transfer.engine import TransferEngine
 
 
@@ -136,7 +136,7 @@ def test_namespaces_are_forgotten_once_nothing_names_them(reg):
 
 # ---- per-client caps (LIMIT): nothing of a refused request takes effect ---------------------------
 def limited(pool, lanes, **kw):
-    from tierd.registry import Limits
+    from tierd.state.registry import Limits
 
     return Registry(pool, lanes, lease_ttl_s=60.0, heartbeat_timeout_s=30.0, limits=Limits(**kw))
 
@@ -147,7 +147,7 @@ class Files(Memory):
 
 
 def test_sessions_past_the_per_peer_cap_are_refused_and_a_closed_one_makes_room(reg):
-    from tierd.tenants import Principal
+    from tierd.state.tenants import Principal
 
     r = limited(reg.pool, reg.lanes, sessions_per_peer=2)
     alice, bob = Principal("uid:1", False, "uid:1"), Principal("uid:2", False, "uid:2")
@@ -254,8 +254,8 @@ def test_a_grant_counts_the_pins_another_grant_left_for_after_its_reply(reg):
 def test_no_instance_name_of_one_tenant_reaches_another_tenants_instance(reg):
     """Registry keys once joined name and tenant with '@': the default tenant's 'r0@uid:5' was
     tenant uid:5's 'r0', which that tenant could then unregister or store through."""
-    from tierd.registry import instance_key
-    from tierd.tenants import Principal
+    from tierd.state.registry import instance_key
+    from tierd.state.tenants import Principal
 
     owner = reg.open_session(b"o", "x", 1)
     other = reg.open_session(b"u", "x", 1, Principal("uid:5", False, "uid:5"))
@@ -272,7 +272,7 @@ def test_no_instance_name_of_one_tenant_reaches_another_tenants_instance(reg):
 
 def test_a_token_files_tenant_names_hold_no_control_character(tmp_path):
     """A tenant name is part of registry keys, which set a name apart from its tenant with a NUL."""
-    from tierd.tenants import TokenFileError, load_tokens
+    from tierd.state.tenants import TokenFileError, load_tokens
 
     path = tmp_path / "tokens"
     path.write_text("bob\x00x bob-token-0123456789ab\n")

@@ -1,5 +1,5 @@
 """The default eviction policy on traces of other shapes than Mooncake's conversations, replayed
-through the daemon's pool (tierd.replay): where frequency tells (popular shared documents; a hot
+through the daemon's pool (tierd.tools.replay): where frequency tells (popular shared documents; a hot
 set with one-off long documents streaming past it) it hits well above LRU, and where it does not
 (quick multi-turn chats, a working set that changes every phase) it loses no more than 0.01 of
 the infinite pool's hit ratio to LRU: a frequency bonus would keep a finished phase's objects a
@@ -17,8 +17,8 @@ import random
 
 import pytest
 
-from tierd import replay
-from tierd.trace import block_key
+from tierd.tools import replay
+from tierd.tools.trace import block_key
 
 
 def trace(requests: list[list[int]]) -> replay.Trace:

@@ -1,8 +1,8 @@
 """Where a copy's time goes in the daemon: a job's stamps (stage, when it ended) become seconds per
 stage, summed per op, in time order whichever thread stamped first."""
 
-from tierd.bench.common import stage_means
-from tierd.stats import STAGES, Stats
+from tierd.base.stats import STAGES, Stats
+from tierd.tools.bench.common import stage_means
 
 
 def test_stages_are_the_gaps_between_stamps_in_time_order():

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tierd.config import Settings
-from tierd.server import Daemon
+from tierd.base.config import Settings
+from tierd.daemon.server import Daemon
 
 
 class SlowMemory:
@@ -54,8 +54,8 @@ def test_close_waits_for_running_copies_then_closes_memory_then_the_pool(tmp_pat
         [{"handle": {"kind": "shm", "path": "/dev/shm/x"}, "nbytes": 4096}],
         [group("full", 4, spans)],
     )
-    from tierd import handlers
-    from tierd.handlers import Call
+    from tierd.core import handlers
+    from tierd.core.handlers import Call
     from tierd.protocol import messages as m
 
     ident = b"c" * 16

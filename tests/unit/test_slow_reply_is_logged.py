@@ -5,10 +5,10 @@ then in the operator's log too."""
 import logging
 import time
 
+from tierd.base.stats import Stats
+from tierd.core.respond import SLOW_REPLY_S, Replies
+from tierd.edge.zmtp import Router
 from tierd.protocol import messages as m
-from tierd.respond import SLOW_REPLY_S, Replies
-from tierd.stats import Stats
-from tierd.zmtp import Router
 
 
 def _replies():

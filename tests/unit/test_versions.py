@@ -10,7 +10,7 @@ import pytest
 
 from tierd.protocol import versions
 from tierd.protocol.keys import KEY_VERSION
-from tierd.report import _vllm
+from tierd.tools.report import _vllm
 
 
 def test_the_tested_range_is_read_from_the_vllm_extra_lower_bound_first(monkeypatch):

@@ -14,9 +14,9 @@ import time
 import pytest
 import zmq
 
-from tierd.zmtp import Router
-from tierd.zmtp.conn import GREETING, MORE, OPEN, READY, command, frame_head, properties
-from tierd.zmtp.router import HANDSHAKE_S, SEND_QUEUE, SEND_QUEUE_BYTES, TURN_EVENTS
+from tierd.edge.zmtp import Router
+from tierd.edge.zmtp.conn import GREETING, MORE, OPEN, READY, command, frame_head, properties
+from tierd.edge.zmtp.router import HANDSHAKE_S, SEND_QUEUE, SEND_QUEUE_BYTES, TURN_EVENTS
 
 CAP = 1 << 20
 

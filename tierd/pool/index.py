@@ -84,7 +84,7 @@ class Obj:
         self.slot = slot
         self.ready = False  # committed: every byte written
         self.pins = 1  # in flight while being written; leases and reads add pins
-        self.leases = 0  # of the pins, how many are leases (tierd.registry counts leased bytes by it)
+        self.leases = 0  # of the pins, how many are leases (tierd.state.registry counts leased bytes by it)
         self.tick = 0  # the pool's clock at its last use (tierd.pool.policy)
         self.hits = 0  # eviction level: LOOKUPs that found it, capped (tierd.pool.policy)
 

@@ -140,7 +140,7 @@ class Pool(Recency, Allocation):
         self.evictions = 0
         self.evicted_bytes = 0
         # the bytes of the largest object ever placed: n objects hold at most n times this (a
-        # lease's bound, read without reading the objects; tierd.registry)
+        # lease's bound, read without reading the objects; tierd.state.registry)
         self.largest_bytes = 0
         if model is not None:
             self._restore(model)

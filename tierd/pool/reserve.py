@@ -1,4 +1,4 @@
-"""A STORE's room: every object its plan asks for (tierd.planner.StoreRequest), reserved in one
+"""A STORE's room: every object its plan asks for (tierd.state.planner.StoreRequest), reserved in one
 hold of the pool's lock, all of a chunk's objects or none, and what became of each chunk.
 
 Hazards handled here:
@@ -6,7 +6,7 @@ Hazards handled here:
   releases the others (``rejected``), and in a layout with a full-attention group nothing past
   a rejected chunk is stored (LOOKUP could never reach it; keep the room).
 - The objects are pinned and not yet visible: ``Pool.commit`` once their bytes are copied,
-  ``Pool.abort`` otherwise (tierd.jobs).
+  ``Pool.abort`` otherwise (tierd.core.jobs).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import msgspec
 
+from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode, ProtocolError
 
 _PEEK_BYTES = 4096  # how much of an undecodable frame is read to find its req_id
@@ -108,7 +109,6 @@ def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
 
 def decode_request(frame: bytes, max_bytes: int):
     """``(op, req_id, typed request)``: the edge's one step (see tierd.protocol.messages)."""
-    from tierd.protocol import messages
 
     op, req_id, body = split_request(frame, max_bytes)
     try:

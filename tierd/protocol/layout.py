@@ -236,7 +236,7 @@ class ShmHandle(msgspec.Struct, frozen=True, tag="shm", tag_field="kind"):
 
 class FdHandle(msgspec.Struct, frozen=True, tag="fd", tag_field="kind"):
     """Descriptor ``index`` of those the client sent under ``ticket`` to the daemon's fd socket
-    (tierd.fdinbox), at ``offset``: shared memory it holds open, named by no path."""
+    (tierd.edge.fdinbox), at ``offset``: shared memory it holds open, named by no path."""
 
     ticket: Annotated[bytes, Meta(min_length=16, max_length=16)]
     index: Annotated[int, Meta(ge=0, lt=MAX_TENSORS)]

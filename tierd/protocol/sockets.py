@@ -1,7 +1,7 @@
 """Where a daemon listens, and what its two side sockets expect (docs/protocol.md sections 2.1
 and 21). Both sides derive every path from the one ``--socket`` URL: the ZeroMQ ipc:// endpoint
-``PATH``, the lookup channel ``PATH.lookup`` (tierd.channel serves it), the descriptor inbox
-``PATH.fds`` (tierd.fdinbox serves it)."""
+``PATH``, the lookup channel ``PATH.lookup`` (tierd.edge.channel serves it), the descriptor inbox
+``PATH.fds`` (tierd.edge.fdinbox serves it)."""
 
 from __future__ import annotations
 

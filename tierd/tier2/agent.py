@@ -26,8 +26,8 @@ import sys
 
 import msgpack
 
+from tierd.base.l2url import MooncakeUrl
 from tierd.tier2 import client
-from tierd.tier2.url import MooncakeUrl
 
 MAX_MESSAGE = 8 << 20
 VERBS = frozenset(("setup", "register", "unregister", "put", "get", "exists", "remove", "close"))

@@ -23,11 +23,11 @@ import threading
 import time
 from collections import Counter
 
-from tierd.planner import Geometry
 from tierd.pool.index import Obj
 from tierd.pool.pool import Pool
 from tierd.protocol.errors import ErrorCode, ProtocolError
-from tierd.registry import Instance, Registry
+from tierd.state.planner import Geometry
+from tierd.state.registry import Instance, Registry
 from tierd.tier2.fetch import Fetches
 from tierd.tier2.keys import FORMAT as NAME_FORMAT
 from tierd.tier2.lookups import PENDING, Caller, Folded, Lookups

@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from tierd.tier2.url import MooncakeUrl
+from tierd.base.l2url import MooncakeUrl
 
 INSTALL_HINT = "pip install 'tierd[mooncake]'"
 DEBIAN_LIBS = "libibverbs1 libnl-3-200 libnl-route-3-200"

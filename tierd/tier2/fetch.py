@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from tierd.planner import Geometry
 from tierd.pool.pool import EXISTS, Pool
+from tierd.state.planner import Geometry
 from tierd.tier2.link import MAX_KEYS
 from tierd.tier2.parts import Part, full_mask, part_name
 

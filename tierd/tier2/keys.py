@@ -14,7 +14,7 @@ Hazards:
   has to remember that: the format in the name is made of the name encoding's version
   (``NAME_VERSION``: :func:`chunk_key` and :func:`object_name`), the key derivation's
   (tierd.protocol.keys.KEY_VERSION: what a PAGE hash or a namespace id means) and the object
-  byte layout's (tierd.planner.OBJECT_LAYOUT_VERSION). A change of any of them gives other
+  byte layout's (tierd.state.planner.OBJECT_LAYOUT_VERSION). A change of any of them gives other
   names, so objects written under another format are never found, never served. History: v2
   (no key or layout part) until block-major groups' objects were laid out block by block; v3
   added the key and layout parts.
@@ -22,8 +22,8 @@ Hazards:
 
 from __future__ import annotations
 
-from tierd.planner import OBJECT_LAYOUT_VERSION
 from tierd.protocol.keys import KEY_VERSION
+from tierd.state.planner import OBJECT_LAYOUT_VERSION
 
 NAME_VERSION = 3
 NAMESPACE_BYTES = 16  # tierd.protocol.keys.namespace_id digest size

@@ -28,7 +28,7 @@ import msgspec
 
 from tierd.pool.index import Obj
 from tierd.protocol import messages as m
-from tierd.registry import Registry, Session
+from tierd.state.registry import Registry, Session
 from tierd.tier2.link import MAX_KEYS
 from tierd.tier2.parts import Remote, fold, missing, part_name
 
@@ -47,7 +47,7 @@ class Caller(Protocol):
 
 
 class Need(Protocol):
-    """What a LOOKUP asks of L2 (tierd.jobs.LookupNeeds)."""
+    """What a LOOKUP asks of L2 (tierd.core.jobs.LookupNeeds)."""
 
     msg: m.Lookup
     ns: bytes

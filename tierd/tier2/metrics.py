@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from tierd.tier2.bridge import COUNTERS
+from tierd.tier2.stats import COUNTERS as TIER_COUNTERS
+
 GAUGES = (
     ("connected", "1 while the tier is connected to its master, else 0 (degraded: L1 only)"),
     ("queued", "calls queued or running in the tier"),
@@ -29,8 +32,6 @@ def families(status: dict | None):
     """The ``tierd_l2_*`` families; none without a second tier."""
     if not status:
         return
-    from tierd.tier2.bridge import COUNTERS
-    from tierd.tier2.stats import COUNTERS as TIER_COUNTERS
 
     for name, doc in (*TIER_COUNTERS.items(), *COUNTERS.items()):
         yield CounterMetricFamily(f"tierd_l2_{name}", doc, value=status[name])

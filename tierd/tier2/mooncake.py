@@ -33,13 +33,13 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tierd.base.l2url import MooncakeUrl, parse_url
 from tierd.tier2 import client
 from tierd.tier2.buffers import Buffers
 from tierd.tier2.keys import object_name
 from tierd.tier2.link import MAX_KEYS
 from tierd.tier2.relay import Relay
 from tierd.tier2.stats import L2Stats
-from tierd.tier2.url import MooncakeUrl, parse_url
 from tierd.tier2.worker import DeadlineWorker, Op
 
 log = logging.getLogger("tierd.l2")

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from tierd.planner import Geometry
 from tierd.pool.fold import lookup
 from tierd.pool.pool import Pool
 from tierd.protocol.layout import GroupSpec
+from tierd.state.planner import Geometry
 from tierd.tier2.keys import chunk_key
 
 

@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable
 
+from tierd.base.l2url import MooncakeUrl, route_host
 from tierd.tier2 import client
 from tierd.tier2.buffers import Buf, Buffers
 from tierd.tier2.client import (
@@ -34,7 +35,6 @@ from tierd.tier2.client import (
 )
 from tierd.tier2.link import AgentLink, AgentLost
 from tierd.tier2.stats import L2Stats
-from tierd.tier2.url import MooncakeUrl, route_host
 
 
 class Relay:

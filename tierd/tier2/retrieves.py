@@ -19,15 +19,15 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from tierd.planner import Geometry
 from tierd.protocol import messages as m
-from tierd.registry import Instance
+from tierd.state.planner import Geometry
+from tierd.state.registry import Instance
 from tierd.tier2.lookups import Caller
 from tierd.tier2.parts import Part, shape_of
 
 
 class Need(Protocol):
-    """What a RETRIEVE asks of L2 (tierd.jobs.RetrieveNeeds)."""
+    """What a RETRIEVE asks of L2 (tierd.core.jobs.RetrieveNeeds)."""
 
     msg: m.Retrieve
     instance: Instance

@@ -31,8 +31,8 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from tierd.planner import Geometry
 from tierd.pool.pool import Pool
+from tierd.state.planner import Geometry
 from tierd.tier2.parts import full_mask, obj_name
 
 PUT_BATCH_BYTES = 32 << 20

@@ -94,10 +94,10 @@ class _Layers:
 
 class CpuRankMemory:
     def __init__(self, layout: PageLayout, peer=None, refuse=None, claim=None):
-        """``peer``: the client's kernel credentials (tierd.peer.Peer); None or a tcp:// peer
+        """``peer``: the client's kernel credentials (tierd.edge.peer.Peer); None or a tcp:// peer
         (no credentials): the daemon's own uid. ``refuse(stat)``: the reason a file may not be
         used (the daemon's own pool files), or None. ``claim(ticket)``: the descriptors this
-        client sent under ``ticket`` (tierd.fdinbox), for ``fd`` handles; None: none can be."""
+        client sent under ``ticket`` (tierd.edge.fdinbox), for ``fd`` handles; None: none can be."""
         self.layout = layout
         self._claim = claim
         self._tickets: dict[bytes, list[int]] = {}  # this REGISTER's claimed descriptors

@@ -65,7 +65,7 @@ def device_work(results) -> DeviceWork | None:
 
 
 def _stamp(job: Any, stage: str) -> None:
-    """``job.stamp(stage)`` where the job keeps stamps (tierd.jobs.Job; tierd.stats STAGES)."""
+    """``job.stamp(stage)`` where the job keeps stamps (tierd.core.jobs.Job; tierd.base.stats STAGES)."""
     stamp = getattr(job, "stamp", None)
     if stamp is not None:
         stamp(stage)

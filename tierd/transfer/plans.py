@@ -27,7 +27,7 @@ class CopyPlan:
 
 
 def bind(req, got) -> CopyPlan:
-    """The copies of a STORE: ``req`` (tierd.planner.StoreRequest) into the objects ``got``
+    """The copies of a STORE: ``req`` (tierd.state.planner.StoreRequest) into the objects ``got``
     (tierd.pool.reserve.Reserved) holds, chunk by chunk; the objects in the order they are
     committed (so touched) in."""
     plan = CopyPlan(got.results)

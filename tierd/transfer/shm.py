@@ -22,7 +22,7 @@ whose server never answers, a fifo. So a path is never handed to the kernel whol
   user's file only if its group and mode let it.
 
 No symlink is accepted, and no /proc path. Memory a client holds open but has not named (the
-connector's, torch's unlinked storages) is handed over as descriptors instead (tierd.fdinbox);
+connector's, torch's unlinked storages) is handed over as descriptors instead (tierd.edge.fdinbox);
 ``check_fd`` checks one of those: a regular file on a tmpfs (any) or a memfd, open read-write.
 Holding the descriptor is the right to use it, so no owner or path is involved.
 

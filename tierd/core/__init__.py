@@ -1,0 +1,1 @@
+"""The request core: requests taken in order, handled, their copies run, answered."""

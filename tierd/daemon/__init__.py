@@ -1,0 +1,1 @@
+"""The daemon as a whole: its main loop, how it is assembled, its status and warm restart."""
