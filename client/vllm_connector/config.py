@@ -9,7 +9,7 @@ module path only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from tierd.protocol.sockets import default_socket
@@ -78,25 +78,34 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+        def get(name: str, *aliases: str) -> Any:
+            """``tierd.<name>``, else the first alias set, else the field's default."""
+            for key in (f"tierd.{name}", *aliases):
+                if key in extra:
+                    return extra[key]
+            return defaults[name]
+
         url = extra.get("tierd.url")
         if url is None and "lmcache.mp.host" in extra:
             host = str(extra["lmcache.mp.host"])
             if "://" not in host:
                 host = f"tcp://{host}"
             url = host if host.startswith("ipc://") else f"{host}:{int(extra.get('lmcache.mp.port', 5555))}"
-        chunk = int(extra.get("tierd.chunk_tokens", extra.get("lmcache.chunk_size", DEFAULT_CHUNK_TOKENS)))
+        chunk = int(get("chunk_tokens", "lmcache.chunk_size"))
         if chunk < 1:
             raise ValueError(f"tierd.chunk_tokens must be >= 1, got {chunk}")
-        staging = float(extra.get("tierd.staging_mb", 0.0))
+        staging = float(get("staging_mb"))
         if not staging >= 0:
             raise ValueError(f"tierd.staging_mb must be >= 0 (0: sized from the chunk), got {staging}")
-        order = str(extra.get("tierd.gpu_order", "host"))
+        order = str(get("gpu_order"))
         if order not in ("host", "device"):
             raise ValueError(f"tierd.gpu_order must be 'host' or 'device', got {order!r}")
-        path = str(extra.get("tierd.cuda_path", "auto"))
+        path = str(get("cuda_path"))
         if path not in CUDA_PATHS:
             raise ValueError(f"tierd.cuda_path must be one of {', '.join(CUDA_PATHS)}, got {path!r}")
-        kv_layout = str(extra.get("tierd.kv_layout", "auto"))
+        kv_layout = str(get("kv_layout"))
         if kv_layout not in ("auto", "engine", *KV_LAYOUTS):
             raise ValueError(
                 f"tierd.kv_layout must be auto, engine or one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}"
@@ -104,17 +113,17 @@ class ConnectorConfig:
         return cls(
             url=str(url) if url else default_socket(),
             chunk_tokens=chunk,
-            timeout_s=float(extra.get("tierd.timeout_s", extra.get("lmcache.mp.mq_timeout", 10.0))),
-            lookup_timeout_s=float(extra.get("tierd.lookup_timeout_s", 2.0)),
-            lookup_wait_ms=float(extra.get("tierd.lookup_wait_ms", 2.0)),
-            store_decode=_bool(extra.get("tierd.store_decode", True)),
-            connect_timeout_s=float(extra.get("tierd.connect_timeout_s", 1.0)),
-            register_retry_s=float(extra.get("tierd.register_retry_s", 5.0)),
+            timeout_s=float(get("timeout_s", "lmcache.mp.mq_timeout")),
+            lookup_timeout_s=float(get("lookup_timeout_s")),
+            lookup_wait_ms=float(get("lookup_wait_ms")),
+            store_decode=_bool(get("store_decode")),
+            connect_timeout_s=float(get("connect_timeout_s")),
+            register_retry_s=float(get("register_retry_s")),
             staging_mb=staging,
             gpu_order=order,
             cuda_path=path,
             kv_layout=kv_layout,
-            gil_switch_us=float(extra.get("tierd.gil_switch_us", 0.0)),
+            gil_switch_us=float(get("gil_switch_us")),
         )
 
 
