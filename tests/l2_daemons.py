@@ -248,7 +248,7 @@ def other_formats(workdir: Path, started: list) -> dict:
         workdir,
         started,
         ("k", through, 64, next_version_env(workdir, "protocol.keys", "KEY_VERSION")),
-        ("o", through, 64, next_version_env(workdir, "planner", "OBJECT_LAYOUT_VERSION")),
+        ("o", through, 64, next_version_env(workdir, "state.planner", "OBJECT_LAYOUT_VERSION")),
         ("c", through),
         ("b", ()),
     )

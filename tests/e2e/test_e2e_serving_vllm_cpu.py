@@ -187,6 +187,11 @@ def incidents(prom: operate.Prometheus, daemon: DaemonProcess) -> dict:
     out["kill_at"] = time.time()
     daemon.kill()
     out["down"] = prom.wait(lambda: prom.firing("TierdDaemonDown"), 30, "TierdDaemonDown after SIGKILL")
+    # a killed process keeps its listening socket until the kernel has unmapped its memory (its
+    # pool): scrapes meanwhile run to their timeout as a stall's do (TierdHTTPStalled's 'for' rides
+    # over it). The kill's record ends on a scrape refused at once, what a dead daemon gives.
+    refused = 'up{job="tierd"} == 0 and on (job, instance) scrape_duration_seconds{job="tierd"} < 0.5'
+    prom.wait(lambda: prom.query(refused), 30, "a scrape refused at once after SIGKILL")
     out["stalled_after_kill"] = prom.firing("TierdHTTPStalled")
     out["end"] = time.time()
     return out
