@@ -38,8 +38,8 @@ def still_serving(d, ranks):
         rank = ranks(GroupGeom("full"))
         c.register("fresh", rank.layout())
         k = keys(1)[0]
-        assert c.store("fresh", [chunk(k, range(4))])["results"] == ["stored"]
-        assert c.retrieve("fresh", [chunk(k, range(8, 12))])["ok"] == [True]
+        assert c.store("fresh", [chunk(k, range(4))]).results == ["stored"]
+        assert c.retrieve("fresh", [chunk(k, range(8, 12))]).ok == [True]
         np.testing.assert_array_equal(rank.kv[0][:, 8:12], rank.kv[0][:, 0:4])
         c.unregister("fresh")
 

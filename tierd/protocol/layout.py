@@ -274,7 +274,7 @@ class TensorRef(Wire, frozen=True):
         return {"handle": msgspec.to_builtins(self.handle), "nbytes": self.nbytes}
 
 
-class PageLayout(Wire, frozen=True):
+class PageLayout(Wire, frozen=True, omit_defaults=True):  # a cpu layout's frame has no `staging`
     namespace: Namespace
     rank: Annotated[int, Meta(ge=0)]
     chunk_tokens: ChunkTokens

@@ -207,6 +207,13 @@ class Empty(msgspec.Struct):
     pass
 
 
+class ErrorReply(msgspec.Struct):
+    """The body of every error reply (``ok`` false): ``code`` an ErrorCode's name, ``message`` text."""
+
+    code: str
+    message: str
+
+
 STORE_RESULTS = ("stored", "exists", "empty", "rejected")
 
 REPLIES: dict[str, type | None] = {
