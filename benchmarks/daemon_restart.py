@@ -84,7 +84,7 @@ def first_hit(d: Daemon, t0: float, lay: dict, probe: bytes, spec: list, timeout
             time.sleep(0.01)
     try:
         c.register("bench", lay)
-        while not c.lookup(lay["namespace"], [probe], spec, BLOCKS_PER_CHUNK * 16, lease=False)["chunks"]:
+        while not c.lookup(lay["namespace"], [probe], spec, BLOCKS_PER_CHUNK * 16, lease=False).chunks:
             alive()
             time.sleep(0.01)
         return time.perf_counter() - t0
@@ -127,7 +127,7 @@ def main() -> None:
             if i < SAMPLE * BATCH and i % BATCH == 0:  # distinct bytes for the sample checked later
                 kv[:] = rng.integers(0, 255, kv.shape, dtype=np.uint8)
                 sample[i] = (ks, kv.copy())
-            res = c.store("bench", [chunk(k, s) for s, k in enumerate(ks)])["results"]
+            res = c.store("bench", [chunk(k, s) for s, k in enumerate(ks)]).results
             i += BATCH
             st = d.status()
             if (
@@ -159,7 +159,7 @@ def main() -> None:
             for ks, data in sample.values():
                 kv[:] = 0
                 got = c.retrieve("bench", [chunk(k, s) for s, k in enumerate(ks)])
-                for s, ok in enumerate(got["ok"]):
+                for s, ok in enumerate(got.ok):
                     blk = slice(s * BLOCKS_PER_CHUNK, (s + 1) * BLOCKS_PER_CHUNK)
                     missing += not ok
                     wrong += ok and not np.array_equal(kv[:, blk], data[:, blk])

@@ -210,7 +210,7 @@ def _engine(endpoint: str, ns: dict, keys: list, chunk_tokens: int, repeats: int
                 t = time.perf_counter()
                 r = client.lookup(ns, keys, SPECS, chunk_tokens, lease=True)
                 times.append(time.perf_counter() - t)
-                client.release(r["lease"])
+                client.release(r.lease)
         out.put(lat)
     finally:
         for client in clients:
@@ -275,7 +275,7 @@ def fill(client, buf, ns, prompt_keys: list, objects: int, batch: int, show: boo
             ks = [uuid.uuid4().bytes for _ in range(n)]
         chunks = [{"key": k, "blocks": [[(stored + j) % NBLOCKS]]} for j, k in enumerate(ks)]
         res = client.store("fill", chunks)
-        assert res["results"].count("stored") == n, res["results"][:4]
+        assert res.results.count("stored") == n, res.results[:4]
         stored += n
         if show:
             print(f"\rfilled {stored:,}/{objects:,} objects", end="", file=sys.stderr, flush=True)
@@ -287,7 +287,7 @@ def fill_256(client, buf, ns, keys: list) -> None:
     """The same prompt in 256-token chunks (16 blocks each), in a second namespace."""
     client.register("fill256", layout(ns, 0, 256, [buf.ref()], [group("full", 16, [_span()])]))
     res = client.store("fill256", [{"key": k, "blocks": [list(range(16))]} for k in keys])
-    assert res["results"].count("stored") == len(keys), res["results"][:4]
+    assert res.results.count("stored") == len(keys), res.results[:4]
 
 
 def main() -> None:
@@ -333,7 +333,7 @@ def main() -> None:
         plain.wait_ready(30)
         asleep = TierdClient(endpoint, timeout_s=120, name="lookup-bench-asleep", spin_s=0)
         asleep.wait_ready(30)
-        pid = client.server["pid"]
+        pid = client.server.pid
         buf = SharedBuffer(NBLOCKS * BLOCK_BYTES)
         try:
             ns = namespace("lookup-bench", uuid.uuid4().hex[:8])
@@ -381,9 +381,9 @@ def main() -> None:
                 got = []
 
                 def done(c, r):
-                    got.append(r["chunks"])
-                    if r.get("lease"):
-                        c.release(r["lease"])
+                    got.append(r.chunks)
+                    if r.lease:
+                        c.release(r.lease)
 
                 s0, n0, u0 = op_seconds(port, "LOOKUP")
                 figures = alternate(lambda c: c.lookup(space, keys, specs, chunk_tokens, lease=lease), done)

@@ -97,10 +97,10 @@ def serve(ceiling: int, ahead: bool, gbps: float) -> dict:
                     chunks = [{"key": uuid.uuid4().bytes, "blocks": [[j]]} for j in range(nb)]
                     t0 = time.perf_counter()
                     res = writer.store("w", chunks)
-                    if "stored" not in res["results"]:
-                        got = res["results"]
+                    if "stored" not in res.results:
+                        got = res.results
                         raise RuntimeError(f"a STORE stored nothing at {stored / MIB:.0f} MiB: {got}")
-                    stored += bb * res["results"].count("stored")
+                    stored += bb * res.results.count("stored")
                     time.sleep(max(0.0, nb * bb / (gbps * 1e9) - (time.perf_counter() - t0)))
             finally:
                 done.set()

@@ -12,9 +12,10 @@ import time
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_REQUEST_PARTS, messages
+from tierd_client.client import typed_chunks
 from tierd_client.cuda_stage import MAX_PEER_EVENTS
 from tierd_client.futures import join, merge_retrieves, merge_stores
-from tierd_client.rank_jobs import RankJob, stamp
+from tierd_client.rank_jobs import Loaded, RankJob, stamp
 
 # A request's copies start once the daemon has planned all of it: requests of at most this many
 # bytes let the copy engines move one while the daemon plans the next (a 640 MiB request left them
@@ -66,11 +67,13 @@ class DirectRank:
         for t in self._threads:
             t.start()
 
-    def store(self, chunks: list[dict], touch: list[bytes] | None = None, after=None) -> Future:
-        return self._order("STORE", chunks, {"touch": touch or []}, after)
+    def store(self, chunks: list, touch: list[bytes] | None = None, after=None) -> Future:
+        """A StoreReply's future (``chunks``: messages.Chunk, or plain maps converted)."""
+        return self._order("STORE", typed_chunks(chunks), {"touch": touch or []}, after)
 
-    def retrieve(self, chunks: list[dict], lease: int = 0, after=None) -> Future:
-        return self._order("RETRIEVE", chunks, {"lease": lease}, after)
+    def retrieve(self, chunks: list, lease: int = 0, after=None) -> Future:
+        """A rank_jobs.Loaded's future (``chunks``: messages.Chunk, or plain maps converted)."""
+        return self._order("RETRIEVE", typed_chunks(chunks), {"lease": lease}, after)
 
     def scatters_done(self):
         """An event complete once every retrieve copy answered so far is (nothing to wait for: None
@@ -153,12 +156,13 @@ class DirectRank:
             return
         join(parts, out, merge)
 
-    def _merge_retrieves(self, replies: list[dict]) -> dict:
+    def _merge_retrieves(self, replies: list[messages.RetrieveReply]) -> Loaded:
         """One reply; ``done`` is the daemon's event of the last answer (its copy stream runs them in
         order, and it records that event after each)."""
-        handle = next((r.get("event") for r in reversed(replies) if r.get("event")), None)
+        handle = next((r.event for r in reversed(replies) if r.event), None)
         done = self._event(handle) if handle else self.scatters_done()
-        return {**merge_retrieves(replies), "done": done}
+        merged = merge_retrieves(replies)
+        return Loaded(merged.ok, merged.failed, done)
 
     def _event(self, handle: bytes):
         ev = self._events.get(handle)

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 
 import zmq
 
-from tierd.protocol import codec
+from tierd_client import wire
 from tierd_client.pending import Pending, Reply, decode_reply
 
 FAST_WAIT_S = 0.005  # a caller reads the socket for its own reply this long before the I/O thread does
@@ -37,9 +37,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class FastPath:
-    def _request(
-        self, op: str, body: dict, timeout: float | None = None, wait: bool = False, **kw
-    ) -> Pending:
+    def _request(self, op: str, body, timeout: float | None = None, wait: bool = False, **kw) -> Pending:
         timeout = self.timeout_s if timeout is None else timeout
         now = time.monotonic()
         p = Pending(op, body, now + timeout, timeout, **kw)
@@ -67,7 +65,7 @@ class FastPath:
             if sock is None or not self._connected or ahead:
                 return False
             req_id = next(self._ids)
-            frame = codec.encode_request(p.op, req_id, p.body)
+            frame = wire.encode_request(p.op, req_id, p.body)
             if not self._send_on_channel(p, frame):
                 try:
                     sock.send(frame, zmq.NOBLOCK)
@@ -133,4 +131,4 @@ class FastPath:
                 self._wake()
             self._lock.release()
             if mine is not None:
-                self._on_reply(mine[0], True, mine[1])
+                self._answer(mine[0], True, mine[1])

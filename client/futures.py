@@ -5,6 +5,15 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
+from tierd.protocol import messages
+
+
+def failed(exc: BaseException) -> Future:
+    """A future that already ended in ``exc``."""
+    out: Future = Future()
+    out.set_exception(exc)
+    return out
+
 
 def join(parts: list[Future], out: Future, merge, error: BaseException | None = None) -> None:
     """Resolve ``out`` once all ``parts`` are done: with ``error`` if given, else their first error,
@@ -36,11 +45,11 @@ def join(parts: list[Future], out: Future, merge, error: BaseException | None = 
         f.add_done_callback(one)
 
 
-def merge_stores(replies: list[dict]) -> dict:
+def merge_stores(replies: list[messages.StoreReply]) -> messages.StoreReply:
     """STORE replies of a job's requests, as one."""
-    return {"results": [x for r in replies for x in r["results"]]}
+    return messages.StoreReply([x for r in replies for x in r.results])
 
 
-def merge_retrieves(replies: list[dict]) -> dict:
-    """RETRIEVE replies of a job's requests, as one (CPU: no ``done`` event)."""
-    return {"ok": [x for r in replies for x in r["ok"]], "failed": [x for r in replies for x in r["failed"]]}
+def merge_retrieves(replies: list[messages.RetrieveReply]) -> messages.RetrieveReply:
+    """RETRIEVE replies of a job's requests, as one (without their CUDA events)."""
+    return messages.RetrieveReply([x for r in replies for x in r.ok], [x for r in replies for x in r.failed])

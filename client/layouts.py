@@ -6,6 +6,10 @@ whose block is at most two strided levels (contiguous runs repeated at one strid
 every vLLM 0.33 KVCacheLayout (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC) per-layer view, MLA,
 mamba state blocks and kernel blocks smaller than manager blocks. Three levels (say a head-outer
 layout whose token rows are padded) raise UnsupportedLayout.
+
+The builders return plain maps of the wire's fields (tests and tools edit them); REGISTER sends
+the typed ``tierd.protocol.layout.PageLayout`` they convert into (``PageLayout.from_wire``, which
+TierdClient.register does for a map: a field the daemon does not know is refused there).
 """
 
 from __future__ import annotations

@@ -23,9 +23,11 @@ import os
 import socket
 import time
 
+import msgspec
 import zmq
 
 from tierd.protocol.sockets import CHANNEL_OPS, channel_path
+from tierd_client import wire
 from tierd_client.errors import DaemonUnavailable
 from tierd_client.fdpass import socket_file
 from tierd_client.pending import Pending, decode_reply
@@ -96,7 +98,7 @@ class ChannelSide:
                 self._drop_channel(f"sending failed: {exc.strerror}")
             return False
 
-    def _channel_recv(self, channel: socket.socket) -> tuple[int, bool, dict] | None:
+    def _channel_recv(self, channel: socket.socket) -> tuple[int, bool, msgspec.Raw] | None:
         """One reply read from the lookup channel, or None (nothing there, or it ended)."""
         while True:
             try:
@@ -156,7 +158,7 @@ class ChannelSide:
                 frame = b""
             if frame is not None:
                 self._opening = None
-                if frame and decode_reply(frame) == (0, True, {}):
+                if frame and wire.acknowledged(frame):
                     self._channel = s
                 else:  # over the daemon's cap, or not a channel: the DEALER it is
                     self._dead.append(s)

@@ -10,8 +10,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tierd.protocol import codec
+import msgspec
+
 from tierd.protocol.errors import ProtocolError
+from tierd_client import wire
 
 log = logging.getLogger("tierd_client")
 
@@ -47,7 +49,7 @@ class Pending:
     deadline: float  # monotonic
     timeout: float
     future: Future | None = None
-    callback: Callable[[bool, dict], None] | None = None
+    callback: Callable[[bool, Any], None] | None = None  # (ok, typed reply or messages.ErrorReply)
     retried: bool = False
     publish: object | None = None  # .open() before it is sent, .close() once it ends
     claimed_until: float = 0.0  # monotonic: its caller reads its reply until then (module doc)
@@ -69,10 +71,11 @@ def release(p: Pending) -> None:
         p.future.pending = None
 
 
-def decode_reply(frame: bytes) -> tuple[int, bool, dict] | None:
-    """A reply's (req_id, ok, body); None (logged) if it cannot be decoded."""
+def decode_reply(frame: bytes) -> tuple[int, bool, msgspec.Raw] | None:
+    """A reply's (req_id, ok, body), the body undecoded until its request is found
+    (tierd_client.wire); None (logged) if the frame cannot be taken apart."""
     try:
-        return codec.decode_reply(frame, 1 << 31)
+        return wire.split_reply(frame)
     except ProtocolError as exc:
         log.warning("undecodable reply from tierd: %s", exc)
         return None

@@ -7,6 +7,18 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a GPU rank's RETRIEVE (one request's, or a job's requests merged) ends in: the daemon's
+    RetrieveReply (``ok`` per chunk, ``failed`` [group, block id] not restored) and ``done``, the
+    CUDA event that follows its scatters into the engine's blocks (None: nothing was scattered)."""
+
+    ok: list[bool] = field(default_factory=list)
+    failed: list = field(default_factory=list)
+    done: object = None
 
 
 class RankJob(Future):

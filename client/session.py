@@ -36,10 +36,12 @@ import msgspec
 
 from tierd.protocol import PROTOCOL_VERSION, messages
 from tierd.protocol.errors import ErrorCode
+from tierd.protocol.layout import PageLayout
 from tierd.protocol.sockets import default_socket
 from tierd_client.errors import DaemonUnavailable, TierdError
 from tierd_client.pending import Pending, Reply
 from tierd_client.transport import SPIN_S, Transport
+from tierd_client.wire import typed
 
 log = logging.getLogger("tierd_client")
 
@@ -50,7 +52,7 @@ _NOT_REFUSALS = ("DEADLINE", "UNAVAILABLE", "CLOSED")  # a HELLO that got no ans
 @dataclass
 class _Registration:
     instance: str
-    layout: dict
+    layout: PageLayout
     publish: object | None = None
 
 
@@ -78,7 +80,7 @@ class Connection(Transport):
         self._token = os.environ.get("TIERD_TOKEN", "") if token is None else token
         self._heartbeat = heartbeat_interval_s
         self._registrations: dict[str, _Registration] = {}
-        self._hello: dict | None = None
+        self._hello: messages.HelloReply | None = None
         self._hello_event = threading.Event()
         self._hello_error: TierdError | None = None  # the daemon refused our last HELLO
         self._recovering = True  # a HELLO is in flight (the first one is submitted below)
@@ -99,19 +101,18 @@ class Connection(Transport):
         """``body``: the op's typed request (tierd.protocol.messages); a plain map is sent as it is
         (tools, and tests of the daemon's own checks). STORE and RETRIEVE get their ``deadline``
         here. ``wait``: the caller asks for the result at once; its thread then reads the reply
-        itself (tierd_client.transport: one wake-up of another thread less each way)."""
+        itself (tierd_client.transport: one wake-up of another thread less each way). The future's
+        result is the op's typed reply (messages.REPLIES; STATUS's a map), its error a TierdError."""
         timeout = self.timeout_s if timeout is None else timeout
         fut: Future = Reply(self)
         body = with_deadline(op, {} if body is None else body, timeout)
         self._submit(self._request(op, body, timeout, future=fut, wait=wait))
         return fut
 
-    def call(
-        self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None
-    ) -> dict:
+    def call(self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None):
         return self.call_async(op, body, timeout, wait=True).result()
 
-    def wait_ready(self, timeout: float | None = None) -> dict:
+    def wait_ready(self, timeout: float | None = None) -> messages.HelloReply:
         """Block until HELLO was answered; returns its reply. Raises the daemon's own error when it
         refused the HELLO (e.g. ``UNSUPPORTED_VERSION``), ``DaemonUnavailable`` when none answered."""
         self._hello_event.wait(self.timeout_s if timeout is None else timeout)
@@ -122,7 +123,7 @@ class Connection(Transport):
         return self._hello
 
     @property
-    def server(self) -> dict | None:
+    def server(self) -> messages.HelloReply | None:
         """The last HELLO reply (protocol, version, boot_id, null_block_id, ...)."""
         return self._hello
 
@@ -137,11 +138,21 @@ class Connection(Transport):
         return self._hello_error
 
     def register_async(
-        self, instance: str, layout: dict, timeout: float | None = None, publish: object | None = None
+        self,
+        instance: str,
+        layout: PageLayout | dict,
+        timeout: float | None = None,
+        publish: object | None = None,
     ) -> Future:
-        """REGISTER a rank's page layout; once accepted it is re-sent after a daemon restart.
-        ``publish`` (optional): ``open()``/``close()`` around every REGISTER of it (module doc)."""
+        """REGISTER a rank's page layout (a plain map is converted, tierd_client.wire.typed); once
+        accepted it is re-sent after a daemon restart. ``publish`` (optional): ``open()``/``close()``
+        around every REGISTER of it (module doc)."""
         done: Future = Future()
+        try:
+            layout = typed(layout, PageLayout, "layout")
+        except TierdError as exc:
+            done.set_exception(exc)
+            return done
 
         def finish(f: Future) -> None:
             exc = f.exception()
@@ -227,8 +238,8 @@ class Connection(Transport):
             )
             self._resync()
 
-    def _on_reply(self, p: Pending, ok: bool, body: dict) -> None:
-        code = None if ok else body.get("code")
+    def _on_reply(self, p: Pending, ok: bool, body) -> None:
+        code = None if ok else body.code
         internal = p.op == "HELLO" or (p.op == "REGISTER" and p.callback is not None)
         if code is not None and not p.retried and not internal and not self._leaving:
             if code == ErrorCode.UNKNOWN_SESSION.name:
@@ -249,13 +260,13 @@ class Connection(Transport):
         else:
             super()._on_reply(p, ok, body)
 
-    def _on_hello(self, ok: bool, body: dict) -> None:
+    def _on_hello(self, ok: bool, body: messages.HelloReply | messages.ErrorReply) -> None:
         self._recovering = False
-        if not ok and body.get("code") == "UNAVAILABLE" and not self._leaving and not self._closed.is_set():
+        if not ok and body.code == "UNAVAILABLE" and not self._leaving and not self._closed.is_set():
             # the daemon dropped the connection under this HELLO (over its connection cap, or a
             # restart): the socket reconnects by itself and _on_connect asks again; wait_ready waits on
             return
-        if not ok and body.get("code") == "DEADLINE" and self._connected and not self._leaving:
+        if not ok and body.code == "DEADLINE" and self._connected and not self._leaving:
             # connected, yet no answer in time: the daemon is still opening (backing and pinning its
             # pool comes after it binds its socket) or busy. Ask again; wait_ready waits on.
             log.info("tierd at %s has not answered HELLO yet; asking again", self.url)
@@ -265,15 +276,15 @@ class Connection(Transport):
             self._hello_error = None
             self._hello = body
             if self._heartbeat is None:
-                self._heartbeat = max(0.05, min(5.0, body.get("heartbeat_timeout_s", 30.0) / 4))
+                self._heartbeat = max(0.05, min(5.0, body.heartbeat_timeout_s / 4))
             self._next_ping = time.monotonic() + self._heartbeat
-            self._open_channel(int(body.get("channel_max_bytes") or 0))
-        elif body.get("code") not in _NOT_REFUSALS:
-            self._hello_error = TierdError(str(body.get("code")), str(body.get("message")))
+            self._open_channel(body.channel_max_bytes)
+        elif body.code not in _NOT_REFUSALS:
+            self._hello_error = TierdError(body.code, body.message)
             log.error("tierd at %s refused HELLO: %s", self.url, self._hello_error)
         self._hello_event.set()
 
-    def _on_reregister(self, ok: bool, body: dict) -> None:
+    def _on_reregister(self, ok: bool, body) -> None:
         if not ok:
             log.error("re-registering with tierd failed: %s", body)
 
@@ -299,5 +310,5 @@ def with_deadline(op: str, body: messages.Message | dict, timeout: float) -> mes
     return {**body, "deadline": deadline}
 
 
-def _ignore(ok: bool, body: dict) -> None:
+def _ignore(ok: bool, body) -> None:
     """Heartbeat answers need no handling: a lost session shows as UNKNOWN_SESSION or a disconnect."""

@@ -54,10 +54,10 @@ import time
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_REQUEST_PARTS, messages
-from tierd_client.client import blocks_of
+from tierd_client.client import blocks_of, typed_chunks
 from tierd_client.cuda_stage import Stager
 from tierd_client.futures import join, merge_retrieves, merge_stores
-from tierd_client.rank_jobs import RankJob, chain, spin, stamp
+from tierd_client.rank_jobs import Loaded, RankJob, chain, spin, stamp
 from tierd_client.staging_ring import Ring
 
 MIN_REQUESTS_IN_FLIGHT = 4  # per direction: enough to keep a copy engine busy between requests
@@ -121,15 +121,18 @@ class StagedRank:
             t.start()
 
     # ---- jobs ---------------------------------------------------------------------------------
-    def store(self, chunks: list[dict], touch: list[bytes] | None = None, after=None) -> Future:
-        """Gather and store ``chunks`` ([{"key", "blocks": [[ids] per group]}]) after the event ``after``."""
+    def store(self, chunks: list, touch: list[bytes] | None = None, after=None) -> Future:
+        """Gather and store ``chunks`` (messages.Chunk, or plain maps ``{"key", "blocks": [[ids] per
+        group]}`` converted) after the event ``after``; the future's result is a StoreReply."""
+        chunks = typed_chunks(chunks)
         out = self._job(chunks)
         self._submit("STORE", (chunks, {"touch": touch, "after": after, "t_call": time.perf_counter()}, out))
         return out
 
-    def retrieve(self, chunks: list[dict], lease: int = 0, after=None) -> Future:
+    def retrieve(self, chunks: list, lease: int = 0, after=None) -> Future:
         """Retrieve ``chunks`` into their blocks, the scatter queued after the event ``after`` (if
-        given); the future's ``"done"`` event marks the scatter."""
+        given); the future's result is a rank_jobs.Loaded, whose ``done`` event marks the scatter."""
+        chunks = typed_chunks(chunks)
         out = self._job(chunks)
         self._submit(
             "RETRIEVE", (chunks, {"lease": lease, "after": after, "t_call": time.perf_counter()}, out)
@@ -337,22 +340,23 @@ class StagedRank:
             return
         reply = fut.result()
         try:
-            skip = {(int(g), int(b)) for g, b in reply.get("failed", ())}
+            skip = {(int(g), int(b)) for g, b in reply.failed}
             done = self.stager.scatter(
-                ids, at, null=self.null, skip=skip, after=reply.get("event"), ready=ready, prepared=prepared
+                ids, at, null=self.null, skip=skip, after=reply.event, ready=ready, prepared=prepared
             )
         except BaseException as e:  # noqa: BLE001 - the load failed: the engine recomputes
             self.stager.release(prepared)
             out.set_exception(e)
             return
         stamp(rec, "scattered")
-        out.set_result({**reply, "done": done})
+        out.set_result(Loaded(reply.ok, reply.failed, done))
 
-    def _merge_retrieves(self, replies: list[dict]) -> dict:
+    def _merge_retrieves(self, replies: list[Loaded]) -> Loaded:
         """One reply; its ``done`` follows every part's scatter (the parts' answers, and so their
         scatters, may come in any order: an event recorded now, when all are queued)."""
-        done = replies[0]["done"] if len(replies) == 1 else self.scatters_done() if replies else None
-        return {**merge_retrieves(replies), "done": done}
+        done = replies[0].done if len(replies) == 1 else self.scatters_done() if replies else None
+        merged = merge_retrieves(replies)
+        return Loaded(merged.ok, merged.failed, done)
 
     def _batches(self, chunks: list[dict]):
         for i in range(0, len(chunks), self.per_request):

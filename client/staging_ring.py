@@ -29,7 +29,7 @@ class Ring:
         """With ``device_done``: the scatter event of a finished RETRIEVE request (None if failed)."""
         if not self.device_done or fut.exception() is not None:
             return None
-        return fut.result().get("done")
+        return fut.result().done  # a tierd_client.rank_jobs.Loaded
 
     def take(self, size: int) -> int:
         end_all = self.start + self.nbytes

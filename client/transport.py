@@ -29,10 +29,13 @@ import threading
 import time
 import uuid
 
+import msgspec
 import zmq
 
-from tierd.protocol import codec
-from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
+from tierd.protocol import messages
+from tierd.protocol.errors import ProtocolError
+from tierd_client import wire
+from tierd_client.errors import BadReply, DaemonUnavailable, DeadlineExceeded, TierdError
 from tierd_client.fast_path import FastPath
 from tierd_client.lookup_channel import ChannelSide
 from tierd_client.pending import Pending, decode_reply, release
@@ -72,7 +75,7 @@ class Transport(FastPath, ChannelSide):
         self._waiting: list[Pending] = []  # taken from the outbox, not yet sent: no connection so far
         self._lock = threading.Lock()  # owns the socket and the state above (module doc)
         self._sock: zmq.Socket | None = None
-        self._stash: list[tuple[int, bool, dict]] = []  # replies a caller read for the I/O thread
+        self._stash: list[tuple[int, bool, msgspec.Raw]] = []  # replies a caller read for the I/O thread
         self._watching = True  # the I/O thread's poll includes the socket's descriptor
         self._closed = threading.Event()
         self._connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
@@ -107,11 +110,12 @@ class Transport(FastPath, ChannelSide):
     def _on_connect(self, reconnect: bool) -> None:
         pass
 
-    def _on_reply(self, p: Pending, ok: bool, body: dict) -> None:
+    def _on_reply(self, p: Pending, ok: bool, body) -> None:
+        """``body``: ``p.op``'s typed reply, or a messages.ErrorReply when not ``ok``."""
         if ok:
             self._resolve(p, body)
         else:
-            self._fail(p, TierdError(str(body.get("code")), str(body.get("message"))))
+            self._fail(p, TierdError(body.code, body.message))
 
     def _tick(self) -> None:
         pass
@@ -208,7 +212,7 @@ class Transport(FastPath, ChannelSide):
                     self._fail(p, TierdError("LAYOUT_INVALID", f"cannot publish {p.instance}: {exc}"))
                     continue
             req_id = next(self._ids)
-            frame = codec.encode_request(p.op, req_id, p.body)
+            frame = wire.encode_request(p.op, req_id, p.body)
             if self._send_on_channel(p, frame):
                 self._pending[req_id] = p
                 continue
@@ -257,10 +261,20 @@ class Transport(FastPath, ChannelSide):
             if reply is not None:
                 self._dispatch(*reply)
 
-    def _dispatch(self, req_id: int, ok: bool, body: dict) -> None:
+    def _dispatch(self, req_id: int, ok: bool, body: msgspec.Raw) -> None:
         p = self._pending.pop(req_id, None)
         if p is not None:  # else: the answer to a request that already timed out
-            self._on_reply(p, ok, body)
+            self._answer(p, ok, body)
+
+    def _answer(self, p: Pending, ok: bool, body: msgspec.Raw) -> None:
+        """``p``'s reply, its body decoded into ``p.op``'s reply type (tierd_client.wire)."""
+        try:
+            reply = wire.decode_body(p.op, ok, body)
+        except ProtocolError as exc:
+            log.warning("tierd at %s sent a reply this client cannot read: %s", self.url, exc.message)
+            self._fail(p, BadReply(exc.message))
+            return
+        self._on_reply(p, ok, reply)
 
     def _expire(self, waiting: list[Pending]) -> list[Pending]:
         now = time.monotonic()
@@ -276,7 +290,7 @@ class Transport(FastPath, ChannelSide):
                 keep.append(p)
         return keep
 
-    def _resolve(self, p: Pending, body: dict) -> None:
+    def _resolve(self, p: Pending, body) -> None:
         self._unpublish(p)
         if p.callback is not None:
             p.callback(True, body)
@@ -288,7 +302,7 @@ class Transport(FastPath, ChannelSide):
         self._unpublish(p)
         if p.callback is not None:
             try:
-                p.callback(False, {"code": exc.code, "message": exc.message})
+                p.callback(False, messages.ErrorReply(exc.code, exc.message))
             except Exception:  # noqa: BLE001
                 log.exception("client callback raised")
         elif p.future is not None and not p.future.done():

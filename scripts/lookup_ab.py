@@ -106,8 +106,8 @@ def main() -> None:
                             t = time.perf_counter()
                             r = call(client, ns, ns2)
                             dt = time.perf_counter() - t
-                            if r.get("lease"):
-                                client.release(r["lease"])
+                            if r.lease:
+                                client.release(r.lease)
                             if i >= 50:
                                 lat[name].append(dt)
                 stats = {}

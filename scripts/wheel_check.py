@@ -214,7 +214,7 @@ with TierdClient(sys.argv[1]) as c:
     chunks = lambda first: [{"key": k, "blocks": [list(range(first + i * 4, first + i * 4 + 4))]}
                             for i, k in enumerate(keys)]
     stored = c.store("wheel-check", chunks(0))
-    assert stored["results"] == ["stored"] * 2, stored
+    assert stored.results == ["stored"] * 2, stored
     want = kv[:, 0:8].copy()
     out = c.retrieve("wheel-check", chunks(8))
     assert out == {"ok": [True, True], "failed": []}, out

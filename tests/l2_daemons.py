@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import numpy as np
 from kv import FakeRank, GroupGeom
 from l2_harness import ROOT, Master, _die_with_parent, tail
@@ -129,14 +130,17 @@ class Rank:
         ]
 
     def store(self, ks, first_block: int = 0) -> list[str]:
-        return self.d.client.store(self.inst, self.chunks(ks, first_block))["results"]
+        return self.d.client.store(self.inst, self.chunks(ks, first_block)).results
 
+    # the scenarios' records are plain data: the typed replies as maps
     def lookup(self, ks, lease: bool = True, fingerprint: str | None = None) -> dict:
         ns = self.fake.ns if fingerprint is None else {**self.fake.ns, "fingerprint": fingerprint}
-        return self.d.client.lookup(ns, ks, self.fake.specs(), self.fake.chunk_tokens, lease=lease)
+        reply = self.d.client.lookup(ns, ks, self.fake.specs(), self.fake.chunk_tokens, lease=lease)
+        return msgspec.to_builtins(reply)
 
     def retrieve(self, ks, lease: int = 0, first_block: int = 0) -> dict:
-        return self.d.client.retrieve(self.inst, self.chunks(ks, first_block), lease=lease)
+        reply = self.d.client.retrieve(self.inst, self.chunks(ks, first_block), lease=lease)
+        return msgspec.to_builtins(reply)
 
     def digests(self, n: int, first_block: int = 0) -> list[str]:
         """Per chunk, the digest of its 4 blocks (both layers)."""

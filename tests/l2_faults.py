@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 from l2_daemons import URL, Daemon, Rank, keys, start
 
 
@@ -33,10 +34,10 @@ def master_killed(workdir: Path, started: list) -> dict:
     time.sleep(0.3)
     out["status_mid"] = b.status()["l2"]
     out["t_kill"] = master.kill() - t0
-    out["retrieve"] = fut.result()
+    out["retrieve"] = msgspec.to_builtins(fut.result())
     out["retrieve_s"] = time.monotonic() - t0
     out["dst"] = rb.digests(8, first_block=32)
-    out["ping"] = b.client.ping()
+    out["ping"] = msgspec.to_builtins(b.client.ping())
     t0 = time.monotonic()
     out["lookup_down"] = rb.lookup(ks, lease=False)
     out["lookup_down_s"] = time.monotonic() - t0

@@ -175,16 +175,16 @@ class RouterEvents:
             exc = fut.exception()
             if exc is None:
                 reply = fut.result()
-                if reply.get("missed"):
+                if reply.missed:
                     self.missed += 1
                     (log.info if self.missed == 1 else log.debug)(
                         "tierd: some evictions were not reported (the daemon restarted, or evicted more "
                         "than its --eviction-log holds between two polls): the router may think this node "
                         "holds chunks it no longer does"
                     )
-                self._cursor = int(reply.get("seq", self._cursor))
-                self._boot = reply.get("boot_id") or None
-                for key in reply.get("keys", ()):
+                self._cursor = reply.seq
+                self._boot = reply.boot_id or None
+                for key in reply.keys:
                     self.out += self.announced.pop(bytes(key), ())
             elif getattr(exc, "code", None) == "UNKNOWN_OP":
                 log.info("tierd: this daemon does not report evictions: router events carry stores only")

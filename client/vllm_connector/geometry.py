@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from tierd.protocol.layout import GroupKind, GroupSpec
+from tierd.protocol.layout import GroupKind, GroupSpec, Namespace
 
 
 class ChunkSizeError(ValueError):
@@ -35,9 +35,6 @@ class Group:
         """What LOOKUP and the daemon's layout arithmetic know of this group."""
         return GroupSpec(self.kind, self.block_tokens, self.window_tokens)
 
-    def spec(self) -> dict:
-        return self.wire_spec.to_wire()
-
 
 @dataclass(frozen=True)
 class EngineGeometry:
@@ -57,16 +54,12 @@ class EngineGeometry:
         return all(g.kind is GroupKind.FULL for g in self.groups)
 
     @property
-    def namespace(self) -> dict:
-        return {
-            "model": self.model,
-            "fingerprint": self.fingerprint,
-            "world_size": self.world_size,
-            "salt": "",
-        }
+    def namespace(self) -> Namespace:
+        return Namespace(self.model, self.fingerprint, self.world_size)
 
-    def specs(self) -> list[dict]:
-        return [g.spec() for g in self.groups]
+    def specs(self) -> tuple[GroupSpec, ...]:
+        """What LOOKUP sends of each group, in order."""
+        return tuple(g.wire_spec for g in self.groups)
 
 
 def _classify(spec) -> tuple[GroupKind, int, bool]:

@@ -49,7 +49,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierd.protocol.layout import PageLayout
 from tierd_client.vllm_connector.keys import unkeyable
 
 try:
@@ -231,7 +230,7 @@ class SchedulerMetrics(_Recorder):
                 if asked.deferred_at is not None:
                     self.sample("lookup_async_s", time.perf_counter() - asked.deferred_at)
                 if fut.exception() is None:
-                    chunks = int(fut.result().get("chunks", 0))
+                    chunks = fut.result().chunks
                     self.count("hit_tokens", min(chunks * self.side.geo.chunk_tokens, asked.tokens))
         if out[0] == 0 and st is not None:
             why = bypass_reason(self.side, st, request, num_computed_tokens)
@@ -274,8 +273,7 @@ class WorkerMetrics(_Recorder):
         """Bytes of one block of each group on this rank, all its layers, as its layout has them
         (what the daemon copies per block id)."""
         if self._block_bytes is None and self.reg.layout is not None:
-            layout = PageLayout.from_wire(self.reg.layout)
-            self._block_bytes = [sum(layer.block_bytes for layer in g.layers) for g in layout.groups]
+            self._block_bytes = [sum(layer.block_bytes for layer in g.layers) for g in self.reg.layout.groups]
         return self._block_bytes or []
 
     def _bytes(self, ids: list[list[int]], null: int) -> int:
@@ -294,7 +292,7 @@ class WorkerMetrics(_Recorder):
         if fut.cancelled() or fut.exception() is not None:
             return  # the scheduler side counts the failed load
         sizes = self.block_bytes
-        nbytes -= sum(sizes[int(g)] for g, _ in fut.result().get("failed", ()) if 0 <= int(g) < len(sizes))
+        nbytes -= sum(sizes[int(g)] for g, _ in fut.result().failed if 0 <= int(g) < len(sizes))
         with self._lock:
             self._stats.count("load_bytes", nbytes)
             self._stats.count("load_s", time.perf_counter() - t0)
@@ -309,7 +307,7 @@ class WorkerMetrics(_Recorder):
         if fut.cancelled() or fut.exception() is not None:
             self.count("failed_stores")
             return
-        results = fut.result().get("results", ())
+        results = fut.result().results
         nbytes = sum(n for n, r in zip(sizes, results) if r == "stored")
         with self._lock:
             self._stats.count("store_bytes", nbytes)

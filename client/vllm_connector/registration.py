@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from tierd.protocol.errors import ProtocolError
+from tierd.protocol.layout import PageLayout
 from tierd_client.layouts import block_span
 from tierd_client.layouts import group as group_desc
 from tierd_client.layouts import layout as layout_desc
@@ -33,7 +35,7 @@ class RankRegistration:
         self.instance = instance
         self.num_blocks = num_blocks
         self.rank = 0
-        self.layout: dict | None = None
+        self.layout: PageLayout | None = None
         self.publication = None  # CPU: /dev/shm names of the KV memory, only while a REGISTER is in flight
         self.stager = None  # CUDA, staged: the rank's staging buffer and copy streams
         self.direct = None  # CUDA, direct: the rank's GPU (the daemon copies straight to its blocks)
@@ -94,7 +96,7 @@ class RankRegistration:
                     dtype=str(ts[0].dtype) if ts else "",
                 )
             )
-        self.layout = layout_desc(
+        desc = layout_desc(
             self.geo.namespace,
             rank,
             self.geo.chunk_tokens,
@@ -105,9 +107,7 @@ class RankRegistration:
         )
         self.rank = rank
         if device == "cuda":
-            from tierd.protocol.layout import PageLayout
-
-            layout, flats = PageLayout.from_wire(self.layout), _flats(tensors, where)
+            layout, flats = PageLayout.from_wire(desc), _flats(tensors, where)
             self.chunk_bytes = layout.chunk_bytes
             if cuda_path(self.cfg.cuda_path, layout, flats) == "direct":
                 self.direct = tensors[0].device
@@ -117,7 +117,12 @@ class RankRegistration:
                 )
             else:
                 self.stager = self._stager(layout, flats, tensors[0].device)
-                self.layout["staging"] = self.stager.ref
+                desc["staging"] = self.stager.ref
+        try:  # what REGISTER sends, typed: checked here as the daemon checks it
+            self.layout = PageLayout.from_wire(desc, "layout")
+        except ProtocolError as exc:
+            self._say_down(f"its layout is not one tierd takes ({exc})")
+            return
         self.ready(wait_s=self.cfg.connect_timeout_s)
 
     def _stager(self, layout, flats: list, device):

@@ -49,7 +49,7 @@ class SchedulerSide:
         self.reqs: dict[str, ReqState] = {}
         self.pending_loads: list[LoadOrder] = []
         self.kv_cache_manager = None
-        self.specs = [GroupSpec.from_wire(g, f"groups[{i}]") for i, g in enumerate(geo.specs())]
+        self.namespace, self.specs = geo.namespace, geo.specs()  # what every LOOKUP sends
         # With recurrent or sliding groups a hit must end on a chunk boundary short of the last
         # token (the state at that boundary is what is stored); attention-only models may
         # serve a whole-prompt hit and recompute just the last token.
@@ -97,9 +97,9 @@ class SchedulerSide:
             keys = self._keys(st, max_chunks)
             try:
                 st.lookup = self.client.lookup_async(
-                    self.geo.namespace,
+                    self.namespace,
                     keys,
-                    self.geo.specs(),
+                    self.specs,
                     C,
                     replicated=self.geo.replicated,
                     timeout=self.cfg.lookup_timeout_s,
@@ -124,7 +124,7 @@ class SchedulerSide:
             log.debug("tierd lookup for %s failed: %s", req_id, st.lookup.exception())
             return 0, False
         reply = st.lookup.result()
-        st.hit_chunks, st.lease = int(reply["chunks"]), int(reply.get("lease", 0))
+        st.hit_chunks, st.lease = reply.chunks, reply.lease
         hit_tokens = min(st.hit_chunks * C, usable)
         external = hit_tokens - num_computed_tokens
         if external <= 0:
@@ -269,5 +269,5 @@ class SchedulerSide:
         return up
 
     def _lease_ttl(self) -> float:
-        server = getattr(self.client, "server", None) or {}
-        return float(server.get("lease_ttl_s", 60.0))
+        server = getattr(self.client, "server", None)
+        return 60.0 if server is None else server.lease_ttl_s

@@ -209,10 +209,10 @@ class WorkerSide:
             self._landing.pop(req_id, None)
             finished.add(req_id)
             exc = fut.exception()
-            if exc is None and all(fut.result()["ok"]):
+            if exc is None and all(fut.result().ok):
                 continue
             if exc is None:
-                bad = [int(b) for _, b in fut.result()["failed"]]
+                bad = [int(b) for _, b in fut.result().failed]
                 log.warning("tierd: load for %s missed %d blocks", req_id, len(bad))
             else:
                 bad = self._flat(ids)
@@ -283,7 +283,7 @@ class WorkerSide:
         done = self._landing.get(req_id)
         if done is None:
             exc = fut.exception()
-            done = fut.result().get("done") if exc is None else self.gpu.scatters_done()
+            done = fut.result().done if exc is None else self.gpu.scatters_done()  # a rank_jobs.Loaded
             if done is None:  # a job without chunks: nothing was scattered
                 return True
             self._landing[req_id] = done
@@ -292,8 +292,8 @@ class WorkerSide:
     # ---- helpers ------------------------------------------------------------------------------------
     @property
     def null(self) -> int:
-        server = self.client.server or {}
-        return int(server.get("null_block_id", -1))
+        server = self.client.server
+        return -1 if server is None else server.null_block_id
 
     def _ids(self, chunk: ChunkIO) -> list[list[int]]:
         null, vnull = self.null, self.vllm_null
@@ -353,5 +353,5 @@ class WorkerSide:
                     log.debug("tierd store failed: %s", exc)
                 self._report(keys, "failed")
             elif self.reports is not None:
-                self.reports += list(zip(keys, fut.result().get("results", ())))
+                self.reports += list(zip(keys, fut.result().results))
         self.stores = keep

@@ -95,11 +95,11 @@ def _old_daemon(endpoint: str, stop: threading.Event, seen: list[str]) -> None:
             ident, frame = sock.recv_multipart()
             op, req_id, _ = codec.decode_request(frame, 1 << 20)
             seen.append(op)
-            if op == "HELLO":
-                reply = codec.encode_reply(
-                    req_id,
-                    {"protocol": 1, "boot_id": "0" * 32, "null_block_id": -1, "heartbeat_timeout_s": 30.0},
-                )
+            if op == "HELLO":  # the fields of a HELLO reply, but for the lookup channel's (it has none)
+                hello = messages.HelloReply(1, "0.0.1", "0" * 32, 1, -1, 30.0, 30.0, 1 << 20, "", False)
+                body = msgspec.structs.asdict(hello)
+                del body["channel_max_bytes"]
+                reply = codec.encode_reply(req_id, body)
             else:
                 reply = codec.encode_error(req_id, ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
             sock.send_multipart([ident, reply])
@@ -134,7 +134,7 @@ def test_a_client_started_before_its_daemon_gets_a_session_when_the_daemon_comes
             c.wait_ready(1.0)  # the first HELLO has expired by now
         d = DaemonProcess(folder)
         assert wait_for(lambda: c.server is not None, timeout=10), "the late daemon never got a HELLO"
-        assert c.ping(timeout=3)["boot_id"] == c.server["boot_id"]
+        assert c.ping(timeout=3).boot_id == c.server.boot_id
         assert d.status()["sessions"] == 1
     finally:
         c.close()
@@ -156,8 +156,8 @@ def test_a_client_that_connects_while_the_daemon_backs_its_pool_gets_a_session(t
         caplog.set_level(logging.INFO, "tierd_client")
         c = TierdClient(f"ipc://{sock}", timeout_s=10, connect_timeout_s=0.1)
         try:
-            assert c.wait_ready(60)["pid"] == proc.pid
-            assert c.ping()["boot_id"] == c.server["boot_id"]
+            assert c.wait_ready(60).pid == proc.pid
+            assert c.ping().boot_id == c.server.boot_id
         finally:
             c.close()
         assert any("has not answered HELLO yet" in r.getMessage() for r in caplog.records)
@@ -184,8 +184,8 @@ def test_wait_ready_waits_through_a_connection_dropped_under_its_hello(tmp_path)
         router.recv_multipart()
         router.close()  # the connection drops with the HELLO in flight
         d = DaemonProcess(folder)
-        assert c.wait_ready(20)["boot_id"] == d.status()["boot_id"]
-        assert c.ping(timeout=3)["boot_id"] == c.server["boot_id"]
+        assert c.wait_ready(20).boot_id == d.status()["boot_id"]
+        assert c.ping(timeout=3).boot_id == c.server.boot_id
     finally:
         c.close()
         ctx.term()

@@ -279,7 +279,7 @@ class EvictionReportingClient:
     def call_async(self, op, body, timeout=None):
         self.calls.append((op, body))
         fut: Future = Future()
-        fut.set_result({"seq": 7, "keys": self.keys, "missed": False})
+        fut.set_result(messages.EvictedReply(seq=7, keys=self.keys, missed=False, boot_id="x"))
         return fut
 
 

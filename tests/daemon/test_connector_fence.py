@@ -60,7 +60,7 @@ def test_forward_into_a_block_a_store_still_reads_waits_for_the_store(worker, da
     t0 = time.monotonic()
     worker.handle_preemptions(TierdMetadata(new_blocks={6, 20}))  # block 6 is handed out again
     waited = time.monotonic() - t0
-    assert fut.done() and fut.result()["results"] == ["stored"]
+    assert fut.done() and fut.result().results == ["stored"]
     assert waited >= PAUSE * 0.8
 
 
@@ -70,7 +70,7 @@ def test_forward_into_other_blocks_does_not_wait(worker, daemon):
     worker.handle_preemptions(TierdMetadata(new_blocks={8, 9, 20}))
     assert time.monotonic() - t0 < PAUSE / 2
     assert not fut.done()
-    assert fut.result(timeout=10)["results"] == ["stored"]
+    assert fut.result(timeout=10).results == ["stored"]
 
 
 def test_new_block_ids_cover_every_group_including_ones_tierd_does_not_store():

@@ -140,7 +140,7 @@ def test_object_evicted_between_lookup_and_retrieve_recomputes(
         def evict(so):
             if not evicted and so.kv_connector_metadata.loads:  # LOOKUP answered, load planned
                 time.sleep(0.8)  # the lease's TTL passes
-                evicted.append(admin.clear()["evicted"])
+                evicted.append(admin.clear().evicted)
 
         before = _lookups(d)
         b.run(after_schedule=evict)

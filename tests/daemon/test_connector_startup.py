@@ -53,7 +53,7 @@ def test_the_default_url_is_where_the_daemons_default_socket_is(tmp_path, monkey
     try:
         client = TierdClient(url, timeout_s=5, connect_timeout_s=20)
         try:
-            assert client.wait_ready(20)["protocol"] >= 1
+            assert client.wait_ready(20).protocol >= 1
         finally:
             client.close()
     finally:

@@ -155,7 +155,7 @@ def test_a_failed_load_and_a_dead_daemon_show_as_failed_loads_bypasses_and_no_se
         def evict(so):  # between the LOOKUP's answer and the RETRIEVE, the objects go
             if not evicted and so.kv_connector_metadata.loads:
                 time.sleep(0.8)  # the lease's TTL passes
-                evicted.append(admin.clear()["evicted"])
+                evicted.append(admin.clear().evicted)
 
         b.run(after_schedule=evict)
         assert evicted and "b" in b.failed_loads

@@ -119,9 +119,9 @@ def test_client_giving_up_means_never_stored(daemon_factory, client_factory, ran
     with pytest.raises(DeadlineExceeded):
         c.store("r", [chunk(late, range(4))], timeout=0.3)
     for f in futs:
-        assert all(f.result()["ok"])
+        assert all(f.result().ok)
     wait_for(
         lambda: d.status()["errors_by_code"].get("EXPIRED") == 1, 10, what="the daemon to expire the store"
     )
-    assert c.lookup(rank.ns, [late], rank.specs(), 16, lease=False)["chunks"] == 0
+    assert c.lookup(rank.ns, [late], rank.specs(), 16, lease=False).chunks == 0
     assert d.status()["objects"] == 8

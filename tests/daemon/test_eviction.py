@@ -11,6 +11,8 @@ import pytest
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
+
 OBJ = 256 << 10
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)
 
@@ -32,12 +34,12 @@ def src(c):
 
 
 def store(client, ks, first=0, **kw):
-    return client.store("r", [chunk(k, src(first + i)) for i, k in enumerate(ks)], **kw)["results"]
+    return client.store("r", [chunk(k, src(first + i)) for i, k in enumerate(ks)], **kw).results
 
 
 def hit(client, rank, ks, lease=False):
     reply = client.lookup(rank.ns, ks, rank.specs(), 16, lease=lease)
-    return reply if lease else reply["chunks"]
+    return reply if lease else reply.chunks
 
 
 def present(client, rank, k):
@@ -65,7 +67,7 @@ def test_pressure_evicts_prefix_tail_before_head(tight):
     # the surviving head is intact
     expect = rank.blocks(0, range(4 * (cap - 2)))
     out = c.retrieve("r", [chunk(k, range(32 + 4 * i, 36 + 4 * i)) for i, k in enumerate(a[: cap - 2])])
-    assert all(out["ok"])
+    assert all(out.ok)
     np.testing.assert_array_equal(rank.kv[0][:, 32 : 32 + 4 * (cap - 2)], expect)
 
 
@@ -89,19 +91,19 @@ def test_leased_objects_are_never_evicted_and_store_is_rejected(tight):
     a, b = keys(cap), keys(1)
     store(c, a)
     reply = hit(c, rank, a, lease=True)
-    assert reply["chunks"] == cap and reply["lease"]
+    assert reply.chunks == cap and reply.lease
     before = d.status()
     assert store(c, b) == ["rejected"]  # answered, not acknowledged and dropped
     after = d.status()
     assert after["store_rejects"] == before["store_rejects"] + 1
     assert after["objects"] == cap and after["evictions"] == 0
     assert hit(c, rank, b) == 0
-    assert c.clear()["evicted"] == 0  # CLEAR spares leased objects too
+    assert c.clear().evicted == 0  # CLEAR spares leased objects too
     # everything the lease covers is retrievable, byte for byte
     expect = rank.blocks(0, [b for i in range(cap) for b in src(i)])
     dst = [list(range(32 + 4 * (i % 8), 36 + 4 * (i % 8))) for i in range(cap)]
-    out = c.retrieve("r", [chunk(k, ids) for k, ids in zip(a, dst)], lease=reply["lease"])
-    assert out == {"ok": [True] * cap, "failed": []}
+    out = c.retrieve("r", [chunk(k, ids) for k, ids in zip(a, dst)], lease=reply.lease)
+    assert out == messages.RetrieveReply([True] * cap, [])
     np.testing.assert_array_equal(rank.kv[0][:, 32 : 32 + 4 * cap], expect)
     # the retrieve spent the lease: the objects are evictable again
     assert d.status()["leases_active"] == 0
@@ -114,16 +116,16 @@ def test_leased_prefix_survives_heavy_pressure(tight):
     a = keys(cap)
     store(c, a)
     reply = hit(c, rank, a[:3], lease=True)
-    assert reply["chunks"] == 3
+    assert reply.chunks == 3
     for _ in range(4):
         results = store(c, keys(cap))
         assert results.count("stored") == cap - 3 and results.count("rejected") == 3
     assert hit(c, rank, a) == 3
     expect = rank.blocks(0, range(12))
     out = c.retrieve(
-        "r", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(a[:3])], lease=reply["lease"]
+        "r", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(a[:3])], lease=reply.lease
     )
-    assert out["ok"] == [True] * 3
+    assert out.ok == [True] * 3
     np.testing.assert_array_equal(rank.kv[0][:, 40:52], expect)
 
 

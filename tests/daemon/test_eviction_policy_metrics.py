@@ -17,11 +17,11 @@ from tierd.tools.testing import serve_argv
 def fill_past_capacity(d, c, rank) -> int:
     cap = d.status()["memory_configured_bytes"] // OBJ
     a = keys(cap)
-    assert c.store("r", [chunk(k, src(i)) for i, k in enumerate(a)])["results"] == ["stored"] * cap
-    assert c.lookup(rank.ns, a[:2], rank.specs(), 16)["chunks"] == 2  # 2 found: level 1
+    assert c.store("r", [chunk(k, src(i)) for i, k in enumerate(a)]).results == ["stored"] * cap
+    assert c.lookup(rank.ns, a[:2], rank.specs(), 16).chunks == 2  # 2 found: level 1
     c.lookup(rank.ns, keys(3), rank.specs(), 16)  # 3 more keys asked for, none held
     b = keys(3)
-    assert c.store("r", [chunk(k, src(i)) for i, k in enumerate(b)])["results"] == ["stored"] * 3
+    assert c.store("r", [chunk(k, src(i)) for i, k in enumerate(b)]).results == ["stored"] * 3
     return cap
 
 

@@ -6,6 +6,8 @@ import numpy as np
 from kv import GroupGeom, keys
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
+
 N = NULL
 FULL = GroupGeom("full", layers=2, block_bytes=256, block_tokens=4)
 STATE = GroupGeom("state", layers=1, block_bytes=1024, block_tokens=16)
@@ -25,10 +27,10 @@ def test_chunk_stored_by_one_rank_is_not_a_hit(daemon, client_factory, ranks):
     r0, r1, c0, c1 = two_ranks(ranks, client_factory, daemon, FULL)
     ks = keys(4)
     both = [chunk(k, range(4 * c, 4 * c + 4)) for c, k in enumerate(ks)]
-    assert c0.store("tp-0", both)["results"] == ["stored"] * 4
+    assert c0.store("tp-0", both).results == ["stored"] * 4
 
     def hit(client):
-        return client.lookup(r0.ns, ks, r0.specs(), 16, lease=False)["chunks"]
+        return client.lookup(r0.ns, ks, r0.specs(), 16, lease=False).chunks
 
     assert hit(c0) == 0 and hit(c1) == 0  # rank 1 holds nothing yet
     c1.store("tp-1", both[:2])
@@ -40,8 +42,8 @@ def test_chunk_stored_by_one_rank_is_not_a_hit(daemon, client_factory, ranks):
     assert not np.array_equal(r0.kv[0][:, :16], r1.kv[0][:, :16])
     e0, e1 = r0.blocks(0, range(16)), r1.blocks(0, range(16))
     back = [chunk(k, range(32 + 4 * c, 36 + 4 * c)) for c, k in enumerate(ks)]
-    assert c0.retrieve("tp-0", back)["ok"] == [True] * 4
-    assert c1.retrieve("tp-1", back)["ok"] == [True] * 4
+    assert c0.retrieve("tp-0", back).ok == [True] * 4
+    assert c1.retrieve("tp-1", back).ok == [True] * 4
     np.testing.assert_array_equal(r0.kv[0][:, 32:48], e0)
     np.testing.assert_array_equal(r1.kv[0][:, 32:48], e1)
 
@@ -52,7 +54,7 @@ def test_fold_is_per_group_per_rank(daemon, client_factory, ranks):
     ks = keys(3)
     c0.store("tp-0", [chunk(k, range(4 * c, 4 * c + 4), [c]) for c, k in enumerate(ks)])
     c1.store("tp-1", [chunk(k, range(4 * c, 4 * c + 4), [c if c < 2 else N]) for c, k in enumerate(ks)])
-    assert c0.lookup(r0.ns, ks, r0.specs(), 16, lease=False)["chunks"] == 2
+    assert c0.lookup(r0.ns, ks, r0.specs(), 16, lease=False).chunks == 2
 
 
 def test_lease_lives_until_every_rank_retrieved(daemon, client_factory, ranks):
@@ -61,11 +63,11 @@ def test_lease_lives_until_every_rank_retrieved(daemon, client_factory, ranks):
     for c, name in ((c0, "tp-0"), (c1, "tp-1")):
         c.store(name, [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
     reply = c0.lookup(r0.ns, ks, r0.specs(), 16)
-    assert reply["chunks"] == 2 and reply["lease"]
+    assert reply.chunks == 2 and reply.lease
     back = [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)]
-    c0.retrieve("tp-0", back, lease=reply["lease"])
+    c0.retrieve("tp-0", back, lease=reply.lease)
     assert daemon.status()["leases_active"] == 1  # rank 1 has not retrieved yet
-    c1.retrieve("tp-1", back, lease=reply["lease"])
+    c1.retrieve("tp-1", back, lease=reply.lease)
     assert daemon.status()["leases_active"] == 0
 
 
@@ -73,17 +75,17 @@ def test_replicated_rank0_copy_serves_rank1(daemon, client_factory, ranks):
     r0, r1, c0, c1 = two_ranks(ranks, client_factory, daemon, FULL, replicated=True)
     ks = keys(3)
     src = [chunk(k, range(4 * c, 4 * c + 4)) for c, k in enumerate(ks)]
-    assert c0.store("tp-0", src)["results"] == ["stored"] * 3
+    assert c0.store("tp-0", src).results == ["stored"] * 3
     objects = daemon.status()["objects"]
-    assert c1.store("tp-1", src)["results"] == ["exists"] * 3  # rank 1 stores nothing
+    assert c1.store("tp-1", src).results == ["exists"] * 3  # rank 1 stores nothing
     assert daemon.status()["objects"] == objects == 3
 
     reply = c1.lookup(r1.ns, ks, r1.specs(), 16, replicated=True)
-    assert reply["chunks"] == 3
+    assert reply.chunks == 3
     expect = r0.blocks(0, range(12))
     assert not np.array_equal(r1.kv[0][:, :12], expect)
     out = c1.retrieve(
-        "tp-1", [chunk(k, range(40 + 4 * c, 44 + 4 * c)) for c, k in enumerate(ks)], lease=reply["lease"]
+        "tp-1", [chunk(k, range(40 + 4 * c, 44 + 4 * c)) for c, k in enumerate(ks)], lease=reply.lease
     )
-    assert out == {"ok": [True] * 3, "failed": []}
+    assert out == messages.RetrieveReply([True] * 3, [])
     np.testing.assert_array_equal(r1.kv[0][:, 40:52], expect)

@@ -13,13 +13,13 @@ def test_index_objects_are_frozen_out_of_the_cyclic_gc_and_still_freed(daemon, c
         res = client.store(
             "r", [{"key": k, "blocks": [[4 * (i % 1000) + j for j in range(4)]]} for i, k in enumerate(ks)]
         )
-        assert res["results"].count("stored") == 1000
+        assert res.results.count("stored") == 1000
         wait_for(
             lambda: daemon.status()["gc_frozen_objects"] >= 1000, 15, what="a gc.freeze after the stores"
         )
-        assert client.clear()["evicted"] == 1000
+        assert client.clear().evicted == 1000
         st = daemon.status()
         assert st["objects"] == 0 and st["memory_used_bytes"] == 0
-        assert client.lookup(rank.ns, ks[:4], rank.specs(), 16, lease=False)["chunks"] == 0
+        assert client.lookup(rank.ns, ks[:4], rank.specs(), 16, lease=False).chunks == 0
     finally:
         rank.close()

@@ -12,6 +12,8 @@ import time
 from kv import GroupGeom
 from util import ranks  # noqa: F401 - fixture
 
+from tierd.protocol import messages
+
 
 def wait_for(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
@@ -30,7 +32,8 @@ def test_a_rank_unregistered_twice_by_an_engines_goodbye_counts_no_error(daemon,
     scheduler.close()
     wait_for(lambda: daemon.status()["instances"] == [])
 
-    assert worker.unregister("e/0", timeout=5) == {}  # the worker's clean shutdown (Registration.leave)
+    # the worker's clean shutdown (Registration.leave)
+    assert worker.unregister("e/0", timeout=5) == messages.Empty()
     worker.close()
     wait_for(lambda: daemon.status()["sessions"] == 0)
 

@@ -132,12 +132,12 @@ def test_round_trip_through_the_daemon(daemon_factory, client_factory, impl, hos
     rank = eng.rank(c, request_bytes=2 * eng.stager.chunk_bytes, host_order=host_order)
     ks = keys(6)
     src, dst = list(range(0, 6 * BPC)), list(range(32, 32 + 6 * BPC))
-    assert rank.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * 6
+    assert rank.store(chunks(ks, src), after=after_now()).result().results == ["stored"] * 6
     expect = eng.blocks(src)
     eng.zero(dst)
     got = rank.retrieve(chunks(ks, dst)).result()
-    assert (got["ok"], got["failed"]) == ([True] * 6, [])
-    torch.cuda.current_stream(DEV).wait_event(got["done"])
+    assert (got.ok, got.failed) == ([True] * 6, [])
+    torch.cuda.current_stream(DEV).wait_event(got.done)
     assert torch.equal(eng.blocks(dst), expect)
     lanes = d.status()["cuda_detail"]["lanes"]
     assert lanes["store"]["bytes"] > 0 and lanes["retrieve"]["bytes"] > 0
@@ -151,14 +151,14 @@ def test_store_and_retrieve_of_one_rank_run_at_once(daemon_factory, client_facto
     rank = eng.rank(c, request_bytes=4 * eng.stager.chunk_bytes, host_order=host_order)
     ka, kb = keys(20), keys(20)
     a, b, into = list(range(0, 80)), list(range(80, 160)), list(range(160, 240))
-    assert all(x == "stored" for x in rank.store(chunks(ka, a), after=after_now()).result()["results"])
+    assert all(x == "stored" for x in rank.store(chunks(ka, a), after=after_now()).result().results)
     fs = rank.store(chunks(kb, b), after=after_now())
     fr = rank.retrieve(chunks(ka, into))
-    assert all(x == "stored" for x in fs.result()["results"]) and all(fr.result()["ok"])
-    fr.result()["done"].synchronize()
+    assert all(x == "stored" for x in fs.result().results) and all(fr.result().ok)
+    fr.result().done.synchronize()
     assert torch.equal(eng.blocks(into), eng.blocks(a))
     got = rank.retrieve(chunks(kb, into)).result()
-    got["done"].synchronize()
+    got.done.synchronize()
     assert torch.equal(eng.blocks(into), eng.blocks(b))
 
 
@@ -173,8 +173,8 @@ def test_a_missing_chunk_fails_exactly_its_blocks_and_leaves_them_untouched(daem
     eng.zero(dst)
     before = eng.blocks(dst)
     got = rank.retrieve(chunks(ks, dst)).result()
-    got["done"].synchronize()
-    assert got["ok"] == [True, False] and got["failed"] == [[0, b] for b in dst[BPC:]]
+    got.done.synchronize()
+    assert got.ok == [True, False] and got.failed == [(0, b) for b in dst[BPC:]]
     assert torch.equal(eng.blocks(dst[BPC:]), before[:, BPC:])  # not scattered over
     assert torch.equal(eng.blocks(dst[:BPC]), eng.blocks(list(range(BPC))))
 
@@ -243,13 +243,12 @@ def test_store_gathers_only_after_the_forward_wrote_the_blocks_negative_control(
                 ev.record(forward)
             ks = keys(4)
             assert (
-                rank.store(chunks(ks, src), after=ev if fenced else None).result()["results"]
-                == ["stored"] * 4
+                rank.store(chunks(ks, src), after=ev if fenced else None).result().results == ["stored"] * 4
             )
             forward.synchronize()
             new = eng.blocks(src)
             got = rank.retrieve(chunks(ks, dst)).result()
-            got["done"].synchronize()
+            got.done.synchronize()
             stale.append(torch.equal(eng.blocks(dst), old))
             if fenced:
                 assert torch.equal(eng.blocks(dst), new), "a fenced store gathered stale bytes"
@@ -290,7 +289,7 @@ def test_forward_reads_restored_blocks_only_after_their_scatter_negative_control
         got = rank.retrieve(chunks(ks, dst)).result()
         reader = torch.cuda.current_stream(DEV)
         if fenced:
-            reader.wait_event(got["done"])
+            reader.wait_event(got.done)
         snapshot = eng.blocks(dst)  # what a forward launched now reads
         torch.cuda.synchronize()
         seen[fenced] = torch.equal(snapshot, eng.blocks(src))
@@ -307,11 +306,11 @@ def test_two_ranks_on_one_gpu_copy_through_one_daemon(daemon_factory, client_fac
     ks = [keys(16), keys(16)]
     src, dst = list(range(0, 64)), list(range(64, 128))
     futs = [r.store(chunks(k, src), after=after_now()) for r, k in zip(ranks, ks)]
-    assert all(all(x == "stored" for x in f.result()["results"]) for f in futs)
+    assert all(all(x == "stored" for x in f.result().results) for f in futs)
     t = time.perf_counter()
     got = [r.retrieve(chunks(k, dst)) for r, k in zip(ranks, ks)]
     for g in got:
-        g.result()["done"].synchronize()
+        g.result().done.synchronize()
     print(f"\ntwo ranks restored {2 * 16} chunks in {(time.perf_counter() - t) * 1e3:.1f} ms")
     for e in engines:
         assert torch.equal(e.blocks(dst), e.blocks(src))
@@ -335,8 +334,8 @@ def test_host_order_retrieve_reuses_a_staging_room_only_after_its_scatter_negati
     a, b = list(range(0, BPC)), list(range(BPC, 2 * BPC))
     into_a, into_b = list(range(32, 32 + BPC)), list(range(40, 40 + BPC))
     ka, kb = keys(1), keys(1)
-    assert rank.store(chunks(ka, a), after=after_now()).result()["results"] == ["stored"]
-    assert rank.store(chunks(kb, b), after=after_now()).result()["results"] == ["stored"]
+    assert rank.store(chunks(ka, a), after=after_now()).result().results == ["stored"]
+    assert rank.store(chunks(kb, b), after=after_now()).result().results == ["stored"]
     assert not torch.equal(eng.blocks(a), eng.blocks(b))
     scatter = eng.stager.scatter
 
@@ -357,8 +356,8 @@ def test_host_order_retrieve_reuses_a_staging_room_only_after_its_scatter_negati
             second = rank.retrieve(chunks(kb, into_b))
             for f in (first, second):
                 got = f.result()
-                assert got["ok"] == [True]
-                got["done"].synchronize()
+                assert got.ok == [True]
+                got.done.synchronize()
             bad += not torch.equal(eng.blocks(into_a), eng.blocks(a))
             assert torch.equal(eng.blocks(into_b), eng.blocks(b))
         wrong[waits] = bad

@@ -103,12 +103,12 @@ def test_direct_round_trip_through_the_daemon(daemon_factory, client_factory, ki
     src = shuffled(0, n * BPC, 1) if ids == "shuffled" else list(range(n * BPC))
     dst = shuffled(40, n * BPC, 2) if ids == "shuffled" else list(range(40, 40 + n * BPC))
     ks = keys(n)
-    assert rank.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * n
+    assert rank.store(chunks(ks, src), after=after_now()).result().results == ["stored"] * n
     expect = eng.blocks(src)
     eng.zero(dst)
     got = rank.retrieve(chunks(ks, dst)).result()
-    assert (got["ok"], got["failed"]) == ([True] * n, [])
-    torch.cuda.current_stream(DEV).wait_event(got["done"])
+    assert (got.ok, got.failed) == ([True] * n, [])
+    torch.cuda.current_stream(DEV).wait_event(got.done)
     assert torch.equal(eng.blocks(dst), expect)
     lanes = d.status()["cuda_detail"]["lanes"]
     assert lanes["store"]["bytes"] == lanes["retrieve"]["bytes"] == n * 4 * BPC * eng.views[0][0].nbytes
@@ -139,12 +139,12 @@ def test_objects_mean_the_same_bytes_through_staging_and_direct(daemon_factory, 
     for writer, reader, seed in ((staged, direct, 1), (direct, staged, 2)):
         src, dst = shuffled(0, n * BPC, seed), shuffled(40, n * BPC, seed + 10)
         ks = keys(n)
-        assert writer.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * n
+        assert writer.store(chunks(ks, src), after=after_now()).result().results == ["stored"] * n
         expect = eng.blocks(src)
         eng.zero(dst)
         got = reader.retrieve(chunks(ks, dst)).result()
-        assert (got["ok"], got["failed"]) == ([True] * n, [])
-        torch.cuda.current_stream(DEV).wait_event(got["done"])
+        assert (got.ok, got.failed) == ([True] * n, [])
+        torch.cuda.current_stream(DEV).wait_event(got.done)
         assert torch.equal(eng.blocks(dst), expect), f"{type(writer).__name__} -> {type(reader).__name__}"
     staged.close()
     direct.close()
@@ -161,8 +161,8 @@ def test_a_missing_chunk_fails_exactly_its_blocks_and_leaves_them_untouched(daem
     eng.zero(dst)
     before = eng.blocks(dst)
     got = rank.retrieve(chunks(ks, dst)).result()
-    got["done"].synchronize()
-    assert got["ok"] == [True, False] and got["failed"] == [[0, b] for b in dst[BPC:]]
+    got.done.synchronize()
+    assert got.ok == [True, False] and got.failed == [(0, b) for b in dst[BPC:]]
     assert torch.equal(eng.blocks(dst[BPC:]), before[:, BPC:])
     assert torch.equal(eng.blocks(dst[:BPC]), eng.blocks(list(range(BPC))))
 
@@ -207,11 +207,11 @@ def test_a_direct_store_reads_only_what_the_forward_wrote_negative_control(daemo
                 ev.record(forward)
             ks = keys(4)
             res = rank.store(chunks(ks, src), after=ev if fenced else None).result()
-            assert res["results"] == ["stored"] * 4
+            assert res.results == ["stored"] * 4
             forward.synchronize()
             new = eng.blocks(src)
             got = rank.retrieve(chunks(ks, dst)).result()
-            got["done"].synchronize()
+            got.done.synchronize()
             stale.append(torch.equal(eng.blocks(dst), old))
             if fenced:
                 assert torch.equal(eng.blocks(dst), new), "a fenced store copied stale bytes"
@@ -233,7 +233,7 @@ def test_restored_blocks_are_read_only_after_the_daemons_copies_negative_control
     n = 64  # 256 blocks, 128 MiB: milliseconds of copies
     src, dst = list(range(0, n * BPC)), list(range(n * BPC, 2 * n * BPC))
     ks = keys(n)
-    assert rank.store(chunks(ks, src), after=after_now()).result()["results"] == ["stored"] * n
+    assert rank.store(chunks(ks, src), after=after_now()).result().results == ["stored"] * n
     want = eng.blocks(src)
     seen = {}
     for fenced in (False, True):
@@ -244,7 +244,7 @@ def test_restored_blocks_are_read_only_after_the_daemons_copies_negative_control
             got = rank.retrieve(chunks(ks, dst)).result()
             reader = torch.cuda.current_stream(DEV)
             if fenced:
-                reader.wait_event(got["done"])
+                reader.wait_event(got.done)
             snapshot = eng.buf.clone()  # what a forward launched now reads (one kernel)
             torch.cuda.synchronize()
             ok.append(torch.equal(eng.blocks(dst, snapshot), want))

@@ -99,7 +99,7 @@ def test_status_fields_and_counters_move(daemon_factory, client_factory, ranks):
     c.retrieve(
         "r0",
         [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)] + [chunk(missing, range(52, 56))],
-        lease=reply["lease"],
+        lease=reply.lease,
     )
     s4 = d.status()
     assert delta(
@@ -125,7 +125,7 @@ def test_status_fields_and_counters_move(daemon_factory, client_factory, ranks):
     s6 = d.status()
     assert s6["evictions"] == 3 and s6["objects"] == cap
     c.lookup(rank.ns, more, rank.specs(), 16)
-    assert c.store("r0", [chunk(keys(1)[0], range(4))])["results"] == ["rejected"]
+    assert c.store("r0", [chunk(keys(1)[0], range(4))]).results == ["rejected"]
     s7 = d.status()
     assert s7["store_rejects"] == s6["store_rejects"] + 1 and s7["objects"] == cap
     # the same numbers over the STATUS op

@@ -109,21 +109,21 @@ def test_status_shows_why_a_store_beside_a_leased_object_is_rejected(daemon_fact
         c.register("r40", big.layout())  # 40 MiB chunks: 4 blocks x 10 layers x 1 MiB
         c.register("r24", small.layout())  # 24 MiB chunks
         k40, k24 = keys(1)[0], keys(2)[1]
-        assert c.store("r40", [chunk(k40, range(4))])["results"] == ["stored"]
-        lease = c.lookup(big.ns, [k40], big.specs(), 16)["lease"]
+        assert c.store("r40", [chunk(k40, range(4))]).results == ["stored"]
+        lease = c.lookup(big.ns, [k40], big.specs(), 16).lease
         assert lease > 0
         st = d.status()
         assert (st["largest_free_bytes"], st["largest_storable_bytes"]) == (0, 0)
         res = tierd("status", "--url", d.http)
         rows = [" ".join(line.split()) for line in res.stdout.splitlines()]
         assert "room largest new object storable now 0 B (0 B without evicting)" in rows, res.stdout
-        assert c.store("r24", [chunk(k24, range(4))])["results"] == ["rejected"]
+        assert c.store("r24", [chunk(k24, range(4))]).results == ["rejected"]
         assert d.status()["evictions"] == 0
 
         c.release(lease)
         st = json.loads(tierd("status", "--url", d.http, "--json").stdout)
         assert (st["largest_free_bytes"], st["largest_storable_bytes"]) == (0, 64 * MIB)
-        assert c.store("r24", [chunk(k24, range(4))])["results"] == ["stored"]
+        assert c.store("r24", [chunk(k24, range(4))]).results == ["stored"]
         assert d.status()["evictions"] == 1
     finally:
         big.close()

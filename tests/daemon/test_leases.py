@@ -6,6 +6,7 @@ from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import wait_for
 
+from tierd.protocol import messages
 from tierd_client import TierdError
 
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
@@ -16,7 +17,7 @@ def fill(d, c, rank):
     cap = d.status()["memory_configured_bytes"] // (256 << 10)
     ks = keys(cap)
     assert (
-        c.store("r", [chunk(k, range(4 * (i % 8), 4 * (i % 8) + 4)) for i, k in enumerate(ks)])["results"]
+        c.store("r", [chunk(k, range(4 * (i % 8), 4 * (i % 8) + 4)) for i, k in enumerate(ks)]).results
         == ["stored"] * cap
     )
     return ks
@@ -24,8 +25,8 @@ def fill(d, c, rank):
 
 def lease(c, rank, ks):
     reply = c.lookup(rank.ns, ks, rank.specs(), 16)
-    assert reply["chunks"] == len(ks) and reply["lease"] > 0
-    return reply["lease"]
+    assert reply.chunks == len(ks) and reply.lease > 0
+    return reply.lease
 
 
 def test_release_frees_the_lease_and_its_objects(daemon_factory, client_factory, ranks):
@@ -37,10 +38,10 @@ def test_release_frees_the_lease_and_its_objects(daemon_factory, client_factory,
     lid = lease(c, rank, ks)
     st = d.status()
     assert st["leases_active"] == 1 and st["leases_granted"] == 1
-    assert c.store("r", [chunk(keys(1)[0], range(4))])["results"] == ["rejected"]
-    assert c.release(lid) == {}
+    assert c.store("r", [chunk(keys(1)[0], range(4))]).results == ["rejected"]
+    assert c.release(lid) == messages.Empty()
     assert d.status()["leases_active"] == 0
-    assert c.store("r", [chunk(keys(1)[0], range(4))])["results"] == ["stored"]
+    assert c.store("r", [chunk(keys(1)[0], range(4))]).results == ["stored"]
     with pytest.raises(TierdError) as err:
         c.release(lid)
     assert err.value.code == "UNKNOWN_LEASE"
@@ -53,24 +54,24 @@ def test_lease_ttl_expiry_frees_objects(daemon_factory, client_factory, ranks):
     c.register("r", rank.layout())
     ks = fill(d, c, rank)
     reply = c.lookup(rank.ns, ks, rank.specs(), 16)
-    assert reply["lease_ttl_s"] == 0.5
-    assert c.clear()["evicted"] == 0  # pinned while the lease lives
+    assert reply.lease_ttl_s == 0.5
+    assert c.clear().evicted == 0  # pinned while the lease lives
     wait_for(lambda: d.status()["leases_active"] == 0, 5, what="the lease to expire")
     assert d.status()["leases_expired"] == 1
     with pytest.raises(TierdError) as err:
-        c.release(reply["lease"])
+        c.release(reply.lease)
     assert err.value.code == "UNKNOWN_LEASE"
-    assert c.clear()["evicted"] == len(ks)
+    assert c.clear().evicted == len(ks)
 
 
 def test_lookup_without_lease_or_hit_grants_none(daemon, client, ranks):
     rank = ranks(GroupGeom("full"))
     client.register("r", rank.layout())
     ks = keys(2)
-    assert client.lookup(rank.ns, ks, rank.specs(), 16)["lease"] == 0  # nothing stored: no lease
+    assert client.lookup(rank.ns, ks, rank.specs(), 16).lease == 0  # nothing stored: no lease
     client.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
     reply = client.lookup(rank.ns, ks, rank.specs(), 16, lease=False)
-    assert reply == {"chunks": 2, "lease": 0, "lease_ttl_s": reply["lease_ttl_s"]}
+    assert reply == messages.LookupReply(chunks=2, lease=0, lease_ttl_s=reply.lease_ttl_s)
     st = daemon.status()
     assert st["leases_active"] == 0 and st["leases_granted"] == 0
 

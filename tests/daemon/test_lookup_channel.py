@@ -18,6 +18,7 @@ from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import request, wait_for
 
 from tierd.edge.channel import MAX_BYTES
+from tierd.protocol import messages
 from tierd.protocol.sockets import CHANNEL_SUFFIX
 from tierd_client import DaemonUnavailable, TierdError
 
@@ -32,8 +33,7 @@ def stored(c, rank, n: int) -> list[bytes]:
     c.register("r", rank.layout())
     ks = keys(n)
     assert (
-        c.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])["results"]
-        == ["stored"] * n
+        c.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]).results == ["stored"] * n
     )
     return ks
 
@@ -91,7 +91,7 @@ def test_lookups_on_the_channel_answer_as_on_zmq_and_lease_in_the_callers_sessio
 ):
     fast = client_factory(daemon)
     slow = client_factory(daemon, lookup_channel=False)
-    assert fast.server["channel_max_bytes"] == MAX_BYTES
+    assert fast.server.channel_max_bytes == MAX_BYTES
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(slow, rank, 12)
     wait_for(lambda: fast._channel is not None, 5, what="the client's channel to be acknowledged")
@@ -99,28 +99,28 @@ def test_lookups_on_the_channel_answer_as_on_zmq_and_lease_in_the_callers_sessio
     for c in (fast, slow):
         for probe in (ks, ks[:5] + keys(3), keys(4)):
             reply = c.lookup(rank.ns, probe, rank.specs(), 16, lease=False)
-            assert reply["chunks"] == {12: 12, 8: 5, 4: 0}[len(probe)]
+            assert reply.chunks == {12: 12, 8: 5, 4: 0}[len(probe)]
     assert channel_requests(daemon) == before + 3  # the fast client's three, none of the other's
     reply = fast.lookup(rank.ns, ks, rank.specs(), 16)
-    assert reply["chunks"] == 12 and reply["lease"] > 0
+    assert reply.chunks == 12 and reply.lease > 0
     st = daemon.status()
     assert st["leases_active"] == 1 and channel_requests(daemon) == before + 4
-    assert fast.release(reply["lease"]) == {}  # granted to the fast client's own session (on zmq)
+    assert fast.release(reply.lease) == messages.Empty()  # granted to the fast client's own session (on zmq)
     assert daemon.status()["leases_active"] == 0
     with pytest.raises(TierdError) as err:
-        slow.release(reply["lease"])
+        slow.release(reply.lease)
     assert err.value.code == "UNKNOWN_LEASE"
-    assert "time" in fast.ping() and channel_requests(daemon) == before + 5
+    assert fast.ping().time > 0 and channel_requests(daemon) == before + 5
 
 
 def test_a_daemon_without_the_channel_is_served_on_zmq_alone(daemon_factory, client_factory, ranks):
     d = daemon_factory("--no-lookup-channel")
     c = client_factory(d)
-    assert c.server["channel_max_bytes"] == 0
+    assert c.server.channel_max_bytes == 0
     assert not os.path.exists(str(d.socket_file) + CHANNEL_SUFFIX)
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(c, rank, 4)
-    assert c.lookup(rank.ns, ks, rank.specs(), 16)["chunks"] == 4
+    assert c.lookup(rank.ns, ks, rank.specs(), 16).chunks == 4
     assert c._channel is None and d.status()["lookup_channel"] is None
 
 
@@ -131,8 +131,8 @@ def test_a_lookup_too_large_for_the_channel_goes_on_zmq(daemon, client_factory, 
     wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
     before = channel_requests(daemon)
     many = ks + keys(20000)  # a frame of ~400 KiB: over channel_max_bytes
-    assert c.lookup(rank.ns, many, rank.specs(), 16)["chunks"] == 4
-    assert c.lookup(rank.ns, ks, rank.specs(), 16)["chunks"] == 4
+    assert c.lookup(rank.ns, many, rank.specs(), 16).chunks == 4
+    assert c.lookup(rank.ns, ks, rank.specs(), 16).chunks == 4
     assert channel_requests(daemon) == before + 1  # the small one only
 
 
@@ -147,10 +147,9 @@ def test_the_client_opens_a_new_channel_after_a_daemon_restart(daemon, client_fa
     wait_for(lambda: c._channel is not None and c._channel is not old, 10, what="a new channel")
     ks = keys(3)
     assert (
-        c.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])["results"]
-        == ["stored"] * 3
+        c.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]).results == ["stored"] * 3
     )
-    assert c.lookup(rank.ns, ks, rank.specs(), 16)["chunks"] == 3
+    assert c.lookup(rank.ns, ks, rank.specs(), 16).chunks == 3
     assert channel_requests(daemon) >= 1  # the new daemon's channel served it
 
 
@@ -183,7 +182,7 @@ def test_channel_requests_are_held_to_the_session_they_name(daemon, client_facto
     mine = peers(daemon)
     assert mine.attach(c._identity) == [0, True, {}]
     req_id, ok, body = mine.call("PING", {}, req_id=12)
-    assert (req_id, ok) == (12, True) and body["boot_id"] == c.server["boot_id"]
+    assert (req_id, ok) == (12, True) and body["boot_id"] == c.server.boot_id
 
 
 def test_another_users_channel_cannot_act_in_a_session(xdaemon, client_factory, make_user):
@@ -216,7 +215,7 @@ def test_the_channel_serves_only_lookup_and_ping(daemon, client_factory, peers):
     req_id, ok, err = p.call("NOPE", {}, req_id=22)
     assert (req_id, ok, err["code"]) == (22, False, "UNKNOWN_OP")
     assert p.call("PING", {}, req_id=23)[:2] == [23, True]  # still usable, the session still there
-    assert c.ping()["boot_id"] == c.server["boot_id"]
+    assert c.ping().boot_id == c.server.boot_id
 
 
 def test_a_channel_frame_over_its_limit_is_answered_too_large_with_its_req_id(daemon, client_factory, peers):
@@ -282,9 +281,9 @@ def test_a_channel_peer_that_never_reads_stalls_nobody(daemon, client_factory, p
     assert daemon.status()["lookup_channel"]["replies_dropped"] > 0
     t0 = time.monotonic()
     for _ in range(20):
-        assert other.lookup(rank.ns, ks, rank.specs(), 16, lease=False)["chunks"] == 3
+        assert other.lookup(rank.ns, ks, rank.specs(), 16, lease=False).chunks == 3
     assert time.monotonic() - t0 < 5
-    assert "time" in c.ping()  # the hog's session is fine too (its own client's channel is not the hog)
+    assert c.ping().time > 0  # the hog's session is fine too (its own client's channel is not the hog)
 
 
 def test_a_channel_that_ends_fails_its_lookups_and_the_dealer_carries_the_next(daemon, client_factory, ranks):
@@ -303,7 +302,7 @@ def test_a_channel_that_ends_fails_its_lookups_and_the_dealer_carries_the_next(d
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: c._channel is None, 5, what="the channel to be dropped")
-    assert c.lookup(rank.ns, ks, rank.specs(), 16, lease=False)["chunks"] == 2  # on the DEALER
+    assert c.lookup(rank.ns, ks, rank.specs(), 16, lease=False).chunks == 2  # on the DEALER
     assert channel_requests(daemon) == before + 1  # the failed one was read; the next was not sent there
 
 

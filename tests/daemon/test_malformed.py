@@ -38,8 +38,8 @@ def still_serving(d, ranks):
         rank = ranks(GroupGeom("full"))
         c.register("fresh", rank.layout())
         k = keys(1)[0]
-        assert c.store("fresh", [chunk(k, range(4))])["results"] == ["stored"]
-        assert c.retrieve("fresh", [chunk(k, range(8, 12))])["ok"] == [True]
+        assert c.store("fresh", [chunk(k, range(4))]).results == ["stored"]
+        assert c.retrieve("fresh", [chunk(k, range(8, 12))]).ok == [True]
         np.testing.assert_array_equal(rank.kv[0][:, 8:12], rank.kv[0][:, 0:4])
         c.unregister("fresh")
 
@@ -117,7 +117,13 @@ def test_oversized_frame_is_too_large_and_answered_to_its_req_id(daemon_factory,
     assert msg[1] is False and msg[2]["code"] == "TOO_LARGE"
     assert msg[0] == 77
     assert r.ok("PING", {})  # the session survives
-    assert one_reply(r, request("PING", 78, {"pad": b"x" * ((1 << 20) - 100)}))[1] is True
+    # a frame just under the cap is served: a LOOKUP of as many 64-byte keys as fit in it
+    rank = ranks(GroupGeom("full"))
+    body = {"namespace": rank.ns, "groups": rank.specs(), "chunk_tokens": 16, "lease": False}
+    n = ((1 << 20) - 100) // 66
+    while len(frame := request("LOOKUP", 78, {**body, "keys": [b"k" * 64] * n})) > (1 << 20) - 100:
+        n -= 1
+    assert one_reply(r, frame)[1] is True
     still_serving(d, ranks)
 
 

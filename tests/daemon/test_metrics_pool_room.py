@@ -44,8 +44,8 @@ def test_the_pools_room_and_backing_are_gauges_equal_to_status(daemon_factory, c
     try:
         c.register("r40", rank.layout())
         (k,) = keys(1)
-        assert c.store("r40", [chunk(k, range(4))])["results"] == ["stored"]
-        lease = c.lookup(rank.ns, [k], rank.specs(), 16)["lease"]
+        assert c.store("r40", [chunk(k, range(4))]).results == ["stored"]
+        lease = c.lookup(rank.ns, [k], rank.specs(), 16).lease
         st, got = d.status(), gauges(d)
         assert {n: got.get(f"tierd_{n}") for n in ROOM} == {n: st[n] for n in ROOM}
         assert (got["tierd_largest_free_bytes"], got["tierd_largest_storable_bytes"]) == (0, 0)

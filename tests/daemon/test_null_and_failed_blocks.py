@@ -7,6 +7,7 @@ import pytest
 from kv import GroupGeom, keys
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
 from tierd_client import TierdError
 
 N = NULL
@@ -21,12 +22,12 @@ def test_all_null_chunk_is_empty_and_not_stored(daemon, client, ranks):
     res = client.store(
         "r", [chunk(ks[0], [N] * 4, [N] * 4), chunk(ks[1], range(4), [N] * 4), chunk(ks[2], [N] * 4, [N] * 4)]
     )
-    assert res["results"] == ["empty", "stored", "empty"]
+    assert res.results == ["empty", "stored", "empty"]
     st = daemon.status()
     assert st["objects"] == 1 and st["stored_chunks"] == 1
-    assert client.lookup(rank.ns, ks[:1], [rank.specs()[0]], 16, lease=False)["chunks"] == 0
+    assert client.lookup(rank.ns, ks[:1], [rank.specs()[0]], 16, lease=False).chunks == 0
     # an "empty" answer is not remembered as stored: real data for that key is stored later
-    assert client.store("r", [chunk(ks[0], range(4, 8), [N] * 4)])["results"] == ["stored"]
+    assert client.store("r", [chunk(ks[0], range(4, 8), [N] * 4)]).results == ["stored"]
 
 
 def test_null_ids_in_retrieve_are_skipped(client, ranks):
@@ -36,7 +37,7 @@ def test_null_ids_in_retrieve_are_skipped(client, ranks):
     client.store("r", [chunk(k, range(4))])
     before = rank.kv[0].copy()
     out = client.retrieve("r", [chunk(k, [N, 40, N, 41])])
-    assert out == {"ok": [True], "failed": []}
+    assert out == messages.RetrieveReply([True], [])
     after = rank.kv[0]
     np.testing.assert_array_equal(after[:, 40], before[:, 1])
     np.testing.assert_array_equal(after[:, 41], before[:, 3])
@@ -59,8 +60,8 @@ def test_retrieve_of_missing_chunk_reports_exact_pairs(client, ranks):
             chunk(ks[2], range(48, 52), [N, N, 44, 45]),
         ],
     )
-    assert out["ok"] == [True, False, True]
-    assert out["failed"] == [[0, 44], [0, 45], [0, 46], [1, 42], [1, 43]]
+    assert out.ok == [True, False, True]
+    assert out.failed == [(0, 44), (0, 45), (0, 46), (1, 42), (1, 43)]
     np.testing.assert_array_equal(rank.kv[0][:, 44:47], before[:, 44:47])  # never written
     np.testing.assert_array_equal(rank.kv[0][:, 48:52], before[:, 8:12])
 
@@ -71,10 +72,10 @@ def test_partial_group_retrieve_restores_held_blocks_and_reports_only_missing(cl
     rank = ranks(FULL)
     client.register("r", rank.layout())
     k = keys(1)[0]
-    assert client.store("r", [chunk(k, [0, 1, N, N])])["results"] == ["stored"]
+    assert client.store("r", [chunk(k, [0, 1, N, N])]).results == ["stored"]
     rank.kv[0][:, 40:44] = 0
     out = client.retrieve("r", [chunk(k, [40, 41, 42, 43])])
-    assert out == {"ok": [False], "failed": [[0, 42], [0, 43]]}
+    assert out == messages.RetrieveReply([False], [(0, 42), (0, 43)])
     np.testing.assert_array_equal(rank.kv[0][:, 40:42], rank.kv[0][:, 0:2])
     assert not rank.kv[0][:, 42:44].any()
 
@@ -82,11 +83,11 @@ def test_partial_group_retrieve_restores_held_blocks_and_reports_only_missing(cl
 def test_custom_null_block_id(daemon_factory, client_factory, ranks):
     d = daemon_factory("--null-block-id", "63")
     client = client_factory(d)
-    assert client.server["null_block_id"] == 63
+    assert client.server.null_block_id == 63
     rank = ranks(FULL)
     client.register("r", rank.layout())
     ks = keys(2)
-    assert client.store("r", [chunk(ks[0], [63] * 4), chunk(ks[1], [0, 1, 63, 63])])["results"] == [
+    assert client.store("r", [chunk(ks[0], [63] * 4), chunk(ks[1], [0, 1, 63, 63])]).results == [
         "empty",
         "stored",
     ]
@@ -94,4 +95,4 @@ def test_custom_null_block_id(daemon_factory, client_factory, ranks):
         client.store("r", [chunk(ks[0], [-1] * 4)])
     assert err.value.code == "BAD_REQUEST"
     out = client.retrieve("r", [chunk(ks[1], [40, 41, 42, 63])])
-    assert out == {"ok": [False], "failed": [[0, 42]]}
+    assert out == messages.RetrieveReply([False], [(0, 42)])

@@ -20,7 +20,7 @@ def test_pool_grows_lazily_up_to_its_ceiling(daemon_factory, client_factory, ran
     totals = []
     for _ in range(14):
         res = c.store("r", [chunk(k, range(4 * (i % 4), 4 * (i % 4) + 4)) for i, k in enumerate(keys(8))])
-        assert res["results"] == ["stored"] * 8
+        assert res.results == ["stored"] * 8
         st = d.status()
         assert st["memory_used_bytes"] <= st["memory_total_bytes"] <= st["memory_configured_bytes"]
         totals.append(st["memory_total_bytes"])

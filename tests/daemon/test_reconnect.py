@@ -23,7 +23,7 @@ def test_restarted_daemon_is_reconnected_and_reregistered(daemon, client_factory
     a, b = ranks(GroupGeom("full")), ranks(GroupGeom("state", block_tokens=16))
     c.register("a", a.layout())
     c.register("b", b.layout())
-    boot = c.server["boot_id"]
+    boot = c.server.boot_id
     ks = keys(2)
     c.store("a", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
 
@@ -35,12 +35,12 @@ def test_restarted_daemon_is_reconnected_and_reregistered(daemon, client_factory
 
     # the next call just works: the pool is empty after the restart, the store lands anew
     res = c.store("a", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
-    assert res["results"] == ["stored", "stored"]
-    assert c.server["boot_id"] != boot
+    assert res.results == ["stored", "stored"]
+    assert c.server.boot_id != boot
     out = c.retrieve("a", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)])
-    assert out["ok"] == [True, True]
+    assert out.ok == [True, True]
     np.testing.assert_array_equal(a.kv[0][:, 40:48], a.kv[0][:, 0:8])
-    assert c.store("b", [chunk(ks[0], [3])])["results"] == ["stored"]
+    assert c.store("b", [chunk(ks[0], [3])]).results == ["stored"]
     assert names(daemon) == ["a", "b"]
 
 
@@ -55,9 +55,9 @@ def test_reaped_session_recovers_on_next_call(daemon_factory, client_factory, ra
     wait_for(lambda: d.status()["sessions_reaped"] == 1, 10, what="the session to be reaped")
     assert names(d) == []
     k = keys(1)[0]
-    assert c.store("r", [chunk(k, range(4))])["results"] == ["stored"]
+    assert c.store("r", [chunk(k, range(4))]).results == ["stored"]
     assert names(d) == ["r"]
-    assert c.lookup(rank.ns, [k], rank.specs(), 16, lease=False)["chunks"] == 1
+    assert c.lookup(rank.ns, [k], rank.specs(), 16, lease=False).chunks == 1
 
 
 def test_several_calls_after_a_restart(daemon, client_factory, ranks):
@@ -69,5 +69,5 @@ def test_several_calls_after_a_restart(daemon, client_factory, ranks):
         wait_for(lambda: names(daemon) == ["r"], 10, what="re-registration")
         ks = keys(6)
         futs = [c.store_async("r", [chunk(k, range(4 * i, 4 * i + 4))]) for i, k in enumerate(ks)]
-        assert [f.result()["results"] for f in futs] == [["stored"]] * 6
-        assert c.lookup(rank.ns, ks, rank.specs(), 16, lease=False)["chunks"] == 6
+        assert [f.result().results for f in futs] == [["stored"]] * 6
+        assert c.lookup(rank.ns, ks, rank.specs(), 16, lease=False).chunks == 6

@@ -102,7 +102,7 @@ def test_reregister_same_layout_is_idempotent_and_new_layout_replaces(daemon, cl
     k = keys(1)[0]
     client.store("x", [chunk(k, range(4))])
     second = client.register("x", b.layout())
-    assert second["object_bytes"] == [2 * 4 * 512] and first["object_bytes"] == [2 * 4 * 256]
+    assert second.object_bytes == [2 * 4 * 512] and first.object_bytes == [2 * 4 * 256]
     st = daemon.status()
     assert len(st["instances"]) == 1 and st["instances"][0]["namespace"]["fingerprint"] == b.fingerprint
 

@@ -9,7 +9,7 @@ import numpy as np
 from kv import FakeRank, GroupGeom, keys
 from util import chunk, raw  # noqa: F401 - fixture
 
-from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
+from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS, messages
 
 BLOCKS = 4 * (MAX_REQUEST_PARTS + 300)  # one block per chunk below: chunks of 4 tokens, blocks of 4
 
@@ -30,11 +30,11 @@ def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(
         ks = keys(n)
         before = d.status()["stores"]
         res = client.store("big", [chunk(k, [i]) for i, k in enumerate(ks)])
-        assert res["results"] == ["stored"] * n
+        assert res.results == ["stored"] * n
         assert d.status()["stores"] - before == 2  # two requests
         r.kv[0][:, BLOCKS:] = 0
         out = client.retrieve("big", [chunk(k, [BLOCKS + i]) for i, k in enumerate(ks)])
-        assert out == {"ok": [True] * n, "failed": []}
+        assert out == messages.RetrieveReply([True] * n, [])
         np.testing.assert_array_equal(r.kv[0][:, BLOCKS : BLOCKS + n], r.kv[0][:, :n])
     finally:
         r.close()
@@ -84,7 +84,7 @@ def test_a_lookup_past_the_bound_is_refused_and_the_client_asks_for_a_prefix(dae
             not ok and reply["code"] == "BAD_REQUEST" and f"x {world} ranks is more than" in reply["message"]
         )
         got = client.lookup(rk.ns, ks, rk.specs(), 4, lease=False)  # the client shortens it: a miss, answered
-        assert got["chunks"] == 0
+        assert got.chunks == 0
         ok, reply = w.call(
             "LOOKUP", {**body, "keys": ks[: MAX_LOOKUP_PARTS // world]}
         )  # control: at the bound

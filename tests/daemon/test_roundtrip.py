@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from kv import FakeRank, GroupGeom, keys
 
+from tierd.protocol import messages
+
 
 def chunk(key, *per_group):
     return {"key": key, "blocks": [list(ids) for ids in per_group]}
@@ -15,11 +17,11 @@ def test_full_attention_round_trip_is_byte_equal(client):
     ks = keys(4)
     src = [list(range(c * 4, c * 4 + 4)) for c in range(4)]
     res = client.store("r0", [chunk(k, ids) for k, ids in zip(ks, src)])
-    assert res["results"] == ["stored"] * 4
+    assert res.results == ["stored"] * 4
     expect = rank.blocks(0, range(16))
     dst = [list(range(32 + c * 4, 36 + c * 4)) for c in range(4)]
     rank.kv[0][:, 32:48] = 0
     out = client.retrieve("r0", [chunk(k, ids) for k, ids in zip(ks, dst)])
-    assert out == {"ok": [True] * 4, "failed": []}
+    assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 32:48], expect)
     rank.close()

@@ -5,6 +5,7 @@ import numpy as np
 from kv import GroupGeom, keys
 from util import chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
 from tierd_client.layouts import block_span, group, layout, namespace
 from tierd_client.shm import SharedBuffer
 
@@ -14,15 +15,15 @@ def test_full_attention_many_layers_round_trip(gclient, ranks):
     gclient.register("f0", rank.layout())
     ks = keys(6)
     src = [list(range(4 * c, 4 * c + 4)) for c in range(6)]
-    assert gclient.store("f0", [chunk(k, s) for k, s in zip(ks, src)])["results"] == ["stored"] * 6
+    assert gclient.store("f0", [chunk(k, s) for k, s in zip(ks, src)]).results == ["stored"] * 6
     # a second store of the same chunks copies nothing
-    assert gclient.store("f0", [chunk(k, s) for k, s in zip(ks, src)])["results"] == ["exists"] * 6
-    assert gclient.lookup(rank.ns, ks, rank.specs(), 16, lease=False)["chunks"] == 6
+    assert gclient.store("f0", [chunk(k, s) for k, s in zip(ks, src)]).results == ["exists"] * 6
+    assert gclient.lookup(rank.ns, ks, rank.specs(), 16, lease=False).chunks == 6
     expect = rank.blocks(0, range(24))
     # restore into scattered, out-of-order blocks
     dst = [[63 - 4 * c - j for j in range(4)] for c in range(6)]
     out = gclient.retrieve("f0", [chunk(k, d) for k, d in zip(ks, dst)])
-    assert out == {"ok": [True] * 6, "failed": []}
+    assert out == messages.RetrieveReply([True] * 6, [])
     for c in range(6):
         for j in range(4):
             np.testing.assert_array_equal(rank.kv[0][:, dst[c][j]], expect[:, 4 * c + j])
@@ -55,7 +56,7 @@ def test_head_outer_strided_layout_round_trip(gclient):
         expect = kv[:, :, 0:6].copy()
         kv[:, :, 20:26] = 0
         out = gclient.retrieve("ho", [chunk(k, [20 + 2 * c, 21 + 2 * c]) for c, k in enumerate(ks)])
-        assert out["ok"] == [True] * 3
+        assert out.ok == [True] * 3
         np.testing.assert_array_equal(kv[:, :, 20:26], expect)
     finally:
         buf.close()

@@ -6,6 +6,8 @@ import numpy as np
 from kv import GroupGeom, keys
 from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
+
 N = NULL
 GROUPS = (
     GroupGeom("full", layers=3, block_bytes=512, block_tokens=4),
@@ -21,7 +23,7 @@ def test_hybrid_round_trip_is_byte_equal(gclient, gdaemon, grouping, ranks):
     # full: every block; sliding: only the tail of each chunk (engines null out-of-window blocks);
     # state: one block per chunk.
     stored = [chunk(k, range(4 * c, 4 * c + 4), [N, N, 4 * c + 2, 4 * c + 3], [c]) for c, k in enumerate(ks)]
-    assert gclient.store("h0", stored)["results"] == ["stored"] * 4
+    assert gclient.store("h0", stored).results == ["stored"] * 4
     st = gdaemon.status()
     if grouping:  # combined: one object per chunk
         assert st["objects"] == 4 and st["group_objects"] == {"all": 4}
@@ -29,7 +31,7 @@ def test_hybrid_round_trip_is_byte_equal(gclient, gdaemon, grouping, ranks):
         assert st["objects"] == 12
         assert st["group_objects"] == {"g0/full": 4, "g1/sliding": 4, "g2/state": 4}
     reply = gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
-    assert reply["chunks"] == 4
+    assert reply.chunks == 4
 
     full, slide, state = rank.blocks(0, range(16)), rank.blocks(1, [14, 15]), rank.blocks(2, [3])
     rank.kv[0][:, 32:48] = 0
@@ -37,8 +39,8 @@ def test_hybrid_round_trip_is_byte_equal(gclient, gdaemon, grouping, ranks):
     rank.kv[2][:, 40] = 0
     want = [chunk(k, range(32 + 4 * c, 36 + 4 * c), [N] * 4, [N]) for c, k in enumerate(ks[:3])]
     want.append(chunk(ks[3], range(44, 48), [N, N, 32, 33], [40]))
-    out = gclient.retrieve("h0", want, lease=reply["lease"])
-    assert out == {"ok": [True] * 4, "failed": []}
+    out = gclient.retrieve("h0", want, lease=reply.lease)
+    assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 32:48], full)
     np.testing.assert_array_equal(rank.kv[1][:, 32:34], slide)
     np.testing.assert_array_equal(rank.kv[2][:, 40], state[:, 0])
@@ -52,7 +54,7 @@ def test_hybrid_hit_is_the_fold_of_every_group(gclient, ranks):
     def hit(full_ids, slide_ids, states):
         ks = keys(len(full_ids))
         gclient.store("h0", [chunk(k, f, s, [t]) for k, f, s, t in zip(ks, full_ids, slide_ids, states)])
-        return gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False)["chunks"]
+        return gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks
 
     full = [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
     tails = [[N, N, 2, 3], [N, N, 6, 7], [N, N, 10, 11], [N, N, 14, 15]]
@@ -77,9 +79,9 @@ def test_hybrid_partial_retrieve_reports_exact_group_block_pairs(gclient, ranks)
             chunk(ks[1], range(44, 48), [N, N, 54, 55], [9]),
         ],
     )
-    assert out["ok"] == [False, False]
-    assert sorted(out["failed"]) == sorted(
-        [[1, 50], [1, 51], [0, 44], [0, 45], [0, 46], [0, 47], [1, 54], [1, 55], [2, 9]]
+    assert out.ok == [False, False]
+    assert sorted(out.failed) == sorted(
+        [(1, 50), (1, 51), (0, 44), (0, 45), (0, 46), (0, 47), (1, 54), (1, 55), (2, 9)]
     )
     # what was there still arrived
     np.testing.assert_array_equal(rank.kv[0][:, 40:44], rank.kv[0][:, 0:4])

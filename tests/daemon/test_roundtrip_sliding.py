@@ -7,6 +7,8 @@ import numpy as np
 from kv import GroupGeom, keys
 from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
+
 N = NULL
 
 
@@ -15,7 +17,7 @@ def sliding(window=8, layers=2, block_bytes=256):
 
 
 def lookup(client, rank, ks, lease=False):
-    return client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=lease)["chunks"]
+    return client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=lease).chunks
 
 
 def test_sliding_round_trip_is_byte_equal(gclient, ranks):
@@ -23,12 +25,12 @@ def test_sliding_round_trip_is_byte_equal(gclient, ranks):
     gclient.register("s0", rank.layout())
     ks = keys(4)
     res = gclient.store("s0", [chunk(k, range(4 * c, 4 * c + 4)) for c, k in enumerate(ks)])
-    assert res["results"] == ["stored"] * 4
+    assert res.results == ["stored"] * 4
     assert lookup(gclient, rank, ks) == 4
     expect = rank.blocks(0, range(16))
     rank.kv[0][:, 32:48] = 0
     out = gclient.retrieve("s0", [chunk(k, range(32 + 4 * c, 36 + 4 * c)) for c, k in enumerate(ks)])
-    assert out == {"ok": [True] * 4, "failed": []}
+    assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 32:48], expect)
 
 
@@ -44,7 +46,7 @@ def test_sliding_lookup_needs_only_the_window(gclient, gdaemon, ranks):
         [N, N, 14, 15],  # chunk 3: its tail: boundary 4 is servable
     ]
     res = gclient.store("s0", [chunk(k, s) for k, s in zip(ks, stored)])
-    assert res["results"] == ["empty", "stored", "stored", "stored"]
+    assert res.results == ["empty", "stored", "stored", "stored"]
     assert gdaemon.status()["objects"] == 3
     assert lookup(gclient, rank, ks) == 4
     assert lookup(gclient, rank, ks[:3]) == 2  # chunk 2's tail is missing, chunk 1's tail is there
@@ -58,7 +60,7 @@ def test_sliding_lookup_needs_only_the_window(gclient, gdaemon, ranks):
     before[:, 40:42] = 0
     want = [[N] * 4, [N] * 4, [N] * 4, [N, N, 40, 41]]
     out = gclient.retrieve("s0", [chunk(k, w) for k, w in zip(ks, want)])
-    assert out == {"ok": [True] * 4, "failed": []}
+    assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 40:42], expect)
     untouched = np.ones(rank.num_blocks, bool)
     untouched[40:42] = False
@@ -67,7 +69,7 @@ def test_sliding_lookup_needs_only_the_window(gclient, gdaemon, ranks):
     # The null-block chunks round-trip their stored blocks byte for byte.
     expect = rank.blocks(0, [6, 7, 8, 9])
     out = gclient.retrieve("s0", [chunk(ks[1], [N, N, 50, 51]), chunk(ks[2], [52, 53, N, N])])
-    assert out == {"ok": [True, True], "failed": []}
+    assert out == messages.RetrieveReply([True, True], [])
     np.testing.assert_array_equal(rank.kv[0][:, 50:54], expect)
 
 
@@ -89,13 +91,13 @@ def test_out_of_window_blocks_are_not_leased_but_window_blocks_retrieve(gclient,
     ks = keys(3)
     gclient.store("s0", [chunk(k, range(4 * c, 4 * c + 4)) for c, k in enumerate(ks)])
     reply = gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
-    assert reply["chunks"] == 3 and reply["lease"] > 0
+    assert reply.chunks == 3 and reply.lease > 0
     expect = rank.blocks(0, [10, 11])
     out = gclient.retrieve(
         "s0",
         [chunk(ks[0], [N] * 4), chunk(ks[1], [N] * 4), chunk(ks[2], [N, N, 60, 61])],
-        lease=reply["lease"],
+        lease=reply.lease,
     )
-    assert out["ok"] == [True, True, True]
+    assert out.ok == [True, True, True]
     np.testing.assert_array_equal(rank.kv[0][:, 60:62], expect)
     assert gdaemon.status()["leases_active"] == 0  # the only rank retrieved: the lease is spent

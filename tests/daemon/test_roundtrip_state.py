@@ -6,25 +6,27 @@ import numpy as np
 from kv import GroupGeom, keys
 from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
 
+from tierd.protocol import messages
+
 N = NULL
 FULL = GroupGeom("full", layers=2, block_bytes=256, block_tokens=4)
 STATE = GroupGeom("state", layers=2, block_bytes=2048, block_tokens=16)
 
 
 def lookup(client, rank, ks):
-    return client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False)["chunks"]
+    return client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks
 
 
 def test_state_only_round_trip_is_byte_equal(gclient, ranks):
     rank = ranks(STATE)
     gclient.register("m0", rank.layout())
     ks = keys(4)
-    assert gclient.store("m0", [chunk(k, [c]) for c, k in enumerate(ks)])["results"] == ["stored"] * 4
+    assert gclient.store("m0", [chunk(k, [c]) for c, k in enumerate(ks)]).results == ["stored"] * 4
     assert lookup(gclient, rank, ks) == 4
     expect = rank.blocks(0, range(4))
     rank.kv[0][:, 20:24] = 0
     out = gclient.retrieve("m0", [chunk(k, [20 + c]) for c, k in enumerate(ks)])
-    assert out == {"ok": [True] * 4, "failed": []}
+    assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 20:24], expect)
 
 
@@ -36,7 +38,7 @@ def test_missing_state_shortens_hit_to_last_boundary_with_state(gclient, ranks):
     res = gclient.store(
         "h0", [chunk(k, range(4 * c, 4 * c + 4), [s]) for c, (k, s) in enumerate(zip(ks, states))]
     )
-    assert res["results"] == ["stored"] * 4
+    assert res.results == ["stored"] * 4
     assert lookup(gclient, rank, ks) == 3  # not 4 (no state after chunk 3), not 1 (first gap)
     assert lookup(gclient, rank, ks[:2]) == 1
     assert lookup(gclient, rank, ks[:1]) == 1
@@ -54,7 +56,7 @@ def test_missing_state_shortens_hit_to_last_boundary_with_state(gclient, ranks):
             chunk(ks[2], range(48, 52), [30]),
         ],
     )
-    assert out == {"ok": [True] * 3, "failed": []}
+    assert out == messages.RetrieveReply([True] * 3, [])
     np.testing.assert_array_equal(rank.kv[0][:, 40:52], expect_kv)
     np.testing.assert_array_equal(rank.kv[1][:, 30], expect_state[:, 0])
 
@@ -64,7 +66,7 @@ def test_state_only_missing_state_shortens_hit(gclient, ranks):
     gclient.register("m0", rank.layout())
     ks = keys(5)
     res = gclient.store("m0", [chunk(k, [s]) for k, s in zip(ks, [N, 1, N, 3, N])])
-    assert res["results"] == ["empty", "stored", "empty", "stored", "empty"]
+    assert res.results == ["empty", "stored", "empty", "stored", "empty"]
     assert lookup(gclient, rank, ks) == 4
     assert lookup(gclient, rank, ks[:3]) == 2
     assert lookup(gclient, rank, ks[:1]) == 0
@@ -76,4 +78,4 @@ def test_retrieving_a_missing_state_fails_exactly_that_block(gclient, ranks):
     ks = keys(2)
     gclient.store("h0", [chunk(ks[0], range(4), [0]), chunk(ks[1], range(4, 8), [N])])
     out = gclient.retrieve("h0", [chunk(ks[0], range(40, 44), [N]), chunk(ks[1], range(44, 48), [33])])
-    assert out == {"ok": [True, False], "failed": [[1, 33]]}
+    assert out == messages.RetrieveReply([True, False], [(1, 33)])

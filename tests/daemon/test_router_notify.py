@@ -53,7 +53,8 @@ CHILD = textwrap.dedent("""
         c.register("doomed", rank.layout())
         ks = keys(2)
         c.store("doomed", [{{"key": k, "blocks": [list(range(4 * i, 4 * i + 4))]}} for i, k in enumerate(ks)])
-        reply = c.lookup(rank.ns, ks, rank.specs(), 16)
+        hit = c.lookup(rank.ns, ks, rank.specs(), 16)
+        reply = {{"chunks": hit.chunks, "lease": hit.lease}}
     assert reply["chunks"] == 2 and reply["lease"]
     print("LEASE", reply["lease"], flush=True)
     print("READY", flush=True)
@@ -194,7 +195,7 @@ def test_a_reconnecting_client_library_gets_its_session_back(daemon, client_fact
     time.sleep(1.0)
     st = daemon.status()
     assert st["sessions"] == 1 and st["sessions_disconnected"] == 0
-    assert c.ping()["boot_id"] == st["boot_id"]
+    assert c.ping().boot_id == st["boot_id"]
 
 
 def test_a_clean_bye_still_works(daemon, client_factory, ranks):

@@ -72,8 +72,8 @@ def test_shared_kv_views_keep_working_and_are_handed_over_as_descriptors(client)
     client.register("r", lay, publish=pub)
     assert our_shm_names() == []
     key = b"k" * 16
-    assert client.store("r", [{"key": key, "blocks": [[8]]}])["results"] == ["stored"]
-    assert client.retrieve("r", [{"key": key, "blocks": [[40]]}])["ok"] == [True]
+    assert client.store("r", [{"key": key, "blocks": [[8]]}]).results == ["stored"]
+    assert client.retrieve("r", [{"key": key, "blocks": [[40]]}]).ok == [True]
     assert kv[40, 0].item() == -1 and torch.equal(kv[40], kv[8])
 
 

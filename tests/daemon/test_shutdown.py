@@ -47,7 +47,7 @@ def test_second_daemon_on_a_live_socket_is_refused(daemon, client):
     assert "Traceback" not in res.stderr
     # the first one still serves on its (untouched) socket
     assert daemon.socket_file.exists()
-    assert client.ping()["boot_id"] == client.server["boot_id"]
+    assert client.ping().boot_id == client.server.boot_id
     assert daemon.proc.poll() is None
 
 
@@ -58,7 +58,7 @@ def test_stale_socket_file_does_not_block_a_new_daemon(daemon, client_factory, r
     c = client_factory(daemon)
     rank = ranks(GroupGeom("full"))
     c.register("r", rank.layout())
-    assert c.store("r", [chunk(keys(1)[0], range(4))])["results"] == ["stored"]
+    assert c.store("r", [chunk(keys(1)[0], range(4))]).results == ["stored"]
     assert daemon.stop() == 0 and not daemon.socket_file.exists()
 
 

@@ -12,7 +12,7 @@ def test_cpu_store_accepts_and_ignores_an_event(client):
     client.register("r0", rank.layout())
     [k] = keys(1)
     res = client.store("r0", [{"key": k, "blocks": [[0, 1, 2, 3]]}], event=bytes(64))
-    assert res["results"] == ["stored"]
+    assert res.results == ["stored"]
     rank.close()
 
 

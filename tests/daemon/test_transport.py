@@ -16,8 +16,8 @@ def test_tcp_endpoint_round_trip(daemon_factory, client_factory, ranks):
     rank = ranks(GroupGeom("full"))
     c.register("t", rank.layout())
     k = keys(1)[0]
-    assert c.store("t", [chunk(k, range(4))])["results"] == ["stored"]
-    assert c.retrieve("t", [chunk(k, range(8, 12))])["ok"] == [True]
+    assert c.store("t", [chunk(k, range(4))]).results == ["stored"]
+    assert c.retrieve("t", [chunk(k, range(8, 12))]).ok == [True]
     np.testing.assert_array_equal(rank.kv[0][:, 8:12], rank.kv[0][:, 0:4])
     assert d.status()["socket"] == d.endpoint
 
@@ -38,11 +38,11 @@ def test_shared_copy_lanes(daemon_factory, client_factory, ranks, workers):
     futs = [c.store_async(f"w{i}", body[:4]) for i, c in enumerate(cs)] + [
         c.store_async(f"w{i}", body[4:]) for i, c in enumerate(cs)
     ]
-    assert all(f.result()["results"] == ["stored"] * 4 for f in futs)
-    assert cs[0].lookup(rs[0].ns, ks, rs[0].specs(), 16, lease=False)["chunks"] == 8
+    assert all(f.result().results == ["stored"] * 4 for f in futs)
+    assert cs[0].lookup(rs[0].ns, ks, rs[0].specs(), 16, lease=False).chunks == 8
     back = [chunk(k, range(32 + 4 * j, 36 + 4 * j), [40 + j]) for j, k in enumerate(ks)]
     futs = [c.retrieve_async(f"w{i}", back) for i, c in enumerate(cs)]
-    assert all(f.result()["ok"] == [True] * 8 for f in futs)
+    assert all(f.result().ok == [True] * 8 for f in futs)
     for r in rs:
         np.testing.assert_array_equal(r.kv[0][:, 32:64], r.kv[0][:, 0:32])
         np.testing.assert_array_equal(r.kv[1][:, 40:48], r.kv[1][:, 0:8])

@@ -66,7 +66,7 @@ CHILD = textwrap.dedent("""
     ks = keys(2)
     c.store("doomed", [{{"key": k, "blocks": [list(range(4 * i, 4 * i + 4))]}} for i, k in enumerate(ks)])
     reply = c.lookup(rank.ns, ks, rank.specs(), 16)
-    assert reply["chunks"] == 2 and reply["lease"]
+    assert reply.chunks == 2 and reply.lease
     print("READY", flush=True)
     time.sleep(60)
 """)
@@ -100,7 +100,7 @@ def test_sigkilled_client_is_reaped(daemon_factory, client_factory):
         st = wait_for(lambda: reaped(d), 6, what="the killed client to be reaped")
         assert st["sessions_reaped"] == 1 and st["objects"] == 2
         c = client_factory(d)
-        assert c.clear()["evicted"] == 2  # no longer leased
+        assert c.clear().evicted == 2  # no longer leased
     finally:
         if child.poll() is None:
             child.kill()

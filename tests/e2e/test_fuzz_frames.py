@@ -232,8 +232,8 @@ def test_daemon_serves_after_fuzzing(fuzzd):
             c.wait_ready(10)
             c.register("after", rank.layout())
             k = keys(1)[0]
-            assert c.store("after", [chunk(k, range(4))])["results"] == ["stored"]
-            assert c.retrieve("after", [chunk(k, range(8, 12))])["ok"] == [True]
+            assert c.store("after", [chunk(k, range(4))]).results == ["stored"]
+            assert c.retrieve("after", [chunk(k, range(8, 12))]).ok == [True]
             np.testing.assert_array_equal(rank.kv[0][:, 8:12], rank.kv[0][:, 0:4])
     finally:
         rank.close()

@@ -15,6 +15,8 @@ from pool_dirs import huge_dir, shm_dir  # noqa: F401 - fixtures
 from util import NULL, chunk, grouping, ranks  # noqa: F401 - fixtures
 from wire import wait_for
 
+from tierd.protocol import messages
+
 N = NULL
 GROUPS = (
     GroupGeom("full", layers=3, block_bytes=512, block_tokens=4),
@@ -38,19 +40,19 @@ def hybrid(c, rank, name="h0", n=4):
     c.register(name, rank.layout())
     ks = keys(n)
     stored = [chunk(k, range(4 * i, 4 * i + 4), [N, N, 4 * i + 2, 4 * i + 3], [i]) for i, k in enumerate(ks)]
-    assert c.store(name, stored)["results"] == ["stored"] * n
+    assert c.store(name, stored).results == ["stored"] * n
     expect = (rank.blocks(0, range(4 * n)), rank.blocks(1, [4 * n - 2, 4 * n - 1]), rank.blocks(2, [n - 1]))
     return ks, expect
 
 
 def restore_hybrid(c, rank, ks, expect, name="h0"):
     n = len(ks)
-    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False)["chunks"] == n
+    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks == n
     for kv in rank.kv:
         kv[:, 32:] = 0
     want = [chunk(k, range(32 + 4 * i, 36 + 4 * i), [N] * 4, [N]) for i, k in enumerate(ks[:-1])]
     want.append(chunk(ks[-1], range(32 + 4 * n - 4, 32 + 4 * n), [N, N, 32, 33], [40]))
-    assert c.retrieve(name, want) == {"ok": [True] * n, "failed": []}
+    assert c.retrieve(name, want) == messages.RetrieveReply([True] * n, [])
     np.testing.assert_array_equal(rank.kv[0][:, 32 : 32 + 4 * n], expect[0])
     np.testing.assert_array_equal(rank.kv[1][:, 32:34], expect[1])
     np.testing.assert_array_equal(rank.kv[2][:, 40:41], expect[2])
@@ -70,7 +72,7 @@ def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(
     c1.register("mla-1", m1.layout())
     mks = keys(3)
     assert (
-        c.store("mla-0", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(mks)])["results"]
+        c.store("mla-0", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(mks)]).results
         == ["stored"] * 3
     )
     mla_expect = m0.blocks(0, range(12))
@@ -92,12 +94,12 @@ def test_planned_restart_serves_every_group_kind_and_mla_byte_equal(
     wait_for(lambda: names(d) == ["h0", "mla-0", "mla-1"], 10, what="the clients to re-register")
     restore_hybrid(c, rank, ks, expect)
     reply = c1.lookup(m1.ns, mks, m1.specs(), 16, replicated=True)
-    assert reply["chunks"] == 3
+    assert reply.chunks == 3
     m1.kv[0][:, 40:52] = 0
     out = c1.retrieve(
-        "mla-1", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(mks)], lease=reply["lease"]
+        "mla-1", [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(mks)], lease=reply.lease
     )
-    assert out == {"ok": [True] * 3, "failed": []}
+    assert out == messages.RetrieveReply([True] * 3, [])
     np.testing.assert_array_equal(m1.kv[0][:, 40:52], mla_expect)  # rank 0's copy, through a restart
 
 
@@ -122,7 +124,7 @@ def test_leases_and_sessions_do_not_survive_a_restart(daemon_factory, client_fac
     c = client_factory(d, timeout_s=15)
     rank = ranks(*GROUPS)
     ks, _ = hybrid(c, rank)
-    lease = c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)["lease"]
+    lease = c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens).lease
     assert lease and d.status()["leases_active"] == 1
     planned_restart(d)
     st = d.status()

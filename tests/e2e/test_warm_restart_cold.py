@@ -32,7 +32,7 @@ def stored_then_stopped(daemon_factory, client_factory, ranks, shm_dir, *flags, 
     c.register("r0", rank.layout())
     ks = keys(6)
     assert (
-        c.store("r0", [chunk(k, range(4 * i, 4 * i + 4), [i]) for i, k in enumerate(ks)])["results"]
+        c.store("r0", [chunk(k, range(4 * i, 4 * i + 4), [i]) for i, k in enumerate(ks)]).results
         == ["stored"] * 6
     )
     assert d.stop(signal.SIGTERM) == 0
@@ -47,11 +47,11 @@ def restarted_cold(d, c, rank, ks, reason: str) -> None:
     assert st["objects"] == 0 and st["namespaces"] == []
     assert f"starts cold: {wr['reason']}" in d.log.read_text()  # the one log line
     wait_for(lambda: d.status()["instances"], 10, what="re-registration")
-    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False)["chunks"] == 0
+    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks == 0
     for kv in rank.kv:
         kv[:, 40:] = SENTINEL
     out = c.retrieve("r0", [chunk(k, range(40 + 4 * i, 44 + 4 * i), [40 + i]) for i, k in enumerate(ks)])
-    assert out["ok"] == [False] * 6 and len(out["failed"]) == 6 * 5
+    assert out.ok == [False] * 6 and len(out.failed) == 6 * 5
     assert all((kv[:, 40:] == SENTINEL).all() for kv in rank.kv)  # not one byte written
 
 
@@ -131,7 +131,7 @@ def test_settings_that_do_not_shape_objects_keep_the_pool_warm(
     d.start()
     assert d.status()["warm_restart"]["objects"] == 12
     wait_for(lambda: d.status()["instances"], 10, what="re-registration")
-    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False)["chunks"] == 6
+    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks == 6
 
 
 def test_pool_meta_names_what_shapes_objects_and_keys():

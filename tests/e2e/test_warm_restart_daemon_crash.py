@@ -23,6 +23,8 @@ from pool_dirs import shm_dir  # noqa: F401 - fixture
 from util import NULL
 from wire import wait_for
 
+from tierd.protocol import messages
+
 TRIALS = int(os.environ.get("TIERD_DAEMON_CRASH_TRIALS", "20"))
 SEED = int(os.environ.get("TIERD_DAEMON_CRASH_SEED", "4321"))
 KEYS = 3000  # ~2x what the pool holds: it fills within a few trials, then every store evicts
@@ -76,7 +78,7 @@ def check(client, rank: FakeRank) -> tuple[int, list[str]]:
             for s, k in enumerate(ks)
         ]
         out = client.retrieve("w", chunks)
-        failed = {tuple(f) for f in out["failed"]}
+        failed = {tuple(f) for f in out.failed}
         for s, (k, c) in enumerate(zip(ks, chunks)):
             got, missing = 0, 0
             for g, ids in enumerate(c["blocks"]):
@@ -89,7 +91,7 @@ def check(client, rank: FakeRank) -> tuple[int, list[str]]:
                     if (g, b) in failed and not (rank.kv[g][:, b] == 0xEE).all():
                         wrong.append(f"{k!r} group {g} position {p}: reported failed but written")
             served += got
-            if out["ok"][s] != (missing == 0):
+            if out.ok[s] != (missing == 0):
                 wrong.append(f"{k!r}: ok {out['ok'][s]} disagrees with the failed blocks")
     return served, wrong
 
@@ -98,9 +100,9 @@ def lookups_are_servable(client, rank: FakeRank, rnd: random.Random) -> list[str
     wrong = []
     for i in rnd.sample(range(KEYS), 40):
         k = key(i)
-        if client.lookup(rank.ns, [k], rank.specs(), rank.chunk_tokens, lease=False)["chunks"]:
+        if client.lookup(rank.ns, [k], rank.specs(), rank.chunk_tokens, lease=False).chunks:
             out = client.retrieve("w", [{"key": k, "blocks": [list(range(CHECK_AT, CHECK_AT + 4)), [BATCH]]}])
-            if out != {"ok": [True], "failed": []}:
+            if out != messages.RetrieveReply([True], []):
                 wrong.append(f"{k!r}: LOOKUP hit, RETRIEVE {out}")
     return wrong
 

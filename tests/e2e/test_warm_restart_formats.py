@@ -86,4 +86,4 @@ def test_the_same_index_rewritten_with_this_versions_values_is_served_warm(
     assert wr["warm"] is True and wr["objects"] == 12, wr
     assert "starts cold" not in d.log.read_text()[before:]
     wait_for(lambda: d.status()["instances"], 10, what="re-registration")
-    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False)["chunks"] == 6
+    assert c.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks == 6

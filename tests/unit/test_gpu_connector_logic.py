@@ -12,8 +12,10 @@ import pytest
 
 from tierd.protocol import MAX_REQUEST_PARTS
 from tierd.protocol.layout import GroupKind, PageLayout
+from tierd.protocol.messages import StoreReply
 from tierd_client.futures import join, merge_stores
 from tierd_client.layouts import block_span, group, layout, namespace
+from tierd_client.rank_jobs import Loaded
 from tierd_client.staged_rank import StagedRank
 from tierd_client.vllm_connector.config import STAGING_AUTO_CAP_MB, STAGING_AUTO_CHUNKS, ConnectorConfig
 from tierd_client.vllm_connector.geometry import EngineGeometry, Group
@@ -110,7 +112,7 @@ class Staged:
 def cuda_worker() -> WorkerSide:
     g = Group(0, GroupKind.FULL, 16, 0, "FullAttentionSpec", ("l0",), 512, False)
     geo = EngineGeometry((g,), 64, "m", 1, "fp")
-    client = SimpleNamespace(server={"null_block_id": -1})
+    client = SimpleNamespace(server=SimpleNamespace(null_block_id=-1))
     w = WorkerSide(ConnectorConfig(url="ipc:///nowhere"), geo, client, "e/0", num_blocks=64)
     w.gpu = Staged()
     return w
@@ -122,7 +124,7 @@ def test_a_load_is_reported_only_once_its_scatter_is_complete():
     fut: Future = Future()
     w.loads["a"] = (fut, [[[4, 5, 6, 7]]])
     assert w.transfer_results() == (set(), set())  # not answered
-    fut.set_result({"ok": [True], "failed": [], "done": ev})
+    fut.set_result(Loaded([True], [], ev))
     assert w.transfer_results() == (set(), set())  # scatter queued, not done
     assert w.transfer_results() == (set(), set())
     ev.done = True
@@ -135,7 +137,7 @@ def test_a_partly_failed_load_waits_for_its_scatter_then_names_exactly_the_misse
     ev = Event()
     fut: Future = Future()
     w.loads["a"] = (fut, [[[4, 5, 6, 7]], [[8, 9, 10, 11]]])
-    fut.set_result({"ok": [True, False], "failed": [[0, 8], [0, 9], [0, 10], [0, 11]], "done": ev})
+    fut.set_result(Loaded([True, False], [(0, 8), (0, 9), (0, 10), (0, 11)], ev))
     assert w.transfer_results() == (set(), set())  # chunk 0 is still being scattered
     ev.done = True
     assert w.transfer_results() == ({"a"}, {"a"})
@@ -162,7 +164,7 @@ def test_without_the_load_fence_a_load_is_reported_on_its_answer():
     w._load_fence = False
     fut: Future = Future()
     w.loads["a"] = (fut, [[[4, 5, 6, 7]]])
-    fut.set_result({"ok": [True], "failed": [], "done": Event()})
+    fut.set_result(Loaded([True], [], Event()))
     assert w.transfer_results() == ({"a"}, set())
 
 
@@ -171,9 +173,9 @@ def test_a_job_failing_part_way_fails_only_once_the_requests_sent_are_done():
     parts = [Future(), Future()]
     out: Future = Future()
     join(parts, out, merge_stores, error=RuntimeError("no room in staging"))
-    parts[0].set_result({"results": ["stored"]})
+    parts[0].set_result(StoreReply(["stored"]))
     assert not out.done()  # part 1 may still be read by the daemon / scattered
-    parts[1].set_result({"results": ["stored"]})
+    parts[1].set_result(StoreReply(["stored"]))
     with pytest.raises(RuntimeError, match="no room"):
         out.result(0)
 
@@ -189,9 +191,9 @@ def test_a_whole_job_merges_its_requests_in_order():
     parts = [Future(), Future()]
     out: Future = Future()
     join(parts, out, merge_stores)
-    parts[1].set_result({"results": ["exists"]})
-    parts[0].set_result({"results": ["stored", "stored"]})
-    assert out.result(0) == {"results": ["stored", "stored", "exists"]}
+    parts[1].set_result(StoreReply(["exists"]))
+    parts[0].set_result(StoreReply(["stored", "stored"]))
+    assert out.result(0) == StoreReply(["stored", "stored", "exists"])
 
 
 @pytest.mark.parametrize(

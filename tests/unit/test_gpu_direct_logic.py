@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from tierd.protocol import messages
 from tierd.protocol.layout import GroupLayout
 from tierd.transfer.engine import INLINE_ANY, INLINE_MAX_BYTES, DeviceWork, TransferEngine
 from tierd.transfer.items import CopyItem, Pitched, pitched, pitched_copies, span_copies
@@ -333,7 +334,7 @@ class Client:
 
 
 def stored(n):
-    return {"results": ["stored"] * n}
+    return messages.StoreReply(["stored"] * n)
 
 
 def chunk(key, ids):
@@ -388,8 +389,8 @@ def test_jobs_of_one_direction_go_out_in_order_when_one_had_to_queue():
                 if len(client.calls) > i:
                     break
                 threading.Event().wait(0.001)
-            client.answer(i, {"ok": [True], "failed": [], "event": None})
-            assert fut.result(1)["ok"] == [True]
+            client.answer(i, messages.RetrieveReply([True], [], event=None))
+            assert fut.result(1).ok == [True]
         assert [c[1]["chunks"][0]["key"] for c in client.calls] == [b"a" * 16, b"c" * 16, b"d" * 16]
     finally:
         rank.close()
@@ -445,7 +446,7 @@ def test_a_large_direct_job_goes_as_requests_of_at_most_request_bytes_so_copies_
         assert [len(c[1]["chunks"]) for c in client.calls] == [2, 2, 1]
         for i in range(3):
             client.answer(i, stored(len(client.calls[i][1]["chunks"])))
-        assert job.result(1)["results"] == ["stored"] * 5
+        assert job.result(1).results == ["stored"] * 5
         one = DirectRank(Client(), "e/1", device=None, chunk_bytes=100, request_bytes=25)
         assert one.per_request == 1  # a chunk larger than request_bytes: one per request
         one.close()
@@ -485,8 +486,8 @@ def test_a_retrieves_scatter_is_prepared_while_the_daemon_copies_and_let_go_when
     try:
         fut = rank.retrieve([chunk(b"a" * 16, [1, 2])])
         assert [c for c, _ in stager.prepared] == [[[[1, 2]]]] and stager.scattered == []
-        client.answer(0, {"ok": [True], "failed": []})
-        assert fut.result(1)["ok"] == [True]
+        client.answer(0, messages.RetrieveReply([True], []))
+        assert fut.result(1).ok == [True]
         assert stager.scattered == [("prepared", 1)] and stager.released == []
         failing = rank.retrieve([chunk(b"b" * 16, [3])])
         client.futs[1].set_exception(RuntimeError("the daemon went away"))

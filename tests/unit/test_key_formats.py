@@ -218,4 +218,4 @@ def test_golden_layout_fingerprint_and_namespace_of_an_engine():
     decides a block's bytes changes (here vLLM's page size, 1024 bytes, is part of it)."""
     geo = engine_geometry()
     assert geo.fingerprint == golden(GOLDEN_FINGERPRINT, KEY_VERSION), f"layout fingerprint: {BUMP}"
-    assert Namespace(**geo.namespace) == NAMESPACE, BUMP
+    assert geo.namespace == NAMESPACE, BUMP

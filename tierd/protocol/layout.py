@@ -52,9 +52,9 @@ def invalid(msg: str) -> ProtocolError:
     return ProtocolError(ErrorCode.LAYOUT_INVALID, msg)
 
 
-class Wire(msgspec.Struct, frozen=True):
+class Wire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base of the layout's parts: ``from_wire`` decodes plain data (tests, tools) with the edge's
-    checks and error codes."""
+    checks and error codes. A field none of them knows is refused, as in a request body."""
 
     @classmethod
     def from_wire(cls, m: object, path: str = ""):
@@ -227,14 +227,14 @@ class GroupLayout(Wire, frozen=True):
         return {**self.spec.to_wire(), "dtype": self.dtype, "layers": [x.to_wire() for x in self.layers]}
 
 
-class ShmHandle(msgspec.Struct, frozen=True, tag="shm", tag_field="kind"):
+class ShmHandle(msgspec.Struct, frozen=True, tag="shm", tag_field="kind", forbid_unknown_fields=True):
     """A file under /dev/shm the engine's tensor lives in, at ``offset``."""
 
     path: Annotated[str, Meta(min_length=1, max_length=4096, pattern="^[^\x00]*$")]
     offset: ByteOffset = 0
 
 
-class FdHandle(msgspec.Struct, frozen=True, tag="fd", tag_field="kind"):
+class FdHandle(msgspec.Struct, frozen=True, tag="fd", tag_field="kind", forbid_unknown_fields=True):
     """Descriptor ``index`` of those the client sent under ``ticket`` to the daemon's fd socket
     (tierd.edge.fdinbox), at ``offset``: shared memory it holds open, named by no path."""
 
@@ -257,7 +257,9 @@ IpcFields = tuple[
 ]
 
 
-class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind"):
+class CudaIpcHandle(
+    msgspec.Struct, frozen=True, tag="cuda_ipc", tag_field="kind", forbid_unknown_fields=True
+):
     """A CUDA IPC handle of the engine's storage on the GPU with ``device_uuid``."""
 
     device_uuid: NonEmptyName
@@ -272,7 +274,7 @@ class TensorRef(Wire, frozen=True):
         return {"handle": msgspec.to_builtins(self.handle), "nbytes": self.nbytes}
 
 
-class PageLayout(Wire, frozen=True):
+class PageLayout(Wire, frozen=True, omit_defaults=True):  # a cpu layout's frame has no `staging`
     namespace: Namespace
     rank: Annotated[int, Meta(ge=0)]
     chunk_tokens: ChunkTokens

@@ -10,12 +10,12 @@ docs/protocol.md's request tables are checked against these definitions (tests/d
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from tierd.protocol import MAX_REQUEST_PARTS
+from tierd.protocol import MAX_REQUEST_PARTS, PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode, ProtocolError, convert, validation_error  # noqa: F401 - convert: re-exported
 from tierd.protocol.keys import MAX_KEY_BYTES, MIN_KEY_BYTES
 from tierd.protocol.layout import (
@@ -38,9 +38,11 @@ Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Deadline = Annotated[float, Meta(ge=0.0)]
 
 
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
-    """Base of every request body. Unknown fields are ignored (newer clients, older daemons). The
-    client encodes its requests as these too; a field at its default is left out of the frame."""
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every request body. A field the daemon does not know is refused (``BAD_REQUEST``
+    naming it), in the body and in every map nested in it: a misspelt optional field would
+    otherwise take its default without a word. The client encodes its requests as these too; a
+    field at its default is left out of the frame."""
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -77,7 +79,7 @@ class Release(Message):
     lease: Count
 
 
-class Chunk(msgspec.Struct, frozen=True):
+class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One chunk of a STORE or RETRIEVE: its key and, per engine group, its block ids."""
 
     key: Key
@@ -205,6 +207,13 @@ class Empty(msgspec.Struct):
     pass
 
 
+class ErrorReply(msgspec.Struct):
+    """The body of every error reply (``ok`` false): ``code`` an ErrorCode's name, ``message`` text."""
+
+    code: str
+    message: str
+
+
 STORE_RESULTS = ("stored", "exists", "empty", "rejected")
 
 REPLIES: dict[str, type | None] = {
@@ -225,6 +234,15 @@ REPLIES: dict[str, type | None] = {
 _DECODERS = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
 
 
+class _Protocol(msgspec.Struct):
+    """A HELLO's protocol alone, whatever else it carries."""
+
+    protocol: Any = None
+
+
+_PROTOCOL = msgspec.msgpack.Decoder(_Protocol)
+
+
 def decode(op: str, body: bytes | memoryview) -> Message:
     """The typed request of ``op`` from its msgpack body; raises ProtocolError."""
     dec = _DECODERS.get(op)
@@ -233,8 +251,24 @@ def decode(op: str, body: bytes | memoryview) -> Message:
     try:
         return dec.decode(body)
     except msgspec.ValidationError as exc:
+        if op == "HELLO":
+            _other_protocol(body)
         raise validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"undecodable body: {exc}") from None
     except RecursionError:
         raise ProtocolError(ErrorCode.BAD_REQUEST, "body: containers nested too deeply") from None
+
+
+def _other_protocol(body: bytes | memoryview) -> None:
+    """A HELLO that does not decode because it names another protocol (whose fields this daemon
+    need not know) is answered UNSUPPORTED_VERSION, as one that decodes is."""
+    try:
+        protocol = _PROTOCOL.decode(body).protocol
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return
+    if type(protocol) is int and protocol != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {protocol}",
+        )

@@ -111,9 +111,9 @@ def run_cpu_bench(
                 ]
                 for fut in futs:
                     res = fut.result()
-                    bar(len(res["results"]) * object_bytes)
-                    if any(x != "stored" for x in res["results"]):
-                        raise BenchError(f"store answered {res['results']}: is the pool large enough?")
+                    bar(len(res.results) * object_bytes)
+                    if any(x != "stored" for x in res.results):
+                        raise BenchError(f"store answered {res.results}: is the pool large enough?")
                 store_s.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 futs = [
@@ -125,9 +125,9 @@ def run_cpu_bench(
                 ]
                 for fut in futs:
                     res = fut.result()
-                    bar(len(res["ok"]) * object_bytes)
-                    if not all(res["ok"]):
-                        raise BenchError(f"retrieve failed for blocks {res['failed'][:8]}")
+                    bar(len(res.ok) * object_bytes)
+                    if not all(res.ok):
+                        raise BenchError(f"retrieve failed for blocks {res.failed[:8]}")
                 retrieve_s.append(time.perf_counter() - t)
                 verified &= bool(np.array_equal(kv[:, :, : num_blocks // 2], kv[:, :, num_blocks // 2 :]))
             bar(None)

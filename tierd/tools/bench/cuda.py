@@ -191,14 +191,15 @@ def run_cuda_bench(
             return rank.retrieve([{"key": k, "blocks": [ids(blocks, c)]} for c, k in enumerate(keys)])
 
         def settle(fut, bar):
-            res = fut.result()
-            bar(len(res.get("results", res.get("ok", ()))))
-            if "results" in res and any(x != "stored" for x in res["results"]):
-                raise BenchError(f"store answered {res['results'][:8]}: is the pool large enough?")
-            if "ok" in res:
-                if not all(res["ok"]):
-                    raise BenchError(f"retrieve failed for blocks {res['failed'][:8]}")
-                res["done"].synchronize()  # the blocks are in the engine's KV
+            res = fut.result()  # a StoreReply, or a retrieve's tierd_client.rank_jobs.Loaded
+            stored = getattr(res, "results", None)
+            bar(len(res.ok if stored is None else stored))
+            if stored is not None and any(x != "stored" for x in stored):
+                raise BenchError(f"store answered {stored[:8]}: is the pool large enough?")
+            if stored is None:
+                if not all(res.ok):
+                    raise BenchError(f"retrieve failed for blocks {res.failed[:8]}")
+                res.done.synchronize()  # the blocks are in the engine's KV
 
         times: dict[str, list[float]] = {"store": [], "retrieve": [], "both": []}
         verified = True
@@ -234,7 +235,7 @@ def run_cuda_bench(
         lk = keys_a[:LOOKUP_KEYS]
         n, t = 0, time.perf_counter()
         while time.perf_counter() - t < 1.0:
-            hit = client.lookup(ns, lk, specs, chunk_tokens, lease=False)["chunks"]
+            hit = client.lookup(ns, lk, specs, chunk_tokens, lease=False).chunks
             if hit != len(lk):
                 raise BenchError(f"LOOKUP of {len(lk)} stored chunks hit {hit}")
             n += 1

@@ -59,9 +59,9 @@ def _interference(torch, dev, store, retrieve, keys, src, dst, settle, total: in
                     fs = store(new, src)
                 fr = retrieve(prev, dst)
                 stored, got = fs.result(), fr.result()
-                got["done"].synchronize()
+                got.done.synchronize()
                 prev = new
-                moved[0] += total * (stored["results"].count("stored") + sum(got["ok"])) // len(keys)
+                moved[0] += total * (stored.results.count("stored") + sum(got.ok)) // len(keys)
         else:
             h1 = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             h2 = torch.empty(total, dtype=torch.uint8, pin_memory=True)

@@ -50,10 +50,10 @@ def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, 
             t1 = time.perf_counter()
             got = rank.retrieve(chunks).result()
             t1b = time.perf_counter()
-            got["done"].synchronize()
+            got.done.synchronize()
             t2 = time.perf_counter()
-            if res["results"] != ["stored"] * n or not all(got["ok"]):
-                raise RuntimeError(f"latency probe failed: {res} {got['ok']}")
+            if res.results != ["stored"] * n or not all(got.ok):
+                raise RuntimeError(f"latency probe failed: {res} {got.ok}")
             t3 = time.perf_counter()
             host.copy_(devbuf, non_blocking=True)
             torch.cuda.synchronize(dev)

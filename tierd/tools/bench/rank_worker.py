@@ -163,18 +163,19 @@ class _Rank:
 
     def finish(self, fut) -> tuple[int, int]:
         """Wait for a request; (bytes it moved, objects it stored)."""
-        res = fut.result()
-        if "results" in res:
-            bad = [r for r in res["results"] if r not in ("stored", "exists")]
+        res = fut.result()  # a StoreReply; a RetrieveReply, or on CUDA a tierd_client.rank_jobs.Loaded
+        results = getattr(res, "results", None)
+        if results is not None:
+            bad = [r for r in results if r not in ("stored", "exists")]
             if bad:
                 raise RuntimeError(f"rank {self.rank}: store answered {bad[:4]}: is the pool large enough?")
-            n = res["results"].count("stored")
+            n = results.count("stored")
             return n * self.object_bytes, n
-        if not all(res["ok"]):
-            raise RuntimeError(f"rank {self.rank}: retrieve failed for blocks {res['failed'][:8]}")
-        if "done" in res:
-            res["done"].synchronize()  # the blocks are in the KV
-        return len(res["ok"]) * self.object_bytes, 0
+        if not all(res.ok):
+            raise RuntimeError(f"rank {self.rank}: retrieve failed for blocks {res.failed[:8]}")
+        if getattr(res, "done", None) is not None:
+            res.done.synchronize()  # the blocks are in the KV
+        return len(res.ok) * self.object_bytes, 0
 
     def raw(self, which: str):
         """One raw copy of a request's bytes (``which``: d2h, h2d, both; CPU: memcpy)."""
