@@ -84,9 +84,9 @@ def main() -> None:
             else:
                 r = client.lookup(ns, keys, SPECS, 16, lease=lease)
             took = time.perf_counter() - t
-            assert r["chunks"] == (len(keys128) if case == "128_keys_hit" else len(keys)), r["chunks"]
-            if r.get("lease"):
-                client.release(r["lease"])
+            assert r.chunks == (len(keys128) if case == "128_keys_hit" else len(keys)), r.chunks
+            if r.lease:
+                client.release(r.lease)
             return took
 
         others = {}
@@ -104,7 +104,7 @@ def main() -> None:
                     continue
                 name = beside["name"]
                 r = others[name].lookup(spaces[name][0], keys, SPECS, 16, lease=False)
-                assert r["chunks"] == len(keys), r["chunks"]
+                assert r.chunks == len(keys), r.chunks
                 beside["n"] += 1
 
         thread = threading.Thread(target=other_engine, daemon=True)
