@@ -217,7 +217,7 @@ with TierdClient(sys.argv[1]) as c:
     assert stored.results == ["stored"] * 2, stored
     want = kv[:, 0:8].copy()
     out = c.retrieve("wheel-check", chunks(8))
-    assert out == {"ok": [True, True], "failed": []}, out
+    assert (out.ok, out.failed) == ([True, True], []), out
     assert (kv[:, 8:16] == want).all(), "retrieved bytes differ from the stored ones"
     c.unregister("wheel-check")
 buf.close()
