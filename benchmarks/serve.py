@@ -329,14 +329,14 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     """One fault at concurrency ``--fault-concurrency`` against a TierdConnector server: the same
     workload shape first without the fault (a fresh prefix set), then with it; the daemon's state and
     /dev/shm are compared with their state before the server started."""
-    from conftest import DaemonProcess
+    from tierd.tools.testing import ServeProcess
 
     folder = workdir / f"fault-{fault}"
     folder.mkdir(parents=True, exist_ok=True)
     # a warm restart's pool folder must be on tmpfs (the daemon refuses a disk: it would page to it)
     pool_dir = Path(tempfile.mkdtemp(prefix="tierd-serve-pool-", dir="/dev/shm")) if fault == "term" else None
     daemon_args = ("--pool-dir", str(pool_dir)) if fault == "term" else ()
-    daemon = DaemonProcess(folder, *daemon_args, pool_mb=int(args.pool_gb * 1024))
+    daemon = ServeProcess(folder, *daemon_args, pool_mb=int(args.pool_gb * 1024))
     files_before = tier_files()
     base = daemon.status()
     conc = args.fault_concurrency

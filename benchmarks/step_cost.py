@@ -209,8 +209,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.engine:
         return engine_main(args)
-    from conftest import DaemonProcess
     from tiny_model import build_tiny_llama
+
+    from tierd.tools.testing import ServeProcess
 
     args.model = args.model or build_tiny_llama()
     results: dict[str, list[list[dict]]] = {"tierd": [], "nothing": []}
@@ -219,7 +220,7 @@ def main() -> None:
             for engine in ("tierd", "nothing"):
                 folder = Path(tmp) / f"{engine}{r}"
                 folder.mkdir()
-                d = DaemonProcess(folder, pool_mb=1024) if engine == "tierd" else None
+                d = ServeProcess(folder, pool_mb=1024) if engine == "tierd" else None
                 try:
                     args.seed = r
                     url, pid = (d.endpoint, d.proc.pid) if d else ("ipc:///none", 0)

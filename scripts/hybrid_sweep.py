@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from conftest import DaemonProcess  # noqa: E402
 from hybrid_exactness import Case, run_case  # noqa: E402
+
+from tierd.tools.testing import ServeProcess  # noqa: E402
 
 # 1, 2 and 4 blocks of 16 and of 32 tokens, windows in between, one and two KV heads
 DEFAULT = "16/16/1,24/16/1,32/16/1,64/16/1,32/16/2,32/32/1,48/32/1,64/32/1,100/32/1,128/32/1,64/32/2"
@@ -58,7 +59,7 @@ def main() -> None:
     for case in parse_cases(args.cases):
         t = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="tierd-sweep-") as tmp:
-            d = DaemonProcess(Path(tmp), pool_mb=512)
+            d = ServeProcess(Path(tmp), pool_mb=512)
             try:
                 rows = run_case(Path(tmp), d.endpoint, case, boundaries)
             finally:
