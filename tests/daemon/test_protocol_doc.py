@@ -10,29 +10,19 @@ from pathlib import Path
 import msgspec
 import pytest
 from kv import FakeRank, GroupGeom, keys
+from protocol_doc import DOC, field_names, missing
 
 from tierd.base.stats import COUNTERS
 from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode
 from tierd.tools.cli import serve
 
-ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "protocol.md"
 MAX_COLUMNS = 100
 
 
 @pytest.fixture(scope="module")
 def doc() -> str:
     return DOC.read_text()
-
-
-def named(doc: str, word: str) -> bool:
-    """The doc names ``word`` as code (backticks), not just somewhere in a sentence."""
-    return f"`{word}`" in doc
-
-
-def missing(doc: str, words) -> list[str]:
-    return sorted({w for w in words if not named(doc, w)})
 
 
 def section(doc: str, op: str) -> str:
@@ -187,21 +177,6 @@ def _traffic(client) -> FakeRank:
 
 
 # /status maps whose keys are data (group labels, error codes), not field names
-DATA_KEYED = ("group_objects", "errors_by_code")
-
-
-def field_names(value) -> set[str]:
-    """Every map key in a JSON value, nested maps and arrays of maps included."""
-    out: set[str] = set()
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out.add(k)
-            if k not in DATA_KEYED:
-                out |= field_names(v)
-    elif isinstance(value, list):
-        for v in value:
-            out |= field_names(v)
-    return out
 
 
 def test_every_status_key_is_listed(doc, daemon, client):

@@ -15,20 +15,8 @@ import os
 import numpy as np
 import pytest
 from kv import FakeRank, keys
-from test_tenants import (  # noqa: F401
-    GEOM,
-    NS_FP,
-    SPECS,
-    call,
-    hello,
-    identity_of,
-    kv_bytes,
-    ns,
-    register,
-    store_body,
-    users,
-    xdaemon,
-)
+from tenancy import GEOM, NS_FP, SPECS, ns, store_body
+from test_tenants import call, hello, identity_of, kv_bytes, register, users, xdaemon  # noqa: F401
 from users import User, make_user  # noqa: F401 - fixture
 from wire import Raw
 

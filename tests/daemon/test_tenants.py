@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 from conftest import ROOT, free_port
 from kv import FakeRank, GroupGeom, keys
+from tenancy import GEOM, NS_FP, SPECS, ns, store_body, tokens_file
 from users import UserProcess, make_user, shared_socket_dir  # noqa: F401 - fixture
 from util import chunk
 from wire import Raw
 
 from tierd.tools.testing import serve_argv
-
-GEOM = GroupGeom("full", layers=2, block_bytes=512, block_tokens=4)
-NS_FP = "shared-fingerprint"
 
 
 @pytest.fixture
@@ -86,20 +84,6 @@ def store_as(state, endpoint, identity):
 
 def kv_bytes(state, inst, start, n):
     return state[f"rank-{inst}"].kv[0][:, start : start + n].copy()
-
-
-def ns(salt=""):
-    return {"model": "test-model", "fingerprint": NS_FP, "world_size": 1, "salt": salt}
-
-
-SPECS = [{"kind": "full", "block_tokens": 4, "window_tokens": 0}]
-
-
-def store_body(ks, inst="r0", base=0):
-    return {
-        "instance": inst,
-        "chunks": [chunk(k, range(base + 4 * i, base + 4 * i + 4)) for i, k in enumerate(ks)],
-    }
 
 
 # ---- tests -----------------------------------------------------------------------------------
@@ -220,20 +204,10 @@ def test_a_sessions_identity_taken_over_by_another_uid_is_refused(xdaemon, users
     assert ok and reply["results"] == ["stored"]
 
 
-def _tokens(tmp_path, mode=0o600):
-    path = tmp_path / "tokens"
-    path.write_text(
-        "# tenant token\nalice alice-token-0123456789\nbob bob-token-0123456789ab\n"
-        "admin admin-token-0123456789\n"
-    )
-    path.chmod(mode)
-    return path
-
-
 def test_tcp_clients_are_told_apart_by_token(daemon_factory, tmp_path):
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    d = daemon_factory("--socket", endpoint, "--tcp-token-file", str(_tokens(tmp_path)))
+    d = daemon_factory("--socket", endpoint, "--tcp-token-file", str(tokens_file(tmp_path)))
     d.endpoint = endpoint
     ks = keys(2)
 
@@ -277,7 +251,7 @@ def test_a_tcp_socket_needs_tokens_or_insecure_tcp_and_a_private_token_file(tmp_
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert out.returncode == 2 and "--tcp-token-file" in out.stderr and "--insecure-tcp" in out.stderr
     out = subprocess.run(
-        [*cmd, "--tcp-token-file", str(_tokens(tmp_path, 0o644))],
+        [*cmd, "--tcp-token-file", str(tokens_file(tmp_path, 0o644))],
         capture_output=True,
         text=True,
         cwd=ROOT,

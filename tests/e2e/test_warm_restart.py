@@ -156,7 +156,7 @@ def test_namespaces_journaled_before_a_crash_are_listed_after_it(
 def test_status_and_metrics_of_a_pool_dir_daemon_are_documented(
     daemon_factory, client_factory, ranks, shm_dir
 ):
-    from test_protocol_doc import DOC, field_names, missing
+    from protocol_doc import DOC, field_names, missing
 
     d = daemon_factory("--pool-dir", shm_dir)
     c = client_factory(d)

@@ -10,7 +10,7 @@ import pytest
 from conftest import free_port
 from kv import FakeRank, keys
 from pool_dirs import shm_dir  # noqa: F401 - fixture
-from test_tenants import GEOM, NS_FP, SPECS, _tokens, ns, store_body
+from tenancy import GEOM, NS_FP, SPECS, ns, store_body, tokens_file
 from wire import Raw
 
 OPEN: list[Raw] = []
@@ -28,7 +28,7 @@ def session(endpoint: str, token: str) -> Raw:
 def test_a_tenants_namespace_survives_a_restart_as_that_tenants_only(daemon_factory, tmp_path, shm_dir, stop):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     d = daemon_factory(
-        "--socket", endpoint, "--tcp-token-file", str(_tokens(tmp_path)), "--pool-dir", shm_dir
+        "--socket", endpoint, "--tcp-token-file", str(tokens_file(tmp_path)), "--pool-dir", shm_dir
     )
     d.endpoint = endpoint
     ks = keys(2)
