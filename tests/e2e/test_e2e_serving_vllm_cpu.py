@@ -187,11 +187,17 @@ def incidents(prom: operate.Prometheus, daemon: DaemonProcess) -> dict:
     out["kill_at"] = time.time()
     daemon.kill()
     out["down"] = prom.wait(lambda: prom.firing("TierdDaemonDown"), 30, "TierdDaemonDown after SIGKILL")
-    # a killed process keeps its listening socket until the kernel has unmapped its memory (its
-    # pool): scrapes meanwhile run to their timeout as a stall's do (TierdHTTPStalled's 'for' rides
-    # over it). The kill's record ends on a scrape refused at once, what a dead daemon gives.
+    # The kill's record ends on a scrape made after the kill and refused at once, what a dead
+    # daemon gives: TierdDaemonDown may still be firing on a scrape that timed out around the
+    # SIGCONT (under load), and a killed process keeps its listening socket until the kernel has
+    # unmapped its pool, so scrapes meanwhile run to their timeout as a stall's do
+    # (TierdHTTPStalled's 'for' rides over both).
     refused = 'up{job="tierd"} == 0 and on (job, instance) scrape_duration_seconds{job="tierd"} < 0.5'
-    prom.wait(lambda: prom.query(refused), 30, "a scrape refused at once after SIGKILL")
+    prom.wait(
+        lambda: prom.query_range(refused, out["kill_at"], time.time(), 1),
+        30,
+        "a scrape after SIGKILL refused at once",
+    )
     out["stalled_after_kill"] = prom.firing("TierdHTTPStalled")
     out["end"] = time.time()
     return out
