@@ -14,17 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tierd.pool.pool import EXISTS, Pool
-from tierd.transfer.plans import NULLS, WHOLE
+from tierd.transfer.plans import NullChunk, WholeChunks
 
 
 @dataclass(slots=True)
 class Reserved:
     """Per chunk its result ("stored", "exists", "empty", "rejected"), and the objects made, in
-    chunk order: ``(WHOLE, first chunk, object indices or None for all, objects[object][chunk])``
-    for chunks with every block, ``(NULLS, chunk, [(object, its NullObject)])`` for the others."""
+    chunk order: a WholeChunks for chunks with every block, a NullChunk for the others."""
 
     results: list[str] = field(default_factory=list)
-    made: list[tuple] = field(default_factory=list)
+    made: list[WholeChunks | NullChunk] = field(default_factory=list)
 
 
 def reserve(pool: Pool, ns: bytes, rank: int, req) -> Reserved:
@@ -47,7 +46,7 @@ def reserve(pool: Pool, ns: bytes, rank: int, req) -> Reserved:
                     j += 1
                 objs = w.begin_fresh(ns, keys, i, j, rank, fresh)
                 if objs:
-                    made.append((WHOLE, i, None, objs))
+                    made.append(WholeChunks(i, None, objs))
                     results += ["stored"] * len(objs[0])
                     i += len(objs[0])
                     continue
@@ -68,7 +67,7 @@ def _whole(w, ns, key, i, rank, fresh, made) -> str:
     if new is None:
         return "rejected"
     if new:
-        made.append((WHOLE, i, [s for _, s in new], [[o] for o, _ in new]))
+        made.append(WholeChunks(i, [s for _, s in new], [[o] for o, _ in new]))
         return "stored"
     return "exists" if fresh else "empty"
 
@@ -81,7 +80,7 @@ def _with_nulls(w, ns, key, i, rank, objects, made) -> str:
     if new is None:
         return "rejected"
     if new:
-        made.append((NULLS, i, new))
+        made.append(NullChunk(i, new))
         return "stored"
     return "exists"
 

@@ -8,7 +8,25 @@ from dataclasses import dataclass, field
 
 from tierd.transfer.items import CopyItem
 
-WHOLE, NULLS = "whole", "nulls"  # tierd.pool.reserve's kinds of objects made: whole chunks, chunks with nulls
+
+@dataclass(slots=True, frozen=True)
+class WholeChunks:
+    """Objects a STORE's reservation made (tierd.pool.reserve) for chunks ``first, first + 1, ...``
+    holding every block: ``objs[s][k]`` is chunk ``first + k``'s object of the ``s``-th part set
+    made, which is ``which[s]`` of the layout's fresh parts (None: all of them, in order)."""
+
+    first: int
+    which: list | None
+    objs: list
+
+
+@dataclass(slots=True, frozen=True)
+class NullChunk:
+    """Objects made for ``chunk``, a chunk with null block ids: ``(object, its NullObject)`` each
+    (tierd.state.planner: the parts the object holds)."""
+
+    chunk: int
+    objs: list
 
 
 @dataclass
@@ -32,13 +50,12 @@ def bind(req, got) -> CopyPlan:
     committed (so touched) in."""
     plan = CopyPlan(got.results)
     fresh_parts = req.geo.fresh_parts
-    for entry in got.made:
-        if entry[0] == WHOLE:
-            _, i, which, objs = entry
-            present = fresh_parts if which is None else [fresh_parts[s] for s in which]
-            _add_whole(req, objs, present, i, plan)
+    for made in got.made:
+        if type(made) is WholeChunks:
+            present = fresh_parts if made.which is None else [fresh_parts[s] for s in made.which]
+            _add_whole(req, made.objs, present, made.first, plan)
         else:
-            _add_nulls(req, entry[1], entry[2], plan)
+            _add_nulls(req, made.chunk, made.objs, plan)
     return plan
 
 
