@@ -66,3 +66,28 @@ def test_a_part_takes_the_lookups_tail_first_and_the_rest_stays_pending():
     assert not pool.settle(3 + 5)  # the rest, and the observation
     assert pool.unsettled == 0 and pool.policy.weight == 5
     assert [o.tick for o in objs] == [10, 9, 8, 7, 6] and [o.hits for o in objs] == [1] * 5
+
+
+@pytest.mark.parametrize("policy", ["reuse", "lru"])
+def test_a_lookup_across_size_classes_touches_each_object_in_its_own_classs_queue(policy):
+    """A prefix whose objects alternate between two size classes (a hybrid model's groups): each
+    touch lands in the object's own class's queue, at its level, in tick order."""
+    from test_eviction_policy import SPAN
+
+    pool = make(policy, 64)
+    with pool.writes() as w:  # 64-byte and 128-byte objects: two size classes
+        objs = [w.begin(NS, key(i), SPAN, 0, 64 * (1 + i % 2), 1, "g0") for i in range(8)]
+    pool.commit(objs)
+    assert len({o.slab.cls for o in objs}) == 2
+    for n in range(1, 6):
+        pool.lookup(NS, [key(i) for i in range(8)], [FULL], 16, [0])
+        pool.settle()
+        assert [o.hits for o in objs] == [min(n, 3) if policy == "reuse" else 0] * 8
+        assert [o.tick for o in objs] == sorted((o.tick for o in objs), reverse=True)  # the head most recent
+        for cls, q in pool.lru.items():
+            levels = q.q if policy == "reuse" else [q]
+            for level, lq in enumerate(levels):
+                assert all(o.slab.cls is cls and (policy == "lru" or o.hits == level) for o in lq)
+                ticks = [o.tick for o in lq]
+                assert ticks == sorted(ticks)  # each queue in tick order, oldest first
+    assert order(pool)[-1] == 0  # the head goes last

@@ -104,14 +104,17 @@ class LRU:
         most recent. ``hit``: a LOOKUP found them. ``weight``: how many objects the LOOKUP's reuse
         distance counts for (``Reuse``; default ``len(objs)``, 0 for the later parts of one LOOKUP
         touched in parts, tail first). Returns the last tick given."""
-        cls = move = None
+        if not objs:
+            return tick
+        move = lrus[objs[-1].slab.cls].move_to_end  # a ready object is always in its class's LRU
         for obj in reversed(objs):
             tick += 1
             obj.tick = tick
-            if obj.slab.cls is not cls:  # a prefix's objects are mostly of one class
-                cls = obj.slab.cls
-                move = lrus[cls].move_to_end  # a ready object is always in its class's LRU
-            move(obj)
+            try:  # a prefix's objects are mostly of one class: its queue is asked first
+                move(obj)
+            except KeyError:
+                move = lrus[obj.slab.cls].move_to_end
+                move(obj)
         return tick
 
     def retouch(self, qs: dict, objs: Sequence[Obj]) -> None:
@@ -223,7 +226,7 @@ class Reuse:
         top = LEVELS - 1
         if hit and weight != 0:  # the distance of the deepest object found, for every object of the hit
             self._sample(tick + 1 - objs[-1].tick, len(objs) if weight is None else weight)
-        cls = qs = mtop = None
+        cls = qs = None
         if not hit:
             for obj in reversed(objs):
                 tick += 1
@@ -233,20 +236,28 @@ class Reuse:
                     qs = lrus[cls].q
                 qs[obj.hits].move_to_end(obj)
             return tick
+        cls = objs[-1].slab.cls
+        qs = lrus[cls].q
+        mtop = qs[top].move_to_end
         for obj in reversed(objs):
             tick += 1
             obj.tick = tick
-            if obj.slab.cls is not cls:
+            try:  # a prefix found again and again is at the top level of its class: one call
+                mtop(obj)
+                continue
+            except KeyError:
+                pass
+            if obj.slab.cls is not cls:  # another class (a prefix's objects are mostly of one)
                 cls = obj.slab.cls
                 qs = lrus[cls].q
                 mtop = qs[top].move_to_end
-            try:  # a prefix found again and again is at the top level: as cheap as LRU's touch
-                mtop(obj)
-            except KeyError:  # below it: one level up
-                h = obj.hits
-                del qs[h][obj]
-                obj.hits = h + 1
-                qs[h + 1][obj] = None
+                if obj in qs[top]:
+                    mtop(obj)
+                    continue
+            h = obj.hits  # below the top level: one level up
+            del qs[h][obj]
+            obj.hits = h + 1
+            qs[h + 1][obj] = None
         return tick
 
     def retouch(self, qs: dict, objs: Sequence[Obj]) -> None:
