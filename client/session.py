@@ -39,6 +39,7 @@ from tierd.protocol.errors import ErrorCode
 from tierd.protocol.layout import PageLayout
 from tierd.protocol.sockets import default_socket
 from tierd_client.errors import DaemonUnavailable, TierdError
+from tierd_client.futures import failed
 from tierd_client.pending import Pending, Reply
 from tierd_client.transport import SPIN_S, Transport
 from tierd_client.wire import typed
@@ -147,12 +148,11 @@ class Connection(Transport):
         """REGISTER a rank's page layout (a plain map is converted, tierd_client.wire.typed); once
         accepted it is re-sent after a daemon restart. ``publish`` (optional): ``open()``/``close()``
         around every REGISTER of it (module doc)."""
-        done: Future = Future()
         try:
             layout = typed(layout, PageLayout, "layout")
         except TierdError as exc:
-            done.set_exception(exc)
-            return done
+            return failed(exc)
+        done: Future = Future()
 
         def finish(f: Future) -> None:
             exc = f.exception()

@@ -134,7 +134,6 @@ class Daemon:
     def start_http(self) -> None:
         if self.settings.http_port < 0:
             return
-
         self.board.publish(self.status())
         self.http = start_http_server(
             self.board,

@@ -109,7 +109,6 @@ def split_request(frame: bytes, max_bytes: int) -> tuple[str, int, msgspec.Raw]:
 
 def decode_request(frame: bytes, max_bytes: int):
     """``(op, req_id, typed request)``: the edge's one step (see tierd.protocol.messages)."""
-
     op, req_id, body = split_request(frame, max_bytes)
     try:
         return op, req_id, messages.decode(op, body)

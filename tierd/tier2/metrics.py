@@ -32,7 +32,6 @@ def families(status: dict | None):
     """The ``tierd_l2_*`` families; none without a second tier."""
     if not status:
         return
-
     for name, doc in (*TIER_COUNTERS.items(), *COUNTERS.items()):
         yield CounterMetricFamily(f"tierd_l2_{name}", doc, value=status[name])
     err = CounterMetricFamily(

@@ -65,7 +65,6 @@ class Run:
 def replay(trace: Trace, policy: str, capacity_blocks: int, progress=None) -> Run:
     """``trace`` through a pool of ``capacity_blocks`` blocks evicting by ``policy`` (a name of
     tierd.pool.policy.POLICIES or "default"). ``progress(done)`` is called now and then."""
-
     resolved = policies.DEFAULT if policy == "default" else policy
     pool = Pool(
         capacity_blocks * BLOCK_BYTES, 0, BLOCK_BYTES, capacity_blocks * BLOCK_BYTES, eviction_policy=resolved
@@ -292,7 +291,6 @@ class _Progress:
 def command(trace_path, capacity_blocks, capacity, policy, bytes_per_token, as_json_, plot_path, quiet):
     """Replay a request trace through the daemon's pool at one or more capacities and policies, and
     print the hit ratio each gets (Mooncake's JSONL traces, or one list of chunk keys a line)."""
-
     names = _items(policy)
     for name in names:
         if name != "default" and name not in POLICIES:
