@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -241,10 +242,62 @@ def _span(part: str) -> range:
     return range(int(lo), int(hi or lo) + 1)
 
 
+# a GPU host's engine as the GPU engine set-up runs it (vLLM's pure-Python package: Triton attention,
+# no compiled graphs), and random weights of the model folder's shape (no weight files)
+CUDA_ENGINE = (
+    "--load-format",
+    "dummy",
+    "--attention-config",
+    json.dumps({"backend": "TRITON_ATTN"}),
+    "--compilation-config",
+    json.dumps({"custom_ops": ["none"], "mode": 0}),
+)
+
+
 def engine_args(args) -> tuple[str, ...]:
     """The API server's engine flags every phase and fault shares."""
     out = ("--dtype", args.dtype)
+    if args.device == "cuda":
+        out += (*CUDA_ENGINE, "--gpu-memory-utilization", str(args.gpu_memory_utilization))
     return out + (("--num-gpu-blocks-override", str(args.num_blocks)) if args.num_blocks else ())
+
+
+def gpu_model(shape: str, root: Path) -> str:
+    """A model folder of one of the GPU engine harness's shapes (its config, no weights: the engine
+    draws them) with the tiny models' tokenizer, its vocabulary cut to the tokenizer's, so every
+    token the engine samples is one the server can detokenize."""
+    from gpu_engine_models import CONFIGS
+    from tiny_model import CONFIG, build_tokenizer
+
+    if shape not in CONFIGS:
+        raise SystemExit(f"unknown --shape {shape!r}; one of {', '.join(sorted(CONFIGS))}")
+    folder = root / f"{shape}-serve"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**CONFIGS[shape], "vocab_size": CONFIG["vocab_size"], "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    build_tokenizer(folder)
+    return str(folder)
+
+
+def prefill_alone(server: ApiServer, model: str, tokens: int) -> float:
+    """Milliseconds of one request of ``tokens`` new prompt tokens alone (``max_tokens`` 1, the
+    engine's prefix cache emptied first): the same run's prefill time, printed beside its figures.
+    Timed on the second of two such requests (the first pays the engine's first-use costs)."""
+    rng = random.Random(tokens)
+    took = []
+    for _ in range(2):
+        body = {"model": model, "prompt": [rng.randrange(3, 1000) for _ in range(tokens)], "max_tokens": 1}
+        req = urllib.request.Request(
+            f"{server.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        server.reset_prefix_cache()
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+        took.append((time.perf_counter() - t0) * 1e3)
+    return took[-1]
 
 
 def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd: int) -> dict:
@@ -261,6 +314,10 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
     log(f"api server {phase} up in {server.start_s:.0f}s")
     out = {}
     try:
+        if phase == "none":
+            tokens = args.prefix_len + args.suffix_len
+            state.setdefault("prefill_ms", []).append(prefill_alone(server, model, tokens))
+            log(f"r{rnd} prefill of {tokens} tokens alone: {state['prefill_ms'][-1]:.1f} ms")
         for wl in args.workloads:
             for conc in args.concurrency:
                 seed = 1000 * rnd + 10 * WORKLOADS.index(wl) + args.concurrency.index(conc)
@@ -541,6 +598,20 @@ def bench() -> None:
         "over the rounds",
     )
     ap.add_argument("--model", default="", help="a model folder (default: the tiny 4-layer model, built)")
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: a GPU host's engine as scripts/gpu_serve.sh sets it up (Triton attention, eager), "
+        "serving --shape with random weights",
+    )
+    ap.add_argument(
+        "--shape",
+        default="llama1b",
+        help="with --device cuda and no --model: a shape of benchmarks/gpu_engine_models.py "
+        "(llama1b: 32 KiB of KV per token, llama8b: 128 KiB)",
+    )
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="with --device cuda")
     ap.add_argument("--lmcache-venv", default=str(ROOT / ".bench" / "lmcache-venv"))
     ap.add_argument("--skip-lmcache-install", action="store_true")
     ap.add_argument("--workdir", default="", help="logs and client results (default: a temp folder)")
@@ -578,10 +649,15 @@ def bench() -> None:
         isolate_engine(args.engine_cpus)
     from tiny_model import build_tiny_model
 
-    model = args.model or build_tiny_model(MODEL_RECIPE)
-    tok = tokenizer(model)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tierd-serve-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model = args.model
+    elif args.device == "cuda":
+        model = gpu_model(args.shape, workdir / "models")
+    else:
+        model = build_tiny_model(MODEL_RECIPE)
+    tok = tokenizer(model)
     log(f"model {model}; logs and client results in {workdir}")
     rounds: dict[str, list[dict]] = {p: [] for p in args.phases}
     state: dict = {}
@@ -598,6 +674,11 @@ def bench() -> None:
         ph: {k: median_rows([r[k] for r in runs]) for k in runs[0]} for ph, runs in rounds.items() if runs
     }
     print(f"{args.repeat} round(s); ratios within each round, median [min-max] over the rounds")
+    if state.get("prefill_ms"):
+        print(
+            f"the same run's prefill: {args.prefix_len + args.suffix_len} new tokens alone, max_tokens 1, "
+            f"{spread(state['prefill_ms'])} ms (phase none)"
+        )
     print(table(results, args.workloads, args.concurrency, args.phases, round_ratios(rounds)))
     for f in faults:
         print(
@@ -609,6 +690,7 @@ def bench() -> None:
         )
     if args.json:
         out = {"args": vars(args), "results": results, "rounds": rounds, "faults": faults}
+        out["prefill_ms"] = state.get("prefill_ms", [])
         Path(args.json).write_text(json.dumps(out, indent=1))
         log(f"wrote {args.json}")
     if not args.workdir:

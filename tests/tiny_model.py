@@ -288,7 +288,8 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _build_tokenizer(out: Path) -> None:
+def build_tokenizer(out: Path) -> None:
+    """The tiny models' byte-level BPE tokenizer (vocab at most 1,024), saved in ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -338,7 +339,7 @@ def _build_model(out: Path, recipe: str) -> None:
 
 
 def _build_into(out: Path, recipe: str) -> None:
-    _build_tokenizer(out)
+    build_tokenizer(out)
     _build_model(out, recipe)
     files = sorted(p for p in out.iterdir() if p.is_file() and p.name != MARKER)
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
