@@ -13,6 +13,7 @@ import click
 
 from tierd import __version__
 from tierd.base.config import Settings, default_socket
+from tierd.tools.bench.options import DEFAULTS as BENCH
 from tierd.tools.replay import command as replay_command
 
 SOCKET_HELP = "ZeroMQ endpoint of the daemon (its --socket)."
@@ -190,55 +191,77 @@ def _appears(path: str, wait_s: float) -> bool:
 
 
 @main.command()
-@click.option("--socket", default=None, help=f"{SOCKET_HELP} Without it a private daemon is started.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--layers", default=32, show_default=True, help="Layers of the synthetic layout.")
-@click.option("--kv-heads", default=8, show_default=True, help="KV heads per layer.")
-@click.option("--head-dim", default=128, show_default=True, help="Head size (K and V each).")
-@click.option("--block-tokens", default=16, show_default=True, help="Tokens per engine block.")
-@click.option("--chunk-tokens", default=256, show_default=True, help="Tokens per stored chunk.")
-@click.option("--dtype-bytes", default=2, show_default=True, help="Bytes per element (2 = bf16).")
-@click.option("--mla", is_flag=True, help="MLA layout: [blocks, block_tokens, 576], one latent per token.")
-@click.option("--chunks", default=64, show_default=True, help="Chunks stored and retrieved per round.")
+@click.option("--socket", default=BENCH.socket, help=f"{SOCKET_HELP} Without it a private daemon is started.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=BENCH.device, show_default=True)
+@click.option("--layers", default=BENCH.layers, show_default=True, help="Layers of the synthetic layout.")
+@click.option("--kv-heads", default=BENCH.kv_heads, show_default=True, help="KV heads per layer.")
+@click.option("--head-dim", default=BENCH.head_dim, show_default=True, help="Head size (K and V each).")
+@click.option(
+    "--block-tokens", default=BENCH.block_tokens, show_default=True, help="Tokens per engine block."
+)
+@click.option(
+    "--chunk-tokens", default=BENCH.chunk_tokens, show_default=True, help="Tokens per stored chunk."
+)
+@click.option(
+    "--dtype-bytes", default=BENCH.dtype_bytes, show_default=True, help="Bytes per element (2 = bf16)."
+)
+@click.option(
+    "--mla",
+    is_flag=True,
+    default=BENCH.mla,
+    help="MLA layout: [blocks, block_tokens, 576], one latent per token.",
+)
+@click.option(
+    "--chunks", default=BENCH.chunks, show_default=True, help="Chunks stored and retrieved per round."
+)
 @click.option(
     "--batch",
-    default=8,
+    default=BENCH.batch,
     show_default=True,
     help="Chunks per STORE/RETRIEVE request (CUDA --path direct: at most 64 MiB of them, at least one).",
 )
 @click.option(
     "--rounds",
-    default=3,
+    default=BENCH.rounds,
     show_default=True,
     help="Timed rounds (CPU: the best after the first is reported, the first apart).",
 )
 @click.option(
     "--runs",
-    default=1,
+    default=BENCH.runs,
     show_default=True,
     type=click.IntRange(min=1),
     help="CPU: each block's bytes in this many runs, each run of a layer's blocks a region of its own "
     "(2: K and V halves apart, vLLM's CPU layout): a chunk is that many contiguous ranges per layer.",
 )
 @click.option(
-    "--pool-gb", default=None, type=float, help="Pool ceiling of the private daemon. [default: sized to fit]"
+    "--pool-gb",
+    default=BENCH.pool_gb,
+    type=float,
+    help="Pool ceiling of the private daemon. [default: sized to fit]",
 )
 @click.option(
     "--interference",
     is_flag=True,
+    default=BENCH.interference,
     help="CUDA: time a bf16 matmul and an HBM-bound copy alone, while tierd copies, and while raw DMA runs.",
 )
-@click.option("--staging-mb", default=1024, show_default=True, help="CUDA: the engine's staging buffer, MiB.")
+@click.option(
+    "--staging-mb",
+    default=BENCH.staging_mb,
+    show_default=True,
+    help="CUDA: the engine's staging buffer, MiB.",
+)
 @click.option(
     "--impl",
     type=click.Choice(["auto", "kernel", "torch"]),
-    default="auto",
+    default=BENCH.impl,
     show_default=True,
     help="CUDA: engine-side gather/scatter: native kernels, the torch fallback, or kernels once built.",
 )
 @click.option(
     "--ctas",
-    default=0,
+    default=BENCH.ctas,
     show_default=True,
     type=click.IntRange(min=0),
     help="CUDA: CTAs per engine-side gather/scatter kernel (0: 8 per multiprocessor).",
@@ -246,14 +269,14 @@ def _appears(path: str, wait_s: float) -> bool:
 @click.option(
     "--gpu-order",
     type=click.Choice(["host", "device"]),
-    default="host",
+    default=BENCH.gpu_order,
     show_default=True,
     help="CUDA: the engine sends each request once its staging bytes are ready (host), or the daemon's "
     "DMAs wait on the GPU for the engine's interprocess events (device; slows a co-running engine more).",
 )
 @click.option(
     "--step-burst",
-    default=0,
+    default=BENCH.step_burst,
     show_default=True,
     type=click.IntRange(min=0),
     help="CUDA --interference: queue the timed engine steps this many at a time (0: all at once). A full "
@@ -261,7 +284,7 @@ def _appears(path: str, wait_s: float) -> bool:
 )
 @click.option(
     "--kv-layout",
-    default="LBNHC",
+    default=BENCH.kv_layout,
     show_default=True,
     help="CUDA: physical order of the KV buffer (vLLM 0.33's KVCacheLayout): LBNHC layer-outermost, "
     "BLNHC block-outermost (a block's layers one span), LBHNC, BLHNC, ...",
@@ -269,14 +292,14 @@ def _appears(path: str, wait_s: float) -> bool:
 @click.option(
     "--path",
     type=click.Choice(["staged", "direct"]),
-    default="staged",
+    default=BENCH.path,
     show_default=True,
     help="CUDA: gather/scatter in this process through a staging buffer (staged), or the daemon's "
     "DMAs straight between the KV blocks and its pool, no SM work (direct).",
 )
 @click.option(
     "--ranks",
-    default=1,
+    default=BENCH.ranks,
     show_default=True,
     type=click.IntRange(min=1),
     help="Engine processes (TP ranks) on one daemon at once, each its own KV buffer (CUDA: GPU rank % "
@@ -284,7 +307,7 @@ def _appears(path: str, wait_s: float) -> bool:
 )
 @click.option(
     "--seconds",
-    default=2.0,
+    default=BENCH.seconds,
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="With --ranks > 1: the length of each timed window.",
@@ -294,10 +317,10 @@ def _appears(path: str, wait_s: float) -> bool:
 def bench(as_json, quiet, **opts):
     """Store and retrieve a synthetic multi-layer KV layout through the real protocol, verify
     every byte, and print GB/s next to a same-run memcpy baseline."""
-    from tierd.tools.bench import BenchError, run_bench
+    from tierd.tools.bench import BenchError, BenchOptions, run_bench
 
     try:
-        result = run_bench(progress=not quiet and not as_json, **opts)
+        result = run_bench(BenchOptions(**opts), progress=not quiet and not as_json)
     except BenchError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

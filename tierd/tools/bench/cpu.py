@@ -26,36 +26,21 @@ from tierd.tools.bench.common import (
     request_stages,
     stage_means,
 )
+from tierd.tools.bench.options import BenchOptions
 
 
-def run_cpu_bench(
-    *,
-    socket,
-    layers,
-    kv_heads,
-    head_dim,
-    block_tokens,
-    chunk_tokens,
-    dtype_bytes,
-    mla,
-    chunks,
-    batch,
-    rounds,
-    pool_gb,
-    progress: Progress,
-    runs: int = 1,
-) -> dict:
+def run_cpu_bench(opts: BenchOptions, progress: Progress) -> dict:
     from tierd_client import TierdClient
     from tierd_client.layouts import block_span, group, layout, namespace
     from tierd_client.shm import SharedBuffer
 
-    block_bytes = block_tokens * (576 if mla else kv_heads * 2 * head_dim) * dtype_bytes
+    socket, layers, chunks, batch = opts.socket, opts.layers, opts.chunks, opts.batch
+    rounds, runs = opts.rounds, opts.runs
+    block_bytes, bpc, object_bytes = opts.block_bytes, opts.blocks_per_chunk, opts.object_bytes
     if runs < 1 or block_bytes % runs:
         raise BenchError(f"--runs {runs} does not divide a block's {block_bytes} bytes")
     run_bytes = block_bytes // runs
-    bpc = chunk_tokens // block_tokens
     num_blocks = 2 * chunks * bpc  # first half stored from, second half retrieved into
-    object_bytes = layers * bpc * block_bytes
     total = chunks * object_bytes
     progress.phase("laying out the KV buffer")
     buf = SharedBuffer(layers * num_blocks * block_bytes, prefix="tierd-bench")
@@ -75,9 +60,13 @@ def run_cpu_bench(
         ]
         ns = namespace("tierd-bench", uuid.uuid4().hex)
         lay = layout(
-            ns, 0, chunk_tokens, [buf.ref()], [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")]
+            ns,
+            0,
+            opts.chunk_tokens,
+            [buf.ref()],
+            [group("full", opts.block_tokens, spans, dtype=f"{opts.dtype_bytes}B")],
         )
-        pool_bytes = int(pool_gb * 2**30) if pool_gb else int(total * 1.25) + (256 << 20)
+        pool_bytes = int(opts.pool_gb * 2**30) if opts.pool_gb else int(total * 1.25) + (256 << 20)
         progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
         ctx = private_daemon(pool_bytes) if socket is None else contextlib.nullcontext(socket)
         with (
@@ -141,7 +130,7 @@ def run_cpu_bench(
     retrieve_gbps = total / min(retrieve_s[later]) / 1e9
     return {
         "device": "cpu",
-        "layout": "mla" if mla else "mha",
+        "layout": "mla" if opts.mla else "mha",
         "layers": layers,
         "block_bytes": block_bytes,
         "runs": runs,

@@ -35,38 +35,16 @@ import time
 import uuid
 
 from tierd.protocol.keys import KEY_BYTES
-from tierd.tools.bench.common import request_stages, stage_means
+from tierd.tools.bench.common import Progress, request_stages, stage_means
 from tierd.tools.bench.cuda_baselines import _baselines, _gbps
 from tierd.tools.bench.cuda_interference import _interference
 from tierd.tools.bench.cuda_latency import PROBE_CHUNKS, _latencies
+from tierd.tools.bench.options import BenchOptions
 
 LOOKUP_KEYS = 16  # a 4096-token prompt at 256 tokens per chunk
 
 
-def run_cuda_bench(
-    *,
-    socket,
-    layers,
-    kv_heads,
-    head_dim,
-    block_tokens,
-    chunk_tokens,
-    dtype_bytes,
-    mla,
-    chunks,
-    batch,
-    rounds,
-    pool_gb,
-    progress,
-    interference: bool = False,
-    staging_mb: int = 1024,
-    impl: str = "auto",
-    ctas: int = 0,
-    gpu_order: str = "host",
-    step_burst: int = 0,
-    kv_layout: str = "LBNHC",
-    path: str = "staged",
-) -> dict:
+def run_cuda_bench(opts: BenchOptions, progress: Progress) -> dict:
     import torch
 
     from tierd.protocol.layout import PageLayout
@@ -78,6 +56,9 @@ def run_cuda_bench(
     from tierd_client.layouts import block_span, group, group_specs, layout, namespace
     from tierd_client.staged_rank import StagedRank
 
+    socket, layers, chunks, batch, rounds = opts.socket, opts.layers, opts.chunks, opts.batch, opts.rounds
+    chunk_tokens, block_tokens = opts.chunk_tokens, opts.block_tokens
+    kv_layout, path = opts.kv_layout, opts.path
     if sorted(kv_layout) != sorted("LBNHC") or kv_layout[-1] != "C":
         raise BenchError(f"--kv-layout {kv_layout}: a physical order of L, B, N, H ending in C (e.g. BLNHC)")
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -86,14 +67,12 @@ def run_cuda_bench(
     native.load(timeout=900)
     build_s = time.monotonic() - t_build
 
-    heads, row = (1, 576 * dtype_bytes) if mla else (kv_heads, 2 * head_dim * dtype_bytes)
-    block_bytes = block_tokens * heads * row
-    bpc = chunk_tokens // block_tokens
+    heads, row, block_bytes, bpc = opts.heads, opts.row_bytes, opts.block_bytes, opts.blocks_per_chunk
     region = (
         chunks * bpc
     )  # blocks per region: 0 = stored from, 1 = retrieved into, 2 = stored while retrieving
     num_blocks = 3 * region + PROBE_CHUNKS * bpc  # + the latency probes' blocks
-    object_bytes = layers * bpc * block_bytes
+    object_bytes = opts.object_bytes
     total = chunks * object_bytes
     progress.phase(
         f"laying out {layers * num_blocks * block_bytes / 2**30:.1f} GiB of KV on "
@@ -116,7 +95,7 @@ def run_cuda_bench(
         0,
         chunk_tokens,
         refs,
-        [group("full", block_tokens, spans, dtype=f"{dtype_bytes}B")],
+        [group("full", block_tokens, spans, dtype=f"{opts.dtype_bytes}B")],
         device="cuda",
     )
     stager = None
@@ -125,14 +104,18 @@ def run_cuda_bench(
             raise BenchError(f"--path direct: {kv_layout} keeps a layer's block in more than one run")
     else:
         stager = Stager(
-            PageLayout.from_wire(lay), [buf], max(staging_mb << 20, 2 * batch * object_bytes), impl, ctas
+            PageLayout.from_wire(lay),
+            [buf],
+            max(opts.staging_mb << 20, 2 * batch * object_bytes),
+            opts.impl,
+            opts.ctas,
         )
         lay["staging"] = stager.ref
     specs = group_specs(lay)
     pool_bytes = (
-        int(pool_gb * 2**30)
-        if pool_gb
-        else int((4 if interference else 2) * total * 1.05) + 24 * object_bytes + (512 << 20)
+        int(opts.pool_gb * 2**30)
+        if opts.pool_gb
+        else int((4 if opts.interference else 2) * total * 1.05) + 24 * object_bytes + (512 << 20)
     )
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}")
     progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
@@ -177,7 +160,7 @@ def run_cuda_bench(
                 stager,
                 request_bytes=batch * object_bytes,
                 timeout_s=300,
-                host_order=gpu_order == "host",
+                host_order=opts.gpu_order == "host",
             )
         after = torch.cuda.Event()
 
@@ -243,14 +226,14 @@ def run_cuda_bench(
         probe = torch.randperm(PROBE_CHUNKS * bpc, generator=torch.Generator().manual_seed(3)) + 3 * region
         probe = probe.tolist()
         latency = _latencies(torch, rank, object_bytes, probe, bpc, dev, client)
-        if interference:
+        if opts.interference:
             progress.phase("interference: compute and HBM steps alone, with tierd copying, with raw DMA")
             client.call("CLEAR", {"namespace": ns})
             settle(store(keys_a, src), lambda *_: None)
             out["interference"] = _interference(
-                torch, dev, store, retrieve, keys_a, src2, dst, settle, total, step_burst
+                torch, dev, store, retrieve, keys_a, src2, dst, settle, total, opts.step_burst
             )
-            out["interference_step_burst"] = step_burst
+            out["interference_step_burst"] = opts.step_burst
         status = client.status()
         client.call("CLEAR", {"namespace": ns})  # leave nothing behind in the operator's daemon
         rank.idle(30)
@@ -272,7 +255,7 @@ def run_cuda_bench(
         {
             "device": "cuda",
             "gpu": torch.cuda.get_device_name(dev),
-            "layout": "mla" if mla else "mha",
+            "layout": "mla" if opts.mla else "mha",
             "kv_layout": f"{kv_layout}: one buffer, per-layer [B, H, N, C] views (vLLM 0.33), shuffled ids",
             "path": path,
             "path_is": "gather/scatter in this (the engine's) process, daemon DMA through the staging buffer"
@@ -301,9 +284,9 @@ def run_cuda_bench(
             "wire_floor_ms": latency.get("wire_floor_ms"),
             "lookup_keys": len(lk),
             "lookups_per_s": round(lookups_seq, 1),
-            "impl": "kernel" if native.get() is not None and impl != "torch" else "torch",
+            "impl": "kernel" if native.get() is not None and opts.impl != "torch" else "torch",
             "ctas": stager.grid if stager is not None else 0,
-            "gpu_order": gpu_order,
+            "gpu_order": opts.gpu_order,
             "native": native.state(),
             "register_s": round(register_s, 3),
             "bench_build_s": round(build_s, 3),

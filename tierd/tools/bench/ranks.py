@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 
+from tierd.tools.bench.common import Progress
+from tierd.tools.bench.options import BenchOptions
+
 PHASES_SOLO = ("solo_store", "solo_retrieve", "solo_both")
 PHASES_ALL = ("store", "retrieve", "both")
 RAW = {"cuda": ("raw_d2h", "raw_h2d", "raw_both"), "cpu": ("raw",)}
@@ -43,35 +46,17 @@ DEPTH = 4  # requests in flight per rank and direction
 
 
 # ---- the parent ------------------------------------------------------------------------------------
-def run_ranks_bench(
-    *,
-    socket,
-    device,
-    ranks,
-    seconds,
-    layers,
-    kv_heads,
-    head_dim,
-    block_tokens,
-    chunk_tokens,
-    dtype_bytes,
-    mla,
-    chunks,
-    batch,
-    pool_gb,
-    progress,
-    gpu_order: str = "host",
-) -> dict:
+def run_ranks_bench(opts: BenchOptions, progress: Progress) -> dict:
     from tierd.tools.bench.common import BenchError, private_daemon
 
+    socket, device, ranks, seconds = opts.socket, opts.device, opts.ranks, opts.seconds
+    mla, chunks, batch = opts.mla, opts.chunks, opts.batch
     if ranks < 1:
         raise BenchError(f"--ranks {ranks}: at least 1")
-    heads, row = (1, 576 * dtype_bytes) if mla else (kv_heads, 2 * head_dim * dtype_bytes)
-    block_bytes = block_tokens * heads * row
-    object_bytes = layers * (chunk_tokens // block_tokens) * block_bytes
+    object_bytes, block_bytes = opts.object_bytes, opts.block_bytes
     resident = (1 if mla else ranks) * chunks * object_bytes
     churn = ranks * 2 * DEPTH * batch * object_bytes  # store-phase objects in flight and just committed
-    pool_bytes = int(pool_gb * 2**30) if pool_gb else resident + churn + (512 << 20)
+    pool_bytes = int(opts.pool_gb * 2**30) if opts.pool_gb else resident + churn + (512 << 20)
     if device == "cuda":
         from tierd_client import native
 
@@ -81,18 +66,18 @@ def run_ranks_bench(
     cfg = dict(
         device=device,
         ranks=ranks,
-        seconds=seconds,
-        layers=layers,
-        heads=heads,
-        row=row,
-        block_tokens=block_tokens,
-        chunk_tokens=chunk_tokens,
-        dtype_bytes=dtype_bytes,
+        seconds=opts.seconds,
+        layers=opts.layers,
+        heads=opts.heads,
+        row=opts.row_bytes,
+        block_tokens=opts.block_tokens,
+        chunk_tokens=opts.chunk_tokens,
+        dtype_bytes=opts.dtype_bytes,
         mla=mla,
         chunks=chunks,
         batch=batch,
         run=run,
-        gpu_order=gpu_order,
+        gpu_order=opts.gpu_order,
     )
     extra = ("--l1-init-size-gb", f"{pool_bytes / 2**30:.6f}") if device == "cuda" else ()
     progress.phase("starting a private daemon" if socket is None else f"connecting to {socket}")
