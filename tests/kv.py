@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +20,15 @@ class GroupGeom:
     block_bytes: int = 256
     block_tokens: int = 4
     window_tokens: int = 0
+
+
+def _unlink(paths: list[str]) -> None:
+    """Remove a rank's /dev/shm files (a daemon that mapped them keeps its mapping)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 @dataclass
@@ -37,6 +48,8 @@ class FakeRank:
         self.bufs = [
             SharedBuffer(g.layers * self.num_blocks * g.block_bytes, prefix="tierd-test") for g in self.groups
         ]
+        # the files go with the rank (collected, or this process ending), whoever forgets close()
+        self._files = weakref.finalize(self, _unlink, [b.path for b in self.bufs])
         self.kv = [
             b.array.reshape(g.layers, self.num_blocks, g.block_bytes) for b, g in zip(self.bufs, self.groups)
         ]
