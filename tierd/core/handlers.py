@@ -252,10 +252,17 @@ def store(tier: Tier, call: Call, msg: m.Store):
     return StoreJob(tier, call, inst, plan, msg.deadline, msg.touch, msg.event)
 
 
-def retrieve(tier: Tier, call: Call, msg: m.Retrieve, fetch: bool = True):
-    """``fetch``: with a second tier, what it needs first (RetrieveNeeds: objects L1 lacks are
-    fetched; the main loop calls ``retrieve_planned`` when nothing is to wait for, or this again
-    with ``fetch`` False once the fetches settled)."""
+def retrieve(tier: Tier, call: Call, msg: m.Retrieve):
+    """Planned now from what L1 holds; with a second tier, what it needs first (RetrieveNeeds: the
+    main loop has L2 fetch what L1 lacks, then calls ``retrieve_planned``, or ``retrieve_resumed``
+    once the fetches it waited for settled)."""
+    need = _checked_retrieve(tier, call, msg)
+    if tier.l2 is not None:
+        return need
+    return retrieve_planned(tier, call, need)
+
+
+def _checked_retrieve(tier: Tier, call: Call, msg: m.Retrieve) -> RetrieveNeeds:
     inst = tier.registry.instance(msg.instance, call.tenant)
     if msg.lease:
         tier.registry.lease_of(msg.lease, inst.tenant)  # FORBIDDEN for another tenant's lease
@@ -263,14 +270,27 @@ def retrieve(tier: Tier, call: Call, msg: m.Retrieve, fetch: bool = True):
     blocks = geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
     _check_deadline(msg.deadline)
-    if fetch and tier.l2 is not None:
-        return RetrieveNeeds(msg, inst, geo, blocks)
-    return _plan_retrieve(tier, call, msg, inst, geo, blocks)
+    return RetrieveNeeds(msg, inst, geo, blocks)
 
 
 def retrieve_planned(tier: Tier, call: Call, need: RetrieveNeeds):
     """A checked RETRIEVE, planned now from what L1 holds."""
     return _plan_retrieve(tier, call, need.msg, need.instance, need.geometry, need.blocks)
+
+
+def retrieve_resumed(tier: Tier, call: Call, need: RetrieveNeeds):
+    """A RETRIEVE back from waiting for the second tier, planned from what was checked before it
+    waited. Only what the wait may have changed is checked again: its instance is still the one
+    registered (gone: UNKNOWN_INSTANCE; registered anew: every check again, against the new one),
+    its lease and its deadline."""
+    msg = need.msg
+    if tier.registry.instance(msg.instance, call.tenant) is not need.instance:
+        need = _checked_retrieve(tier, call, msg)
+    else:
+        if msg.lease:
+            tier.registry.lease_of(msg.lease, need.instance.tenant)
+        _check_deadline(msg.deadline)
+    return retrieve_planned(tier, call, need)
 
 
 def _plan_retrieve(tier: Tier, call: Call, msg: m.Retrieve, inst, geo, blocks):

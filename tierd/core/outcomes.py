@@ -77,8 +77,8 @@ class Outcomes:
             self.after_l2(call, op, result)
 
     def after_l2(self, call: Call, op: str, result) -> None:
-        """A request that waited for L2, back to its handler: a LOOKUP's fold, a RETRIEVE to plan
-        now (its fetches settled, or its time is up), or the error it is answered with."""
+        """A request that waited for L2, back to its handler: a LOOKUP's fold, a RETRIEVE's checked
+        need to plan now (its fetches settled, or its time is up), or the error it is answered with."""
         if isinstance(result, Exception):
             if not isinstance(result, ProtocolError):
                 log.error("%s after L2: %r", op, result)
@@ -88,7 +88,7 @@ class Outcomes:
                 if op == "LOOKUP":
                     outcome = handlers.lookup_folded(self.tier, call, result)
                 else:
-                    outcome = handlers.retrieve(self.tier, call, result, fetch=False)
+                    outcome = handlers.retrieve_resumed(self.tier, call, result)
             except Exception as exc:  # noqa: BLE001 - answered below
                 outcome = exc
         self.carry(call, op, outcome)

@@ -147,7 +147,7 @@ class SecondTier:
 
     def drain(self, now: float) -> list[tuple]:
         """Handle the tier's events; (call, op, result) of requests no longer waiting: a LOOKUP's
-        Folded or exception, a RETRIEVE's request (to plan now)."""
+        Folded or exception, a RETRIEVE's need (checked before it waited: to plan now)."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
@@ -172,7 +172,7 @@ class SecondTier:
             elif kind == "put_freed":
                 self.spill.put_freed(*args)
         out += [(rec.call, "LOOKUP", result) for rec, result in self.lookups.overdue(now)]
-        out += [(call, "RETRIEVE", msg) for call, msg in self.retrieves.ready(now)]
+        out += [(call, "RETRIEVE", need) for call, need in self.retrieves.ready(now)]
         return out
 
     def next_due(self, now: float) -> float | None:

@@ -4,9 +4,10 @@ Hazards first:
 
 - A RETRIEVE whose objects are being fetched (the LOOKUP that promised them started the fetches)
   waits for them without holding the loop: it is handed back to the main loop, which plans it
-  again as any RETRIEVE, once every fetch it needs settled or its time is up. Planning reads only committed
-  objects, so a fetch that failed, timed out or had not landed yet by then leaves exactly its
-  blocks in ``failed`` (the engine recomputes them); nothing half-written is ever copied out.
+  from what it checked before the wait, once every fetch it needs settled or its time is up.
+  Planning reads only committed objects, so a fetch that failed, timed out or had not landed yet
+  by then leaves exactly its blocks in ``failed`` (the engine recomputes them); nothing
+  half-written is ever copied out.
 - Objects L1 lacks and nobody fetches (no LOOKUP before, its lease expired and the object was
   evicted) are fetched here, when the tier is connected and there is time.
 - Time: a RETRIEVE with a deadline is planned MARGIN_S before it (the copy still has to run, and
@@ -39,10 +40,10 @@ MIN_FETCH_S = 0.02  # less time left than this: do not start a get at all
 
 
 class Waiting:
-    __slots__ = ("call", "msg", "fetches", "due")
+    __slots__ = ("call", "need", "fetches", "due")
 
-    def __init__(self, call, msg, fetches, due):
-        self.call, self.msg, self.fetches, self.due = call, msg, fetches, due
+    def __init__(self, call, need, fetches, due):
+        self.call, self.need, self.fetches, self.due = call, need, fetches, due
 
 
 class Retrieves:
@@ -86,14 +87,14 @@ class Retrieves:
             waits.update(l2.fetches.start(ns, geo, new, min(l2.get_timeout_s, left)))
         if not waits:
             return False
-        self.pending.append(Waiting(call, msg, list(waits.values()), now + left))
+        self.pending.append(Waiting(call, need, list(waits.values()), now + left))
         l2.counts["retrieve_waits"] += 1
         return True
 
-    def ready(self, now: float) -> list[tuple[Caller, m.Retrieve]]:
-        """RETRIEVEs whose fetches all settled, or whose time is up: (call, request), to plan now."""
+    def ready(self, now: float) -> list[tuple[Caller, Need]]:
+        """RETRIEVEs whose fetches all settled, or whose time is up: (call, need), to plan now."""
         out = []
         for w in [w for w in self.pending if w.due <= now or all(f.settled for f in w.fetches)]:
             self.pending.remove(w)
-            out.append((w.call, w.msg))
+            out.append((w.call, w.need))
         return out
