@@ -51,7 +51,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -279,27 +278,6 @@ def gpu_model(shape: str, root: Path) -> str:
     return str(folder)
 
 
-def prefill_alone(server: ApiServer, model: str, tokens: int) -> float:
-    """Milliseconds of one request of ``tokens`` new prompt tokens alone (``max_tokens`` 1, the
-    engine's prefix cache emptied first): the same run's prefill time, printed beside its figures.
-    Timed on the second of two such requests (the first pays the engine's first-use costs)."""
-    rng = random.Random(tokens)
-    took = []
-    for _ in range(2):
-        body = {"model": model, "prompt": [rng.randrange(3, 1000) for _ in range(tokens)], "max_tokens": 1}
-        req = urllib.request.Request(
-            f"{server.url}/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        server.reset_prefix_cache()
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            r.read()
-        took.append((time.perf_counter() - t0) * 1e3)
-    return took[-1]
-
-
 def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd: int) -> dict:
     python, kv, extra, _tier = phase_setup(phase, workdir, args, state)
     server = ApiServer(
@@ -316,7 +294,7 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
     try:
         if phase == "none":
             tokens = args.prefix_len + args.suffix_len
-            state.setdefault("prefill_ms", []).append(prefill_alone(server, model, tokens))
+            state.setdefault("prefill_ms", []).append(server.prefill_ms(model, tokens))
             log(f"r{rnd} prefill of {tokens} tokens alone: {state['prefill_ms'][-1]:.1f} ms")
         for wl in args.workloads:
             for conc in args.concurrency:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -175,6 +176,27 @@ class ApiServer:
     def reset_prefix_cache(self) -> None:
         req = urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST")
         urllib.request.urlopen(req, timeout=60).read()
+
+    def prefill_ms(self, model: str, tokens: int) -> float:
+        """Milliseconds of one request of ``tokens`` new prompt tokens alone (``max_tokens`` 1, the
+        engine's prefix cache emptied first): the prefill time a run's figures are read beside.
+        Timed on the second of two such requests (the first pays the engine's first-use costs)."""
+        rng = random.Random(tokens)
+        took = []
+        for _ in range(2):
+            prompt = [rng.randrange(3, 1000) for _ in range(tokens)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1}
+            req = urllib.request.Request(
+                f"{self.url}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            self.reset_prefix_cache()
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=600) as r:
+                r.read()
+            took.append((time.perf_counter() - t0) * 1e3)
+        return took[-1]
 
     def close(self, timeout: float = 30) -> int | None:
         if self.proc.poll() is None:

@@ -43,6 +43,9 @@ class FakeServer:
     def metrics(self):
         return {}
 
+    def prefill_ms(self, model, tokens):
+        return 123.0
+
     def close(self):
         return 0
 
@@ -162,3 +165,6 @@ def test_repeated_rounds_print_each_ratio_as_median_and_range_of_the_rounds(
     assert cells[9:11] == ["0.20 [0.10-0.30]", "4.00 [2.00-6.00]"], warm
     none = next(line for line in out.splitlines() if line.startswith("| prefix | 4 | none |"))
     assert [c.strip() for c in none.split("|")][9:11] == ["1.00 [1.00-1.00]", "1.00 [1.00-1.00]"], none
+    # beside the table, the same run's prefill of one prompt alone (3,136 tokens: --prefix-len 3072
+    # and --suffix-len 64 by default), from each round's `none` server
+    assert "the same run's prefill: 3136 new tokens alone, max_tokens 1, 123.00 [123.00-123.00] ms" in out
