@@ -6,12 +6,19 @@ is reported as such."""
 import re
 
 import pytest
-from kv import keys
-from test_eviction import GEOM, OBJ, src
+from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 
 from tierd.tools.report import status_table
 from tierd.tools.testing import serve_argv
+
+OBJ = 256 << 10  # a 2 MiB pool holds a handful of these (tests/unit/test_eviction.py's geometry)
+GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)
+
+
+def src(c):
+    b = 4 * (c % 8)  # 8 distinct chunks of source blocks, reused
+    return list(range(b, b + 4))
 
 
 def fill_past_capacity(d, c, rank) -> int:
