@@ -17,6 +17,7 @@ import os
 import select
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -90,6 +91,20 @@ class InProcessDaemon:
     def status(self) -> dict:
         """What GET /status answers (the same dict, through JSON)."""
         return json.loads(json.dumps(self.daemon.status()))
+
+    def metrics(self) -> str:
+        """What GET /metrics answers: the daemon's Prometheus registry as text, scraped on another
+        thread as the HTTP thread scrapes it, the status it asks for built on this one, as the loop
+        builds it."""
+        from prometheus_client import generate_latest
+
+        board = self.daemon.board
+        with ThreadPoolExecutor(1) as scraper:
+            scrape = scraper.submit(generate_latest, self.daemon.stats.registry)
+            while not scrape.done():
+                select.select([board.wake_r], [], [], 0.05)
+                board.answer(self.daemon.status)
+        return scrape.result().decode()
 
     def close(self) -> None:
         if not self.closed:
@@ -189,10 +204,12 @@ class InProcessClient:
 
         return self.call("LOOKUP", lookup_request(namespace, keys, groups, chunk_tokens, replicated, lease))
 
-    def store(self, instance: str, chunks: list, touch: list[bytes] | None = None):
+    def store(
+        self, instance: str, chunks: list, touch: list[bytes] | None = None, event: bytes | None = None
+    ):
         from tierd.protocol import messages
 
-        return self.call("STORE", messages.Store(instance, self._one(chunks), touch=touch or []))
+        return self.call("STORE", messages.Store(instance, self._one(chunks), touch=touch or [], event=event))
 
     def retrieve(self, instance: str, chunks: list, lease: int = 0):
         from tierd.protocol import messages

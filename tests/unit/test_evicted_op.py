@@ -11,7 +11,6 @@ A 2 MiB pool with 256 KiB objects (2 layers x 4 blocks x 32 KiB) holds a handful
 from __future__ import annotations
 
 import pytest
-from inproc import inproc, inproc_factory, inraw  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 

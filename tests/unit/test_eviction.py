@@ -9,7 +9,6 @@ import random
 
 import numpy as np
 import pytest
-from inproc import inclient, inclient_factory, inproc, inproc_factory  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 

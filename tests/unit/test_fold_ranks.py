@@ -4,7 +4,6 @@ and it serves every rank. The daemon's objects in this process (tests/inproc.py)
 (session) per rank."""
 
 import numpy as np
-from inproc import inclient, inclient_factory, inproc, inproc_factory  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 

@@ -4,7 +4,6 @@ objects in this process (tests/inproc.py); its loop's housekeeping, which reaps 
 is run by the test."""
 
 import pytest
-from inproc import inclient, inclient_factory, inproc, inproc_factory  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 from wire import wait_for

@@ -5,7 +5,6 @@ daemon's objects in this process (tests/inproc.py), copying to and from the rank
 
 import numpy as np
 import pytest
-from inproc import inclient, inclient_factory, inproc, inproc_factory  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 

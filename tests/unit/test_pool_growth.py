@@ -2,7 +2,6 @@
 objects arrive and never passes memory_configured_bytes (--l1-size-gb), after which stores evict.
 The daemon's objects in this process (tests/inproc.py), built from ``tierd serve``'s flags."""
 
-from inproc import inclient_factory, inproc_factory  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 

@@ -7,7 +7,6 @@ them, answered by its handlers."""
 import copy
 
 import pytest
-from inproc import inproc, inproc_factory, inraw  # noqa: F401 - fixtures
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import re
 
-from inproc import inproc, inproc_factory, inraw  # noqa: F401 - fixtures
 from kv import GroupGeom
 from msgspec import inspect
 from util import ranks  # noqa: F401 - fixtures
