@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import select
 import time
@@ -32,8 +33,9 @@ REPLY_WAIT_S = 10.0
 
 class InProcessDaemon:
     """``tierd serve *args`` as objects: ``Daemon`` on ``ipc://<folder>/tierd.sock`` (bound, never
-    read) without HTTP. ``call`` answers one request as the main loop would; ``status()`` is
-    /status's JSON."""
+    read) without HTTP, its log (``tierd`` at debug, as the tests' daemons log) in ``log``.
+    ``send`` hands it one request frame as the loop takes it; ``next_reply`` is the next reply it
+    sent to an identity, in the order it sent them; ``status()`` is /status's JSON."""
 
     def __init__(self, folder: str | os.PathLike, *args: str, pool_mb: float = 256):
         from tierd.base.config import Settings
@@ -42,15 +44,22 @@ class InProcessDaemon:
 
         self.folder = Path(folder)
         self.endpoint = f"ipc://{self.folder}/tierd.sock"
+        self.log = self.folder / "daemon.log"
         argv = ["--socket", self.endpoint, "--http-port", "-1", "--l1-size-gb", f"{pool_mb / 1024:.6f}"]
         self._settings = lambda: Settings(**serve.make_context("serve", [*argv, *args]).params)
         self._daemon = Daemon
         self._boot()
 
     def _boot(self) -> None:
+        self._logger = logging.getLogger("tierd")
+        self._handler = logging.FileHandler(self.log)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._level = self._logger.level
+        self._logger.setLevel(logging.DEBUG)
+        self._logger.addHandler(self._handler)
         self.daemon = self._daemon(self._settings())
         self.settings = self.daemon.settings
-        self._replies: dict[tuple[bytes, int], bytes] = {}
+        self._replies: dict[bytes, list[bytes]] = {}
         self.daemon.replies.send = self._sent
         self.closed = False
 
@@ -60,29 +69,38 @@ class InProcessDaemon:
         self._boot()
 
     def _sent(self, envelope, frame: bytes) -> None:
-        req_id = msgpack.unpackb(frame, raw=False)[0]
-        self._replies[(bytes(envelope[0]), req_id)] = frame
+        self._replies.setdefault(bytes(envelope[0]), []).append(frame)
 
     def send(self, identity: bytes, frame: bytes, peer=OWN_PEER) -> None:
         """One frame as the ROUTER hands it to the loop (arrival stamped now)."""
         self.daemon._on_request(frame, [identity], peer, time.perf_counter())
 
-    def reply(self, identity: bytes, req_id: int, timeout: float = REPLY_WAIT_S) -> bytes:
-        """The reply frame to ``req_id``, once its copy (if any) is done and finished on this thread,
-        as the loop finishes copies; then what a LOOKUP left for after its reply is applied, as the
-        loop does while nothing waits."""
+    def next_reply(self, identity: bytes, timeout: float = REPLY_WAIT_S) -> bytes:
+        """The next reply frame sent to ``identity``: copies that finished are finished on this
+        thread, as the loop finishes them, until one is there; then what a LOOKUP left for after
+        its reply is applied, as the loop does while nothing waits."""
         d = self.daemon
+        queue = self._replies.setdefault(identity, [])
         deadline = time.monotonic() + timeout
-        while (identity, req_id) not in self._replies:
+        while True:
             d.outcomes.finish_jobs()
-            if (identity, req_id) in self._replies:
+            if queue:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no reply to {req_id} within {timeout} s")
+                raise TimeoutError(f"no reply within {timeout} s")
             select.select([d.xfer.wake_r], [], [], 0.05)
         if d.pool.unsettled:
             d.pool.settle()
-        return self._replies.pop((identity, req_id))
+        return queue.pop(0)
+
+    def quiet(self, identity: bytes, timeout: float = 0.2) -> bool:
+        """Whether no reply to ``identity`` is waiting, nor comes of a copy within ``timeout``."""
+        try:
+            frame = self.next_reply(identity, timeout)
+        except TimeoutError:
+            return True
+        self._replies[identity].insert(0, frame)
+        return False
 
     def housekeeping(self, now: float | None = None) -> None:
         """The loop's periodic turn (sessions whose heartbeat stopped, leases past their TTL)."""
@@ -109,24 +127,34 @@ class InProcessDaemon:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.daemon.close()
+            try:
+                self.daemon.close()
+            finally:
+                self._logger.removeHandler(self._handler)
+                self._logger.setLevel(self._level)
+                self._handler.close()
 
 
 class InProcessRaw:
     """``tests/wire.Raw``'s calls, on an in-process daemon: hand-built request frames from one
-    identity, each reply decoded and checked as ``Raw.recv`` checks it."""
+    identity, each reply read in the order the daemon sent them and checked as ``Raw.recv``
+    checks it."""
 
     def __init__(self, d: InProcessDaemon, identity: bytes | None = None, peer=OWN_PEER):
         self.d, self.identity, self.peer = d, identity or uuid.uuid4().bytes, peer
         self.ids = itertools.count(1000)
 
+    def send(self, frame: bytes) -> None:
+        self.d.send(self.identity, frame, self.peer)
+
     def send_request(self, op, body, req_id: int | None = None) -> int:
         req_id = next(self.ids) if req_id is None else req_id
-        self.d.send(self.identity, request(op, req_id, body), self.peer)
+        self.send(request(op, req_id, body))
         return req_id
 
-    def recv(self, req_id: int, timeout: float = REPLY_WAIT_S) -> list:
-        msg = msgpack.unpackb(self.d.reply(self.identity, req_id, timeout), raw=False)
+    def recv(self, timeout: float = REPLY_WAIT_S) -> list:
+        """The next reply, decoded: ``[req_id, ok, body]``."""
+        msg = msgpack.unpackb(self.d.next_reply(self.identity, timeout), raw=False)
         assert isinstance(msg, list) and len(msg) == 3, msg
         assert isinstance(msg[1], bool) and isinstance(msg[2], dict), msg
         if not msg[1]:
@@ -134,9 +162,13 @@ class InProcessRaw:
             assert isinstance(msg[2]["message"], str) and msg[2]["message"], msg
         return msg
 
+    def quiet(self, timeout: float = 0.2) -> bool:
+        """Whether nothing more arrives within ``timeout``."""
+        return self.d.quiet(self.identity, timeout)
+
     def call(self, op, body, timeout: float = REPLY_WAIT_S) -> tuple[bool, dict]:
         req_id = self.send_request(op, body)
-        got, ok, reply = self.recv(req_id, timeout)
+        got, ok, reply = self.recv(timeout)
         assert got == req_id, f"reply to {got}, expected {req_id}"
         return ok, reply
 
@@ -180,7 +212,7 @@ class InProcessClient:
         req_id = next(self.ids)
         body = with_deadline(op, {} if body is None else body, self.timeout_s)
         self.d.send(self.identity, encode_request(op, req_id, body))
-        got, ok, raw = split_reply(self.d.reply(self.identity, req_id))
+        got, ok, raw = split_reply(self.d.next_reply(self.identity))
         assert got == req_id, f"reply to {got}, expected {req_id}"
         reply = decode_body(op, ok, raw)
         if not ok:
