@@ -253,6 +253,11 @@ class InProcessClient:
 
         return self.call("RELEASE", messages.Release(lease))
 
+    def ping(self):
+        from tierd.protocol import messages
+
+        return self.call("PING", messages.Ping())
+
     def status(self) -> dict:
         from tierd.protocol import messages
 
