@@ -112,4 +112,4 @@ def client(daemon, client_factory):
 
 
 from conftest_vllm import tiny_model, vllm_cpu_env  # noqa: E402,F401 - session fixture for real-engine tests
-from inproc import inclient, inclient_factory, inproc, inproc_factory, inraw  # noqa: E402,F401 - fixtures
+from inproc import ginclient, ginproc, inclient, inclient_factory, inproc, inproc_factory, inraw  # noqa: E402,F401

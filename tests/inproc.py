@@ -322,3 +322,14 @@ def inclient_factory():
 @pytest.fixture
 def inclient(inproc, inclient_factory):
     return inclient_factory(inproc)
+
+
+@pytest.fixture
+def ginproc(grouping, inproc_factory):
+    """An in-process daemon in each object grouping (tests/util.py's ``grouping``)."""
+    return inproc_factory(*grouping)
+
+
+@pytest.fixture
+def ginclient(ginproc, inclient_factory):
+    return inclient_factory(ginproc)
