@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import zmq
 from wire import request
 
 from tierd.protocol import PROTOCOL_VERSION
@@ -74,6 +75,13 @@ class InProcessDaemon:
     def send(self, identity: bytes, frame: bytes, peer=OWN_PEER) -> None:
         """One frame as the ROUTER hands it to the loop (arrival stamped now)."""
         self.daemon._on_request(frame, [identity], peer, time.perf_counter())
+
+    def send_together(self, identity: bytes, frames: list[bytes], peer=OWN_PEER) -> None:
+        """Frames the loop reads in one turn, as when they wait on its socket together: into its
+        backlog, then handled in the backlog's order (tierd.core.backlog)."""
+        for frame in frames:
+            self.daemon.backlog.put(frame, [identity], peer, time.perf_counter())
+        self.daemon._serve(zmq.Poller())
 
     def next_reply(self, identity: bytes, timeout: float = REPLY_WAIT_S) -> bytes:
         """The next reply frame sent to ``identity``: copies that finished are finished on this
@@ -151,6 +159,12 @@ class InProcessRaw:
         req_id = next(self.ids) if req_id is None else req_id
         self.send(request(op, req_id, body))
         return req_id
+
+    def send_together(self, requests: list[tuple[str, dict]]) -> list[int]:
+        """``(op, body)`` requests the daemon reads in one turn (InProcessDaemon.send_together)."""
+        ids = [next(self.ids) for _ in requests]
+        self.d.send_together(self.identity, [request(op, i, body) for i, (op, body) in zip(ids, requests)])
+        return ids
 
     def recv(self, timeout: float = REPLY_WAIT_S) -> list:
         """The next reply, decoded: ``[req_id, ok, body]``."""
