@@ -1,4 +1,5 @@
-"""Shared fixtures: a real ``tierd serve`` process per test, and clients bound to it."""
+"""Shared fixtures: a real ``tierd serve`` process per test, and clients bound to it; the daemon's
+objects in this process for tests of what it decides (tests/inproc.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,4 @@ def client(daemon, client_factory):
 
 
 from conftest_vllm import tiny_model, vllm_cpu_env  # noqa: E402,F401 - session fixture for real-engine tests
+from inproc import ginclient, ginproc, inclient, inclient_factory, inproc, inproc_factory, inraw  # noqa: E402,F401

@@ -1,8 +1,11 @@
 """The command line: invalid settings exit 2 with a message naming the flag, serve --help shows
 units and defaults, ``tierd status`` prints a table (or the raw object with --json), and
-``tierd bench --json`` prints one JSON object of figures with every byte verified."""
+``tierd bench --json`` prints one JSON object of figures with every byte verified; ``tierd status``
+names the versions of tierd, the key format and vLLM; ``tierd serve`` refuses an unknown eviction
+policy."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -11,7 +14,10 @@ import pytest
 from conftest import ROOT
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
+from vllm_versions import pyproject_vllm_range, vllm_here
 
+from tierd import __version__
+from tierd.protocol.keys import KEY_VERSION
 from tierd.tools.testing import serve_argv
 
 
@@ -194,3 +200,38 @@ def test_serve_with_http_port_0_logs_the_port_it_picked(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+def test_tierd_status_prints_the_versions(daemon):
+    out = subprocess.run(
+        [sys.executable, "-m", "tierd", "status", "--socket", daemon.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line and not line.startswith(" ")}
+    assert re.match(
+        rf"version +tierd {re.escape(__version__)}, key format {KEY_VERSION} \(pid \d+, up ",
+        rows["version"],
+    ), rows["version"]
+    here = vllm_here()
+    if here is None:
+        pytest.skip("no vLLM in this environment: the vllm row says none")  # checked below in words
+    assert rows["vllm"].split(None, 1)[1] == (
+        f"{here} in the daemon's environment; tierd is tested with vLLM {pyproject_vllm_range()}"
+    ), rows["vllm"]
+
+
+def test_an_unknown_eviction_policy_is_refused_at_start():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        serve_argv("--eviction-policy", "arc", http_port=-1),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "'arc' is not one of 'reuse', 'lru'" in out.stderr

@@ -3,7 +3,9 @@
 The stall is a real one an operator can meet: the daemon logs to a pipe nobody reads (a stuck log
 collector). Once the pipe is full the main loop blocks in its next log write; the HTTP thread,
 which logs nothing to answer /healthz, keeps answering, and must answer 503 with the reason
-within STALL_S. Reading the pipe again frees the loop, and /healthz is 200 again."""
+within STALL_S. Reading the pipe again frees the loop, and /healthz is 200 again. And a client
+that keeps the daemon's socket full of STOREs never holds the loop from the rest of its turn:
+/status, answered between two turns, comes back while the flood goes on."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import urllib.error
 import urllib.request
 
 from conftest import ROOT, free_port
+from kv import GroupGeom, keys
+from util import chunk, ranks, raw  # noqa: F401 - fixtures
 from wire import Raw, wait_for
 
 from tierd.daemon.status import STALL_S
@@ -97,3 +101,54 @@ def test_healthz_fails_with_the_reason_while_the_main_loop_is_stuck_and_recovers
             r.close()
         proc.terminate()
         proc.wait(15)
+
+
+def test_a_flood_of_stores_never_keeps_the_main_loop_from_its_other_work(daemon_factory, raw, ranks):
+    """While STOREs wait, the loop reads more between two requests (so a RETRIEVE can go first);
+    a client that keeps the socket full must still not hold the loop in that: /status (answered
+    by the main loop between two turns) comes back while the flood goes on."""
+    d = daemon_factory()
+    rank = ranks(GroupGeom("full"))
+    r = raw(d)
+    r.hello()
+    r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
+    k = keys(1)[0]
+    r.ok("STORE", {"instance": "r", "chunks": [chunk(k, range(4))]})
+    body = {"instance": "r", "chunks": [chunk(k, range(4))]}  # present already: answered at once
+    t = time.monotonic()
+    for _ in range(500):
+        r.send_request("STORE", body)
+    for _ in range(500):
+        r.recv(30)
+    n = int(min(500_000, max(20_000, 5.0 * 500 / (time.monotonic() - t))))  # about five seconds
+    answered = [0]
+
+    def flood():  # (one thread owns the socket: up to 2,000 requests in flight)
+        inflight = 0
+        for _ in range(n):
+            r.send_request("STORE", body)
+            inflight += 1
+            while inflight > 2000:
+                r.recv(60)
+                inflight -= 1
+                answered[0] += 1
+        while inflight:  # (a reply past the connection's send queue is dropped: docs/protocol.md)
+            try:
+                r.recv(5)
+            except TimeoutError:
+                return
+            inflight -= 1
+            answered[0] += 1
+
+    sender = threading.Thread(target=flood)
+    sender.start()
+    time.sleep(0.3)
+    before = n - answered[0]
+    t = time.monotonic()
+    d.status()
+    took, after = time.monotonic() - t, n - answered[0]
+    sender.join(120)
+    assert before > n // 4, f"the flood was nearly over before /status was asked ({before} of {n} left)"
+    assert took < 1.0, (
+        f"/status took {took:.2f} s during the flood ({before} of {n} STOREs left, then {after})"
+    )

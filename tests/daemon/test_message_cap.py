@@ -5,7 +5,9 @@ holds a message's first frame and counts the later parts as they stream past, so
 any number of parts costs it at most one cap. The control: a bare libzmq ROUTER given the same
 message holds all of it before its first part can be read (ZeroMQ delivers messages whole;
 MAXMSGSIZE bounds each part, not their sum). The lookup channel and the fd inbox read each
-message into a buffer of their own fixed size: a message far over it costs the daemon nothing."""
+message into a buffer of their own fixed size: a message far over it costs the daemon nothing.
+And tierd_client keeps within what one request may ask (section 19): a STORE or RETRIEVE of more
+than MAX_REQUEST_PARTS goes as several requests (the bounds themselves: tests/unit/test_request_bounds.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import subprocess
 import sys
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
-from util import raw  # noqa: F401 - fixture
+from kv import FakeRank, GroupGeom, keys
+from util import chunk, raw  # noqa: F401 - fixture
 from wire import request
 
 from tierd.edge.channel import MAX_BYTES
+from tierd.protocol import MAX_REQUEST_PARTS, messages
 from tierd.protocol.sockets import CHANNEL_SUFFIX, MAGIC
 
 MIB = 1 << 20
@@ -179,3 +184,29 @@ def test_an_fd_inbox_message_far_over_its_size_costs_the_daemon_nothing(daemon):
     print(f"\na 3 MiB fd inbox message: daemon peak +{rise} KiB")
     assert rise < 1024, f"+{rise} KiB for a 3 MiB message"
     assert daemon.status()["fd_inbox"]["refused"] == 1
+
+
+SPLIT_BLOCKS = 4 * (MAX_REQUEST_PARTS + 300)  # one block per chunk below: 4-token chunks and blocks
+
+
+def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(
+    client_factory, daemon_factory
+):
+    d = daemon_factory(pool_mb=64)
+    client = client_factory(d)
+    geom = GroupGeom("full", layers=1, block_bytes=64)
+    r = FakeRank([geom], num_blocks=2 * SPLIT_BLOCKS, chunk_tokens=4)
+    try:
+        client.register("big", r.layout())
+        n = MAX_REQUEST_PARTS + 300
+        ks = keys(n)
+        before = d.status()["stores"]
+        res = client.store("big", [chunk(k, [i]) for i, k in enumerate(ks)])
+        assert res.results == ["stored"] * n
+        assert d.status()["stores"] - before == 2  # two requests
+        r.kv[0][:, SPLIT_BLOCKS:] = 0
+        out = client.retrieve("big", [chunk(k, [SPLIT_BLOCKS + i]) for i, k in enumerate(ks)])
+        assert out == messages.RetrieveReply([True] * n, [])
+        np.testing.assert_array_equal(r.kv[0][:, SPLIT_BLOCKS : SPLIT_BLOCKS + n], r.kv[0][:, :n])
+    finally:
+        r.close()

@@ -258,3 +258,48 @@ def test_a_tcp_socket_needs_tokens_or_insecure_tcp_and_a_private_token_file(tmp_
         timeout=30,
     )
     assert out.returncode == 2 and "chmod 0600" in out.stderr
+
+
+# ---- EVICTED (docs/protocol.md section 14), per tenant ----------------------------------------
+def _evicted_hello(state, endpoint):
+    state["c"] = Raw(endpoint)
+    return state["c"].ok("HELLO", {"protocol": 1, "client": "evicted-test"})
+
+
+def _evicted_store(state, n):
+    rank = state["rank"] = FakeRank([GEOM], fingerprint=NS_FP)
+    raw_ = state["c"]
+    raw_.ok("REGISTER", {"instance": "r0", "layout": rank.layout()})
+    ks = keys(n)
+    chunks = [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]
+    assert raw_.ok("STORE", {"instance": "r0", "chunks": chunks})["results"] == ["stored"] * n
+    return ks
+
+
+def _evicted_of(state, ns):
+    return state["c"].ok("EVICTED", {"namespace": ns})
+
+
+def test_a_tenant_sees_only_its_own_namespaces_evictions(xdaemon, make_user):
+    a, b = UserProcess(make_user()), UserProcess(make_user())
+    try:
+        a.call(_evicted_hello, xdaemon.endpoint)
+        b.call(_evicted_hello, xdaemon.endpoint)
+        ks = a.call(_evicted_store, 3)
+        ns = {"model": "test-model", "fingerprint": NS_FP, "world_size": 1, "salt": ""}
+        op = Raw(xdaemon.endpoint)  # the daemon's own user: an operator
+        try:
+            op.hello()
+            assert op.ok("CLEAR", {})["evicted"] == 3
+            # the same namespace named by another tenant is another namespace: nothing of A's
+            assert b.call(_evicted_of, ns)["keys"] == []
+            mine = op.ok("EVICTED", {"namespace": ns})
+            assert mine["keys"] == [] and mine["seq"] == 3  # the seq is daemon-wide; the keys are not
+        finally:
+            op.close()
+        # control: A sees its own
+        got = a.call(_evicted_of, ns)
+        assert sorted(got["keys"]) == sorted(ks) and not got["missed"]
+    finally:
+        a.close()
+        b.close()

@@ -109,7 +109,7 @@ def test_a_phase_with_failed_requests_exits_non_zero_and_prints_no_table(
 def test_a_faulted_run_whose_client_thread_failed_is_an_error_not_a_figure(
     serve, monkeypatch, tmp_path, capsys
 ):
-    conftest = importlib.import_module("conftest")
+    from tierd.tools import testing
 
     class FakeDaemon:
         endpoint = "ipc:///nowhere"
@@ -131,7 +131,7 @@ def test_a_faulted_run_whose_client_thread_failed_is_an_error_not_a_figure(
             raise RuntimeError("vllm bench serve failed (rc=1)")
         return result(100.0, 50.0)
 
-    monkeypatch.setattr(conftest, "DaemonProcess", FakeDaemon)
+    monkeypatch.setattr(testing, "ServeProcess", FakeDaemon)  # what run_fault starts its daemon with
     monkeypatch.setattr(serve, "bench_serve", bench_serve)
     argv = ["--phases", "none", "--workloads", "prefix", "--concurrency", "4", "--faults", "kill"]
     code, out, err = run_main(serve, monkeypatch, tmp_path, capsys, *argv, "--fault-at-s", "0")

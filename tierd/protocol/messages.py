@@ -5,7 +5,7 @@ or ``LAYOUT_INVALID`` for a layout whose fields are fine but do not fit together
 depend on a registered layout (block ids below its ``num_blocks``, the right number of groups and
 blocks per chunk) are checked by the planner against that layout before anything is planned.
 
-docs/protocol.md's request tables are checked against these definitions (tests/daemon/test_protocol_doc.py).
+docs/protocol.md's request tables are checked against these definitions (tests/unit/test_protocol_doc.py).
 """
 
 from __future__ import annotations

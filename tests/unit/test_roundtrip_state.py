@@ -1,10 +1,13 @@
 """Recurrent-state groups: one block per chunk holding the state at the chunk's end. A hit needs
 only the state at boundary - 1; a missing state shortens the hit to the last boundary whose
-state exists, and the state restored is byte-equal to the state stored."""
+state exists, and the state restored is byte-equal to the state stored.
+The daemon's objects in this process (tests/inproc.py): what it plans for these groups, bytes
+copied between its pool and the rank's shared memory here (a round trip into another process's
+memory: tests/daemon/test_roundtrip.py and test_roundtrip_full.py)."""
 
 import numpy as np
 from kv import GroupGeom, keys
-from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
+from util import NULL, chunk, grouping, ranks  # noqa: F401 - fixtures
 
 from tierd.protocol import messages
 
@@ -17,38 +20,38 @@ def lookup(client, rank, ks):
     return client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks
 
 
-def test_state_only_round_trip_is_byte_equal(gclient, ranks):
+def test_state_only_round_trip_is_byte_equal(ginclient, ranks):
     rank = ranks(STATE)
-    gclient.register("m0", rank.layout())
+    ginclient.register("m0", rank.layout())
     ks = keys(4)
-    assert gclient.store("m0", [chunk(k, [c]) for c, k in enumerate(ks)]).results == ["stored"] * 4
-    assert lookup(gclient, rank, ks) == 4
+    assert ginclient.store("m0", [chunk(k, [c]) for c, k in enumerate(ks)]).results == ["stored"] * 4
+    assert lookup(ginclient, rank, ks) == 4
     expect = rank.blocks(0, range(4))
     rank.kv[0][:, 20:24] = 0
-    out = gclient.retrieve("m0", [chunk(k, [20 + c]) for c, k in enumerate(ks)])
+    out = ginclient.retrieve("m0", [chunk(k, [20 + c]) for c, k in enumerate(ks)])
     assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 20:24], expect)
 
 
-def test_missing_state_shortens_hit_to_last_boundary_with_state(gclient, ranks):
+def test_missing_state_shortens_hit_to_last_boundary_with_state(ginclient, ranks):
     rank = ranks(FULL, STATE)
-    gclient.register("h0", rank.layout())
+    ginclient.register("h0", rank.layout())
     ks = keys(4)
     states = [0, N, 2, N]  # state after chunk 0 and after chunk 2 only
-    res = gclient.store(
+    res = ginclient.store(
         "h0", [chunk(k, range(4 * c, 4 * c + 4), [s]) for c, (k, s) in enumerate(zip(ks, states))]
     )
     assert res.results == ["stored"] * 4
-    assert lookup(gclient, rank, ks) == 3  # not 4 (no state after chunk 3), not 1 (first gap)
-    assert lookup(gclient, rank, ks[:2]) == 1
-    assert lookup(gclient, rank, ks[:1]) == 1
+    assert lookup(ginclient, rank, ks) == 3  # not 4 (no state after chunk 3), not 1 (first gap)
+    assert lookup(ginclient, rank, ks[:2]) == 1
+    assert lookup(ginclient, rank, ks[:1]) == 1
 
     # Restore the 3-chunk hit: all attention blocks, the state at the boundary only.
     expect_kv = rank.blocks(0, range(12))
     expect_state = rank.blocks(1, [2])
     rank.kv[0][:, 40:52] = 0
     rank.kv[1][:, 30] = 0
-    out = gclient.retrieve(
+    out = ginclient.retrieve(
         "h0",
         [
             chunk(ks[0], range(40, 44), [N]),
@@ -61,21 +64,21 @@ def test_missing_state_shortens_hit_to_last_boundary_with_state(gclient, ranks):
     np.testing.assert_array_equal(rank.kv[1][:, 30], expect_state[:, 0])
 
 
-def test_state_only_missing_state_shortens_hit(gclient, ranks):
+def test_state_only_missing_state_shortens_hit(ginclient, ranks):
     rank = ranks(STATE)
-    gclient.register("m0", rank.layout())
+    ginclient.register("m0", rank.layout())
     ks = keys(5)
-    res = gclient.store("m0", [chunk(k, [s]) for k, s in zip(ks, [N, 1, N, 3, N])])
+    res = ginclient.store("m0", [chunk(k, [s]) for k, s in zip(ks, [N, 1, N, 3, N])])
     assert res.results == ["empty", "stored", "empty", "stored", "empty"]
-    assert lookup(gclient, rank, ks) == 4
-    assert lookup(gclient, rank, ks[:3]) == 2
-    assert lookup(gclient, rank, ks[:1]) == 0
+    assert lookup(ginclient, rank, ks) == 4
+    assert lookup(ginclient, rank, ks[:3]) == 2
+    assert lookup(ginclient, rank, ks[:1]) == 0
 
 
-def test_retrieving_a_missing_state_fails_exactly_that_block(gclient, ranks):
+def test_retrieving_a_missing_state_fails_exactly_that_block(ginclient, ranks):
     rank = ranks(FULL, STATE)
-    gclient.register("h0", rank.layout())
+    ginclient.register("h0", rank.layout())
     ks = keys(2)
-    gclient.store("h0", [chunk(ks[0], range(4), [0]), chunk(ks[1], range(4, 8), [N])])
-    out = gclient.retrieve("h0", [chunk(ks[0], range(40, 44), [N]), chunk(ks[1], range(44, 48), [33])])
+    ginclient.store("h0", [chunk(ks[0], range(4), [0]), chunk(ks[1], range(4, 8), [N])])
+    out = ginclient.retrieve("h0", [chunk(ks[0], range(40, 44), [N]), chunk(ks[1], range(44, 48), [33])])
     assert out == messages.RetrieveReply([True, False], [(1, 33)])

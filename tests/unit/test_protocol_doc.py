@@ -1,5 +1,7 @@
 """docs/protocol.md stays complete: every op, error code, counter, /status key, /metrics series,
-reply field and `tierd serve` flag the code has is named there, and no line is over 100 columns."""
+reply field and `tierd serve` flag the code has is named there, and no line is over 100 columns.
+What the daemon produces comes from its objects in this process (tests/inproc.py): /status, its
+Prometheus registry as /metrics scrapes it, each op's reply as tierd_client decodes it."""
 
 from __future__ import annotations
 
@@ -159,59 +161,58 @@ def test_no_line_is_wider_than_100_columns(doc):
     assert not wide, f"lines over {MAX_COLUMNS} columns (line, width): {wide}"
 
 
-# ---- live: what a running daemon produces -------------------------------------------------------
-def _traffic(client) -> FakeRank:
+# ---- live: what the daemon's objects produce -------------------------------------------------------
+def _traffic(inclient) -> FakeRank:
     """One of everything: a registration, a stored and a retrieved chunk, a lease and an error."""
     rank = FakeRank([GroupGeom("full"), GroupGeom("state", block_tokens=16)])
-    client.register("doc-r0", rank.layout())
+    inclient.register("doc-r0", rank.layout())
     ks = keys(2)
-    client.store(
+    inclient.store(
         "doc-r0",
         [{"key": k, "blocks": [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], [i]]} for i, k in enumerate(ks)],
     )
-    hit = client.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
-    client.retrieve("doc-r0", [{"key": ks[1], "blocks": [[8, 9, 10, 11], [9]]}], lease=hit.lease)
+    hit = inclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
+    inclient.retrieve("doc-r0", [{"key": ks[1], "blocks": [[8, 9, 10, 11], [9]]}], lease=hit.lease)
     with pytest.raises(Exception):
-        client.release(10**9)
+        inclient.release(10**9)
     return rank
 
 
 # /status maps whose keys are data (group labels, error codes), not field names
 
 
-def test_every_status_key_is_listed(doc, daemon, client):
-    rank = _traffic(client)
-    status = daemon.status()
+def test_every_status_key_is_listed(doc, inproc, inclient):
+    rank = _traffic(inclient)
+    status = inproc.status()
     assert status["instances"], "the daemon should report the registered instance"
     assert not missing(doc, field_names(status)), "add these /status keys to docs/protocol.md"
-    assert sorted(client.status()) == sorted(status), "STATUS and /status should be one object"
+    assert sorted(inclient.status()) == sorted(status), "STATUS and /status should be one object"
     rank.close()
 
 
-def test_every_metrics_series_is_listed(doc, daemon, client):
-    rank = _traffic(client)
-    code, text = daemon.get("/metrics")
-    assert code == 200
-    families = re.findall(r"^# TYPE (\S+) \S+$", text.decode(), re.M)
+def test_every_metrics_series_is_listed(doc, inproc, inclient):
+    rank = _traffic(inclient)
+    text = inproc.metrics()
+    families = re.findall(r"^# TYPE (\S+) \S+$", text, re.M)
     assert "tierd_op_seconds" in families and "tierd_errors_total" in families
     assert not missing(doc, families), "add these /metrics series to docs/protocol.md"
     rank.close()
 
 
-def test_every_reply_field_is_listed(doc, daemon, client):
+def test_every_reply_field_is_listed(doc, inproc, inclient):
     rank = FakeRank([GroupGeom("full")])
     replies = {
-        "HELLO": client.server,
-        "REGISTER": client.register("doc-r1", rank.layout()),
+        "HELLO": inclient.server,
+        "REGISTER": inclient.register("doc-r1", rank.layout()),
     }
     k = keys(1)
     chunk = {"key": k[0], "blocks": [[0, 1, 2, 3]]}
-    replies["STORE"] = client.store("doc-r1", [chunk])
-    replies["LOOKUP"] = client.lookup(rank.ns, k, rank.specs(), rank.chunk_tokens)
-    replies["RETRIEVE"] = client.retrieve("doc-r1", [chunk], lease=replies["LOOKUP"].lease)
-    replies["PING"] = client.ping()
-    replies["CLEAR"] = client.clear()
-    replies["UNREGISTER"] = client.unregister("doc-r1")
+    replies["STORE"] = inclient.store("doc-r1", [chunk])
+    replies["LOOKUP"] = inclient.lookup(rank.ns, k, rank.specs(), rank.chunk_tokens)
+    replies["RETRIEVE"] = inclient.retrieve("doc-r1", [chunk], lease=replies["LOOKUP"].lease)
+    replies["PING"] = inclient.ping()
+    replies["CLEAR"] = inclient.clear()
+    replies["UNREGISTER"] = inclient.unregister("doc-r1")
     replies = {op: msgspec.to_builtins(reply) for op, reply in replies.items()}  # the fields as sent
     absent = {op: missing(doc, body) for op, body in replies.items() if missing(doc, body)}
     assert not absent, f"reply fields missing from docs/protocol.md: {json.dumps(absent)}"

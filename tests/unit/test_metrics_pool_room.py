@@ -1,6 +1,7 @@
 """/metrics exports the pool's room and backing as /status reports them: ``largest_free_bytes``,
 ``largest_storable_bytes``, ``leased_bytes``, the bytes and segments backed, the next growth, and
-the pinned bytes, as Prometheus gauges of the same values from a real daemon.
+the pinned bytes, as Prometheus gauges of the same values: the daemon's objects in this process
+(tests/inproc.py), its registry scraped as /metrics scrapes it.
 
 The case: a 64 MiB pool holding one leased 40 MiB object has no room for a new object either way
 (its slab is the pool's one 64 MiB block); released, the whole pool is storable by evicting it."""
@@ -27,7 +28,7 @@ ROOM = (
 
 
 def gauges(daemon) -> dict[str, float]:
-    text = daemon.get("/metrics")[1].decode()
+    text = daemon.metrics()
     return {
         s.name: s.value
         for f in text_string_to_metric_families(text)
@@ -37,9 +38,9 @@ def gauges(daemon) -> dict[str, float]:
     }
 
 
-def test_the_pools_room_and_backing_are_gauges_equal_to_status(daemon_factory, client_factory):
-    d = daemon_factory("--max-lease-share", "1", pool_mb=64)
-    c = client_factory(d)
+def test_the_pools_room_and_backing_are_gauges_equal_to_status(inproc_factory, inclient_factory):
+    d = inproc_factory("--max-lease-share", "1", pool_mb=64)
+    c = inclient_factory(d)
     rank = FakeRank([GroupGeom("full", layers=10, block_bytes=1 * MIB)], num_blocks=4)
     try:
         c.register("r40", rank.layout())

@@ -1,19 +1,22 @@
-"""Malformed input on a raw DEALER: every request gets exactly one reply carrying a typed error
-(never INTERNAL), the reply names the request's req_id whenever the frame lets it be read, and
-the daemon keeps serving (PING, and a fresh client's round trip) afterwards."""
+"""Malformed input, frames as a raw DEALER sends them: every request gets exactly one reply
+carrying a typed error (never INTERNAL), the reply names the request's req_id whenever the frame
+lets it be read, and the daemon keeps serving (PING, and a fresh client's round trip) afterwards.
+The daemon's objects in this process (tests/inproc.py): each frame handed to its loop as its
+ROUTER hands it one (that a client's call fails promptly on a TOO_LARGE answer is
+tests/daemon/test_client_deadlines.py's)."""
 
 import os
 
 import msgpack
 import numpy as np
 import pytest
+from inproc import InProcessClient, InProcessRaw
 from kv import GroupGeom, keys
-from util import chunk, ranks, raw  # noqa: F401 - fixtures
-from wire import Raw, pack, request
+from util import chunk, ranks  # noqa: F401 - fixtures
+from wire import pack, request
 
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.protocol.errors import ErrorCode
-from tierd_client import TierdClient, TierdError
 
 CODES = {c.name for c in ErrorCode}
 
@@ -27,21 +30,17 @@ def one_reply(r, frame):
 
 
 def still_serving(d, ranks):
-    r = Raw(d.endpoint)
-    try:
-        r.hello()
-        assert "time" in r.ok("PING", {})
-    finally:
-        r.close()
-    with TierdClient(d.endpoint, timeout_s=10) as c:
-        c.wait_ready(10)
-        rank = ranks(GroupGeom("full"))
-        c.register("fresh", rank.layout())
-        k = keys(1)[0]
-        assert c.store("fresh", [chunk(k, range(4))]).results == ["stored"]
-        assert c.retrieve("fresh", [chunk(k, range(8, 12))]).ok == [True]
-        np.testing.assert_array_equal(rank.kv[0][:, 8:12], rank.kv[0][:, 0:4])
-        c.unregister("fresh")
+    r = InProcessRaw(d)
+    r.hello()
+    assert "time" in r.ok("PING", {})
+    c = InProcessClient(d)
+    rank = ranks(GroupGeom("full"))
+    c.register("fresh", rank.layout())
+    k = keys(1)[0]
+    assert c.store("fresh", [chunk(k, range(4))]).results == ["stored"]
+    assert c.retrieve("fresh", [chunk(k, range(8, 12))]).ok == [True]
+    np.testing.assert_array_equal(rank.kv[0][:, 8:12], rank.kv[0][:, 0:4])
+    c.unregister("fresh")
 
 
 UNDECODABLE = [
@@ -64,17 +63,17 @@ UNDECODABLE = [
 ]
 
 
-def test_undecodable_frames_get_bad_request(daemon, raw):
-    r = raw(daemon)
+def test_undecodable_frames_get_bad_request(inproc, inraw):
+    r = inraw(inproc)
     for frame in UNDECODABLE:
         msg = one_reply(r, frame)
         assert msg[1] is False and msg[2]["code"] == "BAD_REQUEST", frame
     assert r.call("PING", {})[1]["code"] == "UNKNOWN_SESSION"  # still answering
-    assert daemon.status()["errors_by_code"]["BAD_REQUEST"] == len(UNDECODABLE)
+    assert inproc.status()["errors_by_code"]["BAD_REQUEST"] == len(UNDECODABLE)
 
 
-def test_bad_fields_echo_req_id(daemon, raw):
-    r = raw(daemon)
+def test_bad_fields_echo_req_id(inproc, inraw):
+    r = inraw(inproc)
     msg = one_reply(r, pack([7, 41, {}]))
     assert msg[0] == 41 and msg[2]["code"] == "BAD_REQUEST"
     msg = one_reply(r, pack(["PING", 42, []]))
@@ -83,8 +82,8 @@ def test_bad_fields_echo_req_id(daemon, raw):
     assert msg[0] == 43 and msg[2]["code"] == "UNKNOWN_OP"
 
 
-def test_requests_before_hello_are_unknown_session(daemon, raw, ranks):
-    r = raw(daemon)
+def test_requests_before_hello_are_unknown_session(inproc, inraw, ranks):
+    r = inraw(inproc)
     rank = ranks(GroupGeom("full"))
     for op, body in [
         ("PING", {}),
@@ -96,11 +95,11 @@ def test_requests_before_hello_are_unknown_session(daemon, raw, ranks):
         ("RELEASE", {"lease": 1}),
     ]:
         assert r.error(op, body) == "UNKNOWN_SESSION", op
-    assert daemon.status()["instances"] == []
+    assert inproc.status()["instances"] == []
 
 
-def test_hello_with_wrong_protocol_version(daemon, raw):
-    r = raw(daemon)
+def test_hello_with_wrong_protocol_version(inproc, inraw):
+    r = inraw(inproc)
     for version in (PROTOCOL_VERSION + 1, 0, 99):
         assert r.error("HELLO", {"protocol": version}) == "UNSUPPORTED_VERSION"
     assert r.error("HELLO", {}) == "BAD_REQUEST"
@@ -109,9 +108,9 @@ def test_hello_with_wrong_protocol_version(daemon, raw):
     assert r.hello()["protocol"] == PROTOCOL_VERSION
 
 
-def test_oversized_frame_is_too_large_and_answered_to_its_req_id(daemon_factory, raw, ranks):
-    d = daemon_factory("--max-frame-mb", "1")
-    r = raw(d)
+def test_oversized_frame_is_too_large_and_answered_to_its_req_id(inproc_factory, inraw, ranks):
+    d = inproc_factory("--max-frame-mb", "1")
+    r = inraw(d)
     r.hello()
     msg = one_reply(r, request("PING", 77, {"pad": b"x" * (1 << 20)}))
     assert msg[1] is False and msg[2]["code"] == "TOO_LARGE"
@@ -127,21 +126,8 @@ def test_oversized_frame_is_too_large_and_answered_to_its_req_id(daemon_factory,
     still_serving(d, ranks)
 
 
-def test_oversized_request_fails_the_client_call_promptly(daemon_factory, ranks):
-    """Regression: TOO_LARGE was answered with req_id 0, so the client could not match it and
-    waited out its whole deadline instead of seeing the typed error."""
-    d = daemon_factory("--max-frame-mb", "1")
-    with TierdClient(d.endpoint, timeout_s=30) as c:
-        c.wait_ready(10)
-        rank = ranks(GroupGeom("full"))
-        body = {"namespace": rank.ns, "keys": keys(70000), "groups": rank.specs(), "chunk_tokens": 16}
-        with pytest.raises(TierdError) as err:  # c.lookup would shorten it to what a LOOKUP may ask
-            c.call("LOOKUP", body, timeout=5)
-        assert err.value.code == "TOO_LARGE"
-
-
-def test_msgpack_ext_types_are_rejected(daemon, raw):
-    r = raw(daemon)
+def test_msgpack_ext_types_are_rejected(inproc, inraw):
+    r = inraw(inproc)
     r.hello()
     for ext in (msgpack.ExtType(5, b"abc"), msgpack.Timestamp(1, 0)):
         msg = one_reply(r, pack(["RELEASE", 55, {"lease": ext}]))
@@ -150,8 +136,8 @@ def test_msgpack_ext_types_are_rejected(daemon, raw):
         assert msg[2]["code"] == "BAD_REQUEST"
 
 
-def test_out_of_range_block_ids_store_nothing(daemon, raw, ranks):
-    r = raw(daemon)
+def test_out_of_range_block_ids_store_nothing(inproc, inraw, ranks):
+    r = inraw(inproc)
     r.hello()
     rank = ranks(GroupGeom("full"), num_blocks=16)
     r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
@@ -178,6 +164,6 @@ def test_out_of_range_block_ids_store_nothing(daemon, raw, ranks):
         == "BAD_REQUEST"
     )
     assert r.error("STORE", {"instance": "nobody", "chunks": []}) == "UNKNOWN_INSTANCE"
-    st = daemon.status()
+    st = inproc.status()
     assert st["objects"] == 0 and st["stores"] == 0
-    still_serving(daemon, ranks)
+    still_serving(inproc, ranks)

@@ -1,19 +1,18 @@
 """EVICTED (docs/protocol.md section 14): what stopped being servable from the daemon's pool, for
-the connectors' router events. Against real daemons: evictions under pressure and CLEAR show up
-with their exact keys, oldest first; a tenant sees only its own namespaces' evictions; cursors
-page with ``since``/``max``; a ring overflow and a cursor of another boot say ``missed``; a
-partial object replaced by a fuller copy is not an eviction. Then the ring itself
-(tierd.pool.evlog) and the pool's hooks, as pure functions.
+the connectors' router events. Against the daemon's objects in this process (tests/inproc.py),
+requests as a client frames them: evictions under pressure and CLEAR show up with their exact
+keys, oldest first; cursors page with ``since``/``max``; a ring overflow and a cursor of another
+boot say ``missed``; a partial object replaced by a fuller copy is not an eviction. Then the ring
+itself (tierd.pool.evlog) and the pool's hooks, as pure functions. (That a tenant sees only its
+own namespaces' evictions needs real local users: tests/daemon/test_tenants.py.)
 
 A 2 MiB pool with 256 KiB objects (2 layers x 4 blocks x 32 KiB) holds a handful of chunks."""
 
 from __future__ import annotations
 
 import pytest
-from kv import FakeRank, GroupGeom, keys
-from users import UserProcess, make_user, shared_socket_dir  # noqa: F401 - fixture
-from util import NULL, chunk, ranks, raw  # noqa: F401 - fixtures
-from wire import Raw
+from kv import GroupGeom, keys
+from util import NULL, chunk, ranks  # noqa: F401 - fixtures
 
 from tierd.pool.evlog import EvictionLog
 from tierd.pool.pool import EXISTS, Pool
@@ -28,9 +27,9 @@ def src(i: int) -> list[int]:
 
 
 class Tight:
-    """A 2 MiB daemon, one rank registered over a raw connection."""
+    """A 2 MiB daemon, one rank registered by hand-built requests."""
 
-    def __init__(self, d, r: Raw, rank: FakeRank):
+    def __init__(self, d, r, rank):
         self.d, self.r, self.rank = d, r, rank
         self.cap = d.status()["memory_configured_bytes"] // OBJ
         assert 6 <= self.cap <= 8
@@ -56,10 +55,10 @@ class Tight:
 
 
 @pytest.fixture
-def tight_factory(daemon_factory, raw, ranks):
+def tight_factory(inproc_factory, inraw, ranks):
     def make(*flags) -> Tight:
-        d = daemon_factory(*flags, pool_mb=2)
-        r = raw(d)
+        d = inproc_factory(*flags, pool_mb=2)
+        r = inraw(d)
         r.hello()
         rank = ranks(GEOM, num_blocks=64)
         r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
@@ -73,7 +72,7 @@ def tight(tight_factory):
     return tight_factory()
 
 
-# ---- against a daemon --------------------------------------------------------------------------
+# ---- against the daemon's objects ------------------------------------------------------------
 def test_evictions_under_pressure_are_reported_with_their_keys_oldest_first(tight):
     t = tight
     start = t.evicted(since=-1)
@@ -97,11 +96,11 @@ def test_evictions_under_pressure_are_reported_with_their_keys_oldest_first(tigh
     assert st["evicted_polls"] == 4 and st["evicted_keys"] == 3 and st["evicted_missed"] == 0
 
 
-def test_each_chunk_is_recorded_once_however_many_of_its_objects_go(daemon_factory, raw, ranks):
+def test_each_chunk_is_recorded_once_however_many_of_its_objects_go(inproc_factory, inraw, ranks):
     """Two ranks' objects of each chunk go: one record per chunk. A chunk stored again and then
     evicted again is recorded again, and a reply names it once."""
-    d = daemon_factory(pool_mb=2)
-    r = raw(d)
+    d = inproc_factory(pool_mb=2)
+    r = inraw(d)
     r.hello()
     r0 = ranks(GEOM, num_blocks=64, world_size=2, rank=0, fingerprint="two-ranks")
     r1 = ranks(GEOM, num_blocks=64, world_size=2, rank=1, fingerprint="two-ranks")
@@ -138,9 +137,9 @@ def test_clear_shows_up_for_its_namespace_only(tight, ranks):
     assert t.d.status()["evictions"] == 0  # CLEAR is not counted as evictions, but it is reported
 
 
-def test_a_namespace_at_its_quota_reports_what_it_evicted_of_its_own(daemon_factory, raw, ranks):
-    d = daemon_factory("--namespace-quota-gb", f"{3 * OBJ / 2**30:.9f}", pool_mb=4)
-    r = raw(d)
+def test_a_namespace_at_its_quota_reports_what_it_evicted_of_its_own(inproc_factory, inraw, ranks):
+    d = inproc_factory("--namespace-quota-gb", f"{3 * OBJ / 2**30:.9f}", pool_mb=4)
+    r = inraw(d)
     r.hello()
     rank = ranks(GEOM, num_blocks=64)
     r.ok("REGISTER", {"instance": "r", "layout": rank.layout()})
@@ -200,7 +199,7 @@ def test_no_eviction_log_says_missed_once_anything_was_evicted(tight_factory):
     assert not t.evicted(since=reply["seq"])["missed"]
 
 
-def test_a_cursor_from_another_boot_says_missed_and_restarts_the_cursor(tight_factory, raw, ranks):
+def test_a_cursor_from_another_boot_says_missed_and_restarts_the_cursor(tight_factory, inraw, ranks):
     t = tight_factory()
     a = keys(3)
     t.store(a)
@@ -208,7 +207,7 @@ def test_a_cursor_from_another_boot_says_missed_and_restarts_the_cursor(tight_fa
     old = t.evicted()
     assert old["seq"] == 3
     t.d.restart()
-    r = raw(t.d)
+    r = inraw(t.d)
     r.hello()
     r.ok("REGISTER", {"instance": "r", "layout": t.rank.layout()})
     chunks = [chunk(k, src(i)) for i, k in enumerate(keys(1))]
@@ -239,74 +238,10 @@ def test_a_partial_object_replaced_by_a_fuller_copy_is_not_reported(tight):
     assert t.evicted()["keys"] == k
 
 
-def test_evicted_needs_a_session(daemon, raw):
-    r = raw(daemon)
+def test_evicted_needs_a_session(inproc, inraw):
+    r = inraw(inproc)
     ns = {"model": "m", "fingerprint": "f", "world_size": 1}
     assert r.error("EVICTED", {"namespace": ns}) == "UNKNOWN_SESSION"
-
-
-# ---- tenants ------------------------------------------------------------------------------------
-XGEOM = GroupGeom("full", layers=2, block_bytes=512, block_tokens=4)
-NS_FP = "shared-fingerprint"
-
-
-def _hello(state, endpoint):
-    state["c"] = Raw(endpoint)
-    return state["c"].ok("HELLO", {"protocol": 1, "client": "evicted-test"})
-
-
-def _store(state, n):
-    rank = state["rank"] = FakeRank([XGEOM], fingerprint=NS_FP)
-    raw_ = state["c"]
-    raw_.ok("REGISTER", {"instance": "r0", "layout": rank.layout()})
-    ks = keys(n)
-    chunks = [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]
-    assert raw_.ok("STORE", {"instance": "r0", "chunks": chunks})["results"] == ["stored"] * n
-    return ks
-
-
-def _evicted(state, ns):
-    return state["c"].ok("EVICTED", {"namespace": ns})
-
-
-@pytest.fixture
-def xdaemon(daemon_factory):
-    import os
-
-    folder = shared_socket_dir()
-    endpoint = f"ipc://{folder}/tierd.sock"
-    d = daemon_factory("--socket", endpoint, "--socket-mode", "0666")
-    d.endpoint = endpoint
-    yield d
-    d.kill()
-    for name in os.listdir(folder):
-        os.unlink(os.path.join(folder, name))
-    os.rmdir(folder)
-
-
-def test_a_tenant_sees_only_its_own_namespaces_evictions(xdaemon, make_user):
-    a, b = UserProcess(make_user()), UserProcess(make_user())
-    try:
-        a.call(_hello, xdaemon.endpoint)
-        b.call(_hello, xdaemon.endpoint)
-        ks = a.call(_store, 3)
-        ns = {"model": "test-model", "fingerprint": NS_FP, "world_size": 1, "salt": ""}
-        op = Raw(xdaemon.endpoint)  # the daemon's own user: an operator
-        try:
-            op.hello()
-            assert op.ok("CLEAR", {})["evicted"] == 3
-            # the same namespace named by another tenant is another namespace: nothing of A's
-            assert b.call(_evicted, ns)["keys"] == []
-            mine = op.ok("EVICTED", {"namespace": ns})
-            assert mine["keys"] == [] and mine["seq"] == 3  # the seq is daemon-wide; the keys are not
-        finally:
-            op.close()
-        # control: A sees its own
-        got = a.call(_evicted, ns)
-        assert sorted(got["keys"]) == sorted(ks) and not got["missed"]
-    finally:
-        a.close()
-        b.close()
 
 
 # ---- the ring, pure -----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The pool is lazily grown: /status memory_total_bytes starts at --l1-init-size-gb, grows as
-objects arrive and never passes memory_configured_bytes (--l1-size-gb), after which stores evict."""
+objects arrive and never passes memory_configured_bytes (--l1-size-gb), after which stores evict.
+The daemon's objects in this process (tests/inproc.py), built from ``tierd serve``'s flags."""
 
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
@@ -8,13 +9,13 @@ MIB = 1 << 20
 GEOM = GroupGeom("full", layers=4, block_bytes=64 << 10, block_tokens=4)  # 1 MiB objects
 
 
-def test_pool_grows_lazily_up_to_its_ceiling(daemon_factory, client_factory, ranks):
-    d = daemon_factory("--l1-init-size-gb", "0.015625", "--l1-segment-mb", "16", pool_mb=96)
+def test_pool_grows_lazily_up_to_its_ceiling(inproc_factory, inclient_factory, ranks):
+    d = inproc_factory("--l1-init-size-gb", "0.015625", "--l1-segment-mb", "16", pool_mb=96)
     st = d.status()
     assert st["memory_total_bytes"] == 16 * MIB
     assert st["memory_configured_bytes"] == 96 * MIB
     assert st["memory_used_bytes"] == 0
-    c = client_factory(d)
+    c = inclient_factory(d)
     rank = ranks(GEOM, num_blocks=16)
     c.register("r", rank.layout())
     totals = []
@@ -31,11 +32,11 @@ def test_pool_grows_lazily_up_to_its_ceiling(daemon_factory, client_factory, ran
     assert st["evictions"] > 0 and st["objects"] == 96
 
 
-def test_pool_never_backs_more_than_its_ceiling(daemon_factory, client_factory, ranks):
+def test_pool_never_backs_more_than_its_ceiling(inproc_factory, inclient_factory, ranks):
     """Regression: a ceiling that is not a multiple of --l1-align-bytes (2 MiB passed as
     0.001953 GiB) was exceeded, the last segment being rounded up past it."""
-    d = daemon_factory(pool_mb=2)
-    c = client_factory(d)
+    d = inproc_factory(pool_mb=2)
+    c = inclient_factory(d)
     rank = ranks(GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4), num_blocks=16)
     c.register("r", rank.layout())
     for _ in range(3):

@@ -2,7 +2,8 @@
 touches leased or in-flight objects, and answers "rejected" (counted in store_rejects) when
 nothing evictable frees room: a chunk answered "stored" is always there afterwards.
 
-A 2 MiB pool with 256 KiB objects (2 layers x 4 blocks x 32 KiB) holds a handful of chunks."""
+A 2 MiB pool with 256 KiB objects (2 layers x 4 blocks x 32 KiB) holds a handful of chunks. The
+daemon's objects in this process (tests/inproc.py), copying to and from the rank's shared memory."""
 
 import random
 
@@ -18,9 +19,9 @@ GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)
 
 
 @pytest.fixture
-def tight(daemon_factory, client_factory, ranks):
-    d = daemon_factory("--max-lease-share", "1", pool_mb=2)  # some tests lease the whole pool
-    c = client_factory(d)
+def tight(inproc_factory, inclient_factory, ranks):
+    d = inproc_factory("--max-lease-share", "1", pool_mb=2)  # some tests lease the whole pool
+    c = inclient_factory(d)
     rank = ranks(GEOM, num_blocks=64)
     c.register("r", rank.layout())
     cap = d.status()["memory_configured_bytes"] // OBJ
@@ -33,17 +34,17 @@ def src(c):
     return list(range(b, b + 4))
 
 
-def store(client, ks, first=0, **kw):
-    return client.store("r", [chunk(k, src(first + i)) for i, k in enumerate(ks)], **kw).results
+def store(inclient, ks, first=0, **kw):
+    return inclient.store("r", [chunk(k, src(first + i)) for i, k in enumerate(ks)], **kw).results
 
 
-def hit(client, rank, ks, lease=False):
-    reply = client.lookup(rank.ns, ks, rank.specs(), 16, lease=lease)
+def hit(inclient, rank, ks, lease=False):
+    reply = inclient.lookup(rank.ns, ks, rank.specs(), 16, lease=lease)
     return reply if lease else reply.chunks
 
 
-def present(client, rank, k):
-    return hit(client, rank, [k]) == 1
+def present(inclient, rank, k):
+    return hit(inclient, rank, [k]) == 1
 
 
 def test_in_flight_objects_are_not_evicted_by_their_own_store(tight):

@@ -4,20 +4,20 @@
 
 The case that hid it: a 64 MiB pool holding one leased 40 MiB object (its slab is the pool's one
 64 MiB block) rejects a 24 MiB store, nothing evicted, while 24 MiB look free. Buddy slabs keep
-that (an object takes a power-of-two block; tierd.pool.segments), so the operator is told instead."""
+that (an object takes a power-of-two block; tierd.pool.segments), so the operator is told instead.
+The pool's own objects, then the daemon's in this process (tests/inproc.py), its /status rendered
+as ``tierd status`` renders it (that the command reads it over HTTP or the socket and prints it is
+tests/daemon/test_cli.py's)."""
 
 from __future__ import annotations
 
-import json
 import operator
-import subprocess
-import sys
 
-from conftest import ROOT
 from kv import FakeRank, GroupGeom, keys
 from util import chunk
 
 from tierd.pool.pool import Pool
+from tierd.tools.report import status_table
 
 KIB, MIB = 1 << 10, 1 << 20
 NS = b"namespace-0"
@@ -95,15 +95,9 @@ def test_room_without_evicting_counts_free_blocks_and_growth():
         pool.close()
 
 
-def tierd(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tierd", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
-
-
-def test_status_shows_why_a_store_beside_a_leased_object_is_rejected(daemon_factory, client_factory):
-    d = daemon_factory("--max-lease-share", "1", pool_mb=64)
-    c = client_factory(d)
+def test_status_shows_why_a_store_beside_a_leased_object_is_rejected(inproc_factory, inclient_factory):
+    d = inproc_factory("--max-lease-share", "1", pool_mb=64)
+    c = inclient_factory(d)
     big, small = (FakeRank([GroupGeom("full", layers=n, block_bytes=1 * MIB)], num_blocks=4) for n in (10, 6))
     try:
         c.register("r40", big.layout())  # 40 MiB chunks: 4 blocks x 10 layers x 1 MiB
@@ -114,14 +108,14 @@ def test_status_shows_why_a_store_beside_a_leased_object_is_rejected(daemon_fact
         assert lease > 0
         st = d.status()
         assert (st["largest_free_bytes"], st["largest_storable_bytes"]) == (0, 0)
-        res = tierd("status", "--url", d.http)
-        rows = [" ".join(line.split()) for line in res.stdout.splitlines()]
-        assert "room largest new object storable now 0 B (0 B without evicting)" in rows, res.stdout
+        table = status_table(d.status())  # what `tierd status` prints
+        rows = [" ".join(line.split()) for line in table.splitlines()]
+        assert "room largest new object storable now 0 B (0 B without evicting)" in rows, table
         assert c.store("r24", [chunk(k24, range(4))]).results == ["rejected"]
         assert d.status()["evictions"] == 0
 
         c.release(lease)
-        st = json.loads(tierd("status", "--url", d.http, "--json").stdout)
+        st = d.status()  # what `tierd status --json` prints
         assert (st["largest_free_bytes"], st["largest_storable_bytes"]) == (0, 64 * MIB)
         assert c.store("r24", [chunk(k24, range(4))]).results == ["stored"]
         assert d.status()["evictions"] == 1

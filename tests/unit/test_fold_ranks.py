@@ -1,6 +1,7 @@
 """LOOKUP folds across tensor-parallel ranks: a chunk is reported only when every rank of the
 namespace stored every group it needs. Replicated (MLA-like) layouts keep one copy, rank 0's,
-and it serves every rank."""
+and it serves every rank. The daemon's objects in this process (tests/inproc.py), one client
+(session) per rank."""
 
 import numpy as np
 from kv import GroupGeom, keys
@@ -13,24 +14,24 @@ FULL = GroupGeom("full", layers=2, block_bytes=256, block_tokens=4)
 STATE = GroupGeom("state", layers=1, block_bytes=1024, block_tokens=16)
 
 
-def two_ranks(ranks, client_factory, daemon, *groups, replicated=False):
+def two_ranks(ranks, inclient_factory, inproc, *groups, replicated=False):
     r0 = ranks(*groups, rank=0, world_size=2, fingerprint="tp2", replicated=replicated)
     r1 = ranks(*groups, rank=1, world_size=2, fingerprint="tp2", replicated=replicated)
-    c0, c1 = client_factory(daemon, name="rank0"), client_factory(daemon, name="rank1")
+    c0, c1 = inclient_factory(inproc, name="rank0"), inclient_factory(inproc, name="rank1")
     c0.register("tp-0", r0.layout())
     c1.register("tp-1", r1.layout())
     assert r0.ns == r1.ns
     return r0, r1, c0, c1
 
 
-def test_chunk_stored_by_one_rank_is_not_a_hit(daemon, client_factory, ranks):
-    r0, r1, c0, c1 = two_ranks(ranks, client_factory, daemon, FULL)
+def test_chunk_stored_by_one_rank_is_not_a_hit(inproc, inclient_factory, ranks):
+    r0, r1, c0, c1 = two_ranks(ranks, inclient_factory, inproc, FULL)
     ks = keys(4)
     both = [chunk(k, range(4 * c, 4 * c + 4)) for c, k in enumerate(ks)]
     assert c0.store("tp-0", both).results == ["stored"] * 4
 
-    def hit(client):
-        return client.lookup(r0.ns, ks, r0.specs(), 16, lease=False).chunks
+    def hit(inclient):
+        return inclient.lookup(r0.ns, ks, r0.specs(), 16, lease=False).chunks
 
     assert hit(c0) == 0 and hit(c1) == 0  # rank 1 holds nothing yet
     c1.store("tp-1", both[:2])
@@ -48,17 +49,17 @@ def test_chunk_stored_by_one_rank_is_not_a_hit(daemon, client_factory, ranks):
     np.testing.assert_array_equal(r1.kv[0][:, 32:48], e1)
 
 
-def test_fold_is_per_group_per_rank(daemon, client_factory, ranks):
+def test_fold_is_per_group_per_rank(inproc, inclient_factory, ranks):
     """Rank 1 lacks only the state after the last chunk: the hit stops one chunk short."""
-    r0, r1, c0, c1 = two_ranks(ranks, client_factory, daemon, FULL, STATE)
+    r0, r1, c0, c1 = two_ranks(ranks, inclient_factory, inproc, FULL, STATE)
     ks = keys(3)
     c0.store("tp-0", [chunk(k, range(4 * c, 4 * c + 4), [c]) for c, k in enumerate(ks)])
     c1.store("tp-1", [chunk(k, range(4 * c, 4 * c + 4), [c if c < 2 else N]) for c, k in enumerate(ks)])
     assert c0.lookup(r0.ns, ks, r0.specs(), 16, lease=False).chunks == 2
 
 
-def test_lease_lives_until_every_rank_retrieved(daemon, client_factory, ranks):
-    r0, r1, c0, c1 = two_ranks(ranks, client_factory, daemon, FULL)
+def test_lease_lives_until_every_rank_retrieved(inproc, inclient_factory, ranks):
+    r0, r1, c0, c1 = two_ranks(ranks, inclient_factory, inproc, FULL)
     ks = keys(2)
     for c, name in ((c0, "tp-0"), (c1, "tp-1")):
         c.store(name, [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)])
@@ -66,19 +67,19 @@ def test_lease_lives_until_every_rank_retrieved(daemon, client_factory, ranks):
     assert reply.chunks == 2 and reply.lease
     back = [chunk(k, range(40 + 4 * i, 44 + 4 * i)) for i, k in enumerate(ks)]
     c0.retrieve("tp-0", back, lease=reply.lease)
-    assert daemon.status()["leases_active"] == 1  # rank 1 has not retrieved yet
+    assert inproc.status()["leases_active"] == 1  # rank 1 has not retrieved yet
     c1.retrieve("tp-1", back, lease=reply.lease)
-    assert daemon.status()["leases_active"] == 0
+    assert inproc.status()["leases_active"] == 0
 
 
-def test_replicated_rank0_copy_serves_rank1(daemon, client_factory, ranks):
-    r0, r1, c0, c1 = two_ranks(ranks, client_factory, daemon, FULL, replicated=True)
+def test_replicated_rank0_copy_serves_rank1(inproc, inclient_factory, ranks):
+    r0, r1, c0, c1 = two_ranks(ranks, inclient_factory, inproc, FULL, replicated=True)
     ks = keys(3)
     src = [chunk(k, range(4 * c, 4 * c + 4)) for c, k in enumerate(ks)]
     assert c0.store("tp-0", src).results == ["stored"] * 3
-    objects = daemon.status()["objects"]
+    objects = inproc.status()["objects"]
     assert c1.store("tp-1", src).results == ["exists"] * 3  # rank 1 stores nothing
-    assert daemon.status()["objects"] == objects == 3
+    assert inproc.status()["objects"] == objects == 3
 
     reply = c1.lookup(r1.ns, ks, r1.specs(), 16, replicated=True)
     assert reply.chunks == 3

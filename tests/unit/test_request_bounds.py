@@ -1,15 +1,17 @@
 """What one request may ask of the daemon's main loop is bounded at decode (docs/protocol.md
 section 19), and tierd_client stays within the bounds by itself: a STORE or RETRIEVE larger than
 MAX_REQUEST_PARTS goes as several requests, a LOOKUP larger than MAX_LOOKUP_PARTS asks for the
-longest prefix that fits. Against a real daemon."""
+longest prefix that fits. The daemon's bounds on its objects in this process (tests/inproc.py), a
+request handed to its loop as its ROUTER hands it; the client's LOOKUP prefix as tierd_client
+builds it (that the client splits a STORE and a RETRIEVE larger than one request, against a
+daemon, is tests/daemon/test_message_cap.py's)."""
 
 from __future__ import annotations
 
-import numpy as np
 from kv import FakeRank, GroupGeom, keys
-from util import chunk, raw  # noqa: F401 - fixture
+from util import chunk
 
-from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS, messages
+from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS
 
 BLOCKS = 4 * (MAX_REQUEST_PARTS + 300)  # one block per chunk below: chunks of 4 tokens, blocks of 4
 
@@ -18,32 +20,10 @@ def rank() -> FakeRank:
     return FakeRank([GroupGeom("full", layers=1, block_bytes=64)], num_blocks=2 * BLOCKS, chunk_tokens=4)
 
 
-def test_a_store_and_a_retrieve_larger_than_one_request_are_split_by_the_client(
-    client_factory, daemon_factory
-):
-    d = daemon_factory(pool_mb=64)
-    client = client_factory(d)
+def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(inproc, inraw):
     r = rank()
     try:
-        client.register("big", r.layout())
-        n = MAX_REQUEST_PARTS + 300
-        ks = keys(n)
-        before = d.status()["stores"]
-        res = client.store("big", [chunk(k, [i]) for i, k in enumerate(ks)])
-        assert res.results == ["stored"] * n
-        assert d.status()["stores"] - before == 2  # two requests
-        r.kv[0][:, BLOCKS:] = 0
-        out = client.retrieve("big", [chunk(k, [BLOCKS + i]) for i, k in enumerate(ks)])
-        assert out == messages.RetrieveReply([True] * n, [])
-        np.testing.assert_array_equal(r.kv[0][:, BLOCKS : BLOCKS + n], r.kv[0][:, :n])
-    finally:
-        r.close()
-
-
-def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(daemon, raw):
-    r = rank()
-    try:
-        w = raw(daemon)
+        w = inraw(inproc)
         w.hello()
         w.ok("REGISTER", {"instance": "big", "layout": r.layout()})
         n = MAX_REQUEST_PARTS + 1
@@ -51,7 +31,7 @@ def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(dae
             "STORE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]}
         )
         assert not ok and reply["code"] == "BAD_REQUEST" and str(MAX_REQUEST_PARTS) in reply["message"], reply
-        assert daemon.status()["objects"] == 0
+        assert inproc.status()["objects"] == 0
         ok, reply = w.call(
             "RETRIEVE", {"instance": "big", "chunks": [chunk(k, [i]) for i, k in enumerate(keys(n))]}
         )
@@ -65,7 +45,7 @@ def test_a_request_past_the_bound_is_refused_at_decode_and_nothing_is_stored(dae
         r.close()
 
 
-def test_a_lookup_past_the_bound_is_refused_and_the_client_asks_for_a_prefix(daemon, raw, client):
+def test_a_lookup_past_the_bound_is_refused_and_the_client_asks_for_a_prefix(inproc, inraw, inclient):
     world = 64
     rk = FakeRank(
         [GroupGeom("full", layers=1, block_bytes=64)],
@@ -77,13 +57,15 @@ def test_a_lookup_past_the_bound_is_refused_and_the_client_asks_for_a_prefix(dae
     try:
         ks = keys(MAX_LOOKUP_PARTS // world + 10)
         body = {"namespace": rk.ns, "keys": ks, "groups": rk.specs(), "chunk_tokens": 4, "lease": False}
-        w = raw(daemon)
+        w = inraw(inproc)
         w.hello()
         ok, reply = w.call("LOOKUP", body)
         assert (
             not ok and reply["code"] == "BAD_REQUEST" and f"x {world} ranks is more than" in reply["message"]
         )
-        got = client.lookup(rk.ns, ks, rk.specs(), 4, lease=False)  # the client shortens it: a miss, answered
+        got = inclient.lookup(
+            rk.ns, ks, rk.specs(), 4, lease=False
+        )  # the client shortens it: a miss, answered
         assert got.chunks == 0
         ok, reply = w.call(
             "LOOKUP", {**body, "keys": ks[: MAX_LOOKUP_PARTS // world]}

@@ -1,13 +1,14 @@
 """REGISTER validates a layout before mapping anything: blocks that reach past their tensor,
 tensors larger than their shared-memory file, paths outside /dev/shm and inconsistent geometry
 are LAYOUT_INVALID (wrong types and ranges BAD_REQUEST); nothing is registered, and the session
-keeps working."""
+keeps working. The daemon's objects in this process (tests/inproc.py): requests as a client frames
+them, answered by its handlers."""
 
 import copy
 
 import pytest
 from kv import GroupGeom, keys
-from util import chunk, ranks, raw  # noqa: F401 - fixtures
+from util import chunk, ranks  # noqa: F401 - fixtures
 
 
 def mutations(tmp_path):
@@ -64,9 +65,9 @@ def mutations(tmp_path):
     }
 
 
-def test_bad_layouts_are_refused(daemon, raw, ranks, tmp_path):
+def test_bad_layouts_are_refused(inproc, inraw, ranks, tmp_path):
     rank = ranks(GroupGeom("full", layers=2, block_bytes=256), num_blocks=64)
-    r = raw(daemon)
+    r = inraw(inproc)
     r.hello()
     good = rank.layout()
     for name, (mutate, code) in mutations(tmp_path).items():
@@ -74,7 +75,7 @@ def test_bad_layouts_are_refused(daemon, raw, ranks, tmp_path):
         mutate(lay)
         assert r.error("REGISTER", {"instance": "x", "layout": lay}) == code, name
     assert r.error("REGISTER", {"instance": "", "layout": good}) == "BAD_REQUEST"
-    st = daemon.status()
+    st = inproc.status()
     assert st["instances"] == [] and st["errors_by_code"].get("INTERNAL", 0) == 0
     # the session still works, and the good layout registers and round-trips
     r.ok("REGISTER", {"instance": "x", "layout": good})
@@ -82,34 +83,36 @@ def test_bad_layouts_are_refused(daemon, raw, ranks, tmp_path):
     assert r.ok("STORE", {"instance": "x", "chunks": [chunk(k, range(4))]})["results"] == ["stored"]
 
 
-def test_shm_path_with_nul_is_layout_invalid(daemon, raw, ranks):
+def test_shm_path_with_nul_is_layout_invalid(inproc, inraw, ranks):
     """Regression: a NUL byte in a shm path made os.open raise ValueError, answered INTERNAL."""
     rank = ranks(GroupGeom("full"))
-    r = raw(daemon)
+    r = inraw(inproc)
     r.hello()
     lay = rank.layout()
     lay["tensors"][0]["handle"]["path"] = rank.bufs[0].path + "\x00.tail"
     ok, reply = r.call("REGISTER", {"instance": "x", "layout": lay})
     assert not ok and reply["code"] == "LAYOUT_INVALID"
-    assert "INTERNAL" not in daemon.status()["errors_by_code"]
+    assert "INTERNAL" not in inproc.status()["errors_by_code"]
 
 
-def test_reregister_same_layout_is_idempotent_and_new_layout_replaces(daemon, client, ranks):
+def test_reregister_same_layout_is_idempotent_and_new_layout_replaces(inproc, inraw, ranks):
     a, b = ranks(GroupGeom("full")), ranks(GroupGeom("full", block_bytes=512))
-    first = client.register("x", a.layout())
-    assert client.register("x", a.layout()) == first
-    assert len(daemon.status()["instances"]) == 1
+    r = inraw(inproc)
+    r.hello()
+    first = r.ok("REGISTER", {"instance": "x", "layout": a.layout()})
+    assert r.ok("REGISTER", {"instance": "x", "layout": a.layout()}) == first
+    assert len(inproc.status()["instances"]) == 1
     k = keys(1)[0]
-    client.store("x", [chunk(k, range(4))])
-    second = client.register("x", b.layout())
-    assert second.object_bytes == [2 * 4 * 512] and first.object_bytes == [2 * 4 * 256]
-    st = daemon.status()
+    r.ok("STORE", {"instance": "x", "chunks": [chunk(k, range(4))]})
+    second = r.ok("REGISTER", {"instance": "x", "layout": b.layout()})
+    assert second["object_bytes"] == [2 * 4 * 512] and first["object_bytes"] == [2 * 4 * 256]
+    st = inproc.status()
     assert len(st["instances"]) == 1 and st["instances"][0]["namespace"]["fingerprint"] == b.fingerprint
 
 
 @pytest.mark.parametrize("bad", [{"instance": 3}, {"instance": "x" * 300}, {"instance": "a\x00b"}, {}])
-def test_bad_instance_names(daemon, raw, ranks, bad):
+def test_bad_instance_names(inproc, inraw, ranks, bad):
     rank = ranks(GroupGeom("full"))
-    r = raw(daemon)
+    r = inraw(inproc)
     r.hello()
     assert r.error("REGISTER", {"layout": rank.layout(), **bad}) == "BAD_REQUEST"

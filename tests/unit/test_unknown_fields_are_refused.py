@@ -2,7 +2,8 @@
 nested in it (a namespace, a layout and its parts, a group spec, a chunk, a tensor handle), with
 an error naming the field and where it is. Every request type is taken from the protocol's own
 list (tierd.protocol.messages.REQUESTS) and its body built from its fields' types, so a new
-request type is walked too without a line here."""
+request type is walked too without a line here. The daemon's objects in this process
+(tests/inproc.py): each request the frame a client sends, decoded and answered as the daemon does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import re
 
 from kv import GroupGeom
 from msgspec import inspect
-from util import ranks, raw  # noqa: F401 - fixtures
+from util import ranks  # noqa: F401 - fixtures
 
 from tierd.protocol import PROTOCOL_VERSION, messages
 from tierd.protocol.layout import GroupSpec, Namespace, PageLayout
@@ -79,12 +80,12 @@ def with_unknown_field(body: dict, at: int) -> dict:
     return out
 
 
-def test_a_request_with_a_field_the_daemon_does_not_know_is_refused_naming_it(daemon, raw, ranks):
+def test_a_request_with_a_field_the_daemon_does_not_know_is_refused_naming_it(inproc, inraw, ranks):
     rank = ranks(GroupGeom("full", layers=1))
     walked = []
     for op in messages.REQUESTS:
         body = body_of(op, rank)
-        r = raw(daemon)
+        r = inraw(inproc)
         if op != "HELLO":
             r.hello()
         for at, (path, _) in enumerate(maps_in(body)):
@@ -103,11 +104,11 @@ def test_a_request_with_a_field_the_daemon_does_not_know_is_refused_naming_it(da
     nested = {re.sub(r"\[\d+\]", "", path).split(".")[-1] for _, path in walked if path}
     assert {"namespace", "layout", "groups", "layers", "tensors", "handle", "chunks"} <= nested, nested
     bad = sum(".handle" not in path for _, path in walked)
-    assert daemon.status()["errors_by_code"]["BAD_REQUEST"] == bad
+    assert inproc.status()["errors_by_code"]["BAD_REQUEST"] == bad
 
 
-def test_a_hello_of_another_protocol_is_unsupported_version_whatever_its_fields(daemon, raw):
-    r = raw(daemon)
+def test_a_hello_of_another_protocol_is_unsupported_version_whatever_its_fields(inproc, inraw):
+    r = inraw(inproc)
     ok, reply = r.call("HELLO", {"protocol": PROTOCOL_VERSION + 1, "a_later_field": 1})
     assert not ok and reply["code"] == "UNSUPPORTED_VERSION", reply
     ok, reply = r.call("HELLO", {"protocol": PROTOCOL_VERSION, "a_later_field": 1})

@@ -1,7 +1,9 @@
 """A running daemon says which eviction policy it runs and why it evicted: /status
 ``eviction_policy``, /metrics ``tierd_hit_ratio``, ``tierd_eviction_policy`` and
 ``tierd_evictions_by_reason_total``, and ``tierd status``'s table; ``--eviction-policy lru``
-is reported as such."""
+is reported as such. The daemon's objects in this process (tests/inproc.py), its registry scraped
+as /metrics scrapes it (that /metrics answers over HTTP is tests/daemon/test_http.py's; that
+``tierd serve`` refuses an unknown policy, tests/daemon/test_cli.py's)."""
 
 import re
 
@@ -11,7 +13,6 @@ from test_eviction import GEOM, OBJ, src
 from util import chunk, ranks  # noqa: F401 - fixtures
 
 from tierd.tools.report import status_table
-from tierd.tools.testing import serve_argv
 
 
 def fill_past_capacity(d, c, rank) -> int:
@@ -29,10 +30,10 @@ def fill_past_capacity(d, c, rank) -> int:
     "policy, reasons", [("reuse", {"unused": 3, "aged": 0, "displaced": 0}), ("lru", {"lru": 3})]
 )
 def test_status_metrics_and_table_show_the_policy_and_its_eviction_reasons(
-    daemon_factory, client_factory, ranks, policy, reasons
+    inproc_factory, inclient_factory, ranks, policy, reasons
 ):
-    d = daemon_factory("--eviction-policy", policy, pool_mb=2)
-    c = client_factory(d)
+    d = inproc_factory("--eviction-policy", policy, pool_mb=2)
+    c = inclient_factory(d)
     rank = ranks(GEOM, num_blocks=64)
     c.register("r", rank.layout())
     fill_past_capacity(d, c, rank)
@@ -40,9 +41,7 @@ def test_status_metrics_and_table_show_the_policy_and_its_eviction_reasons(
     assert st["evictions"] == 3
     assert st["eviction_policy"]["name"] == policy
     assert st["eviction_policy"]["evictions_by_reason"] == reasons
-    code, body = d.get("/metrics")
-    text = body.decode()
-    assert code == 200
+    text = d.metrics()
     # 2 chunks hit of 2 + 3 asked for
     assert re.search(r"^tierd_hit_ratio 0\.4$", text, re.M), text
     assert f'tierd_eviction_policy{{policy="{policy}"}} 1.0' in text
@@ -52,16 +51,3 @@ def test_status_metrics_and_table_show_the_policy_and_its_eviction_reasons(
     assert (re.search(r"^tierd_reuse_bonus_gate 1\.0$", text, re.M) is not None) == (policy == "reuse")
     row = next(line for line in status_table(st).splitlines() if line.startswith("evictions"))
     assert f"3  (policy {policy}:" in row
-
-
-def test_an_unknown_policy_is_refused_at_start(daemon_factory):
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        serve_argv("--eviction-policy", "arc", http_port=-1),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2 and "'arc' is not one of 'reuse', 'lru'" in out.stderr

@@ -1,10 +1,13 @@
 """A hybrid layout (full attention + sliding window + recurrent state, different block sizes and
 layer counts) round-trips byte for byte, with one object per group per chunk and with one object
-per chunk holding every group (--no-separate-object-groups)."""
+per chunk holding every group (--no-separate-object-groups).
+The daemon's objects in this process (tests/inproc.py): what it plans for these groups, bytes
+copied between its pool and the rank's shared memory here (a round trip into another process's
+memory: tests/daemon/test_roundtrip.py and test_roundtrip_full.py)."""
 
 import numpy as np
 from kv import GroupGeom, keys
-from util import NULL, chunk, gclient, gdaemon, grouping, ranks  # noqa: F401 - fixtures
+from util import NULL, chunk, grouping, ranks  # noqa: F401 - fixtures
 
 from tierd.protocol import messages
 
@@ -16,21 +19,21 @@ GROUPS = (
 )
 
 
-def test_hybrid_round_trip_is_byte_equal(gclient, gdaemon, grouping, ranks):
+def test_hybrid_round_trip_is_byte_equal(ginclient, ginproc, grouping, ranks):
     rank = ranks(*GROUPS)
-    gclient.register("h0", rank.layout())
+    ginclient.register("h0", rank.layout())
     ks = keys(4)
     # full: every block; sliding: only the tail of each chunk (engines null out-of-window blocks);
     # state: one block per chunk.
     stored = [chunk(k, range(4 * c, 4 * c + 4), [N, N, 4 * c + 2, 4 * c + 3], [c]) for c, k in enumerate(ks)]
-    assert gclient.store("h0", stored).results == ["stored"] * 4
-    st = gdaemon.status()
+    assert ginclient.store("h0", stored).results == ["stored"] * 4
+    st = ginproc.status()
     if grouping:  # combined: one object per chunk
         assert st["objects"] == 4 and st["group_objects"] == {"all": 4}
     else:
         assert st["objects"] == 12
         assert st["group_objects"] == {"g0/full": 4, "g1/sliding": 4, "g2/state": 4}
-    reply = gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
+    reply = ginclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens)
     assert reply.chunks == 4
 
     full, slide, state = rank.blocks(0, range(16)), rank.blocks(1, [14, 15]), rank.blocks(2, [3])
@@ -39,22 +42,22 @@ def test_hybrid_round_trip_is_byte_equal(gclient, gdaemon, grouping, ranks):
     rank.kv[2][:, 40] = 0
     want = [chunk(k, range(32 + 4 * c, 36 + 4 * c), [N] * 4, [N]) for c, k in enumerate(ks[:3])]
     want.append(chunk(ks[3], range(44, 48), [N, N, 32, 33], [40]))
-    out = gclient.retrieve("h0", want, lease=reply.lease)
+    out = ginclient.retrieve("h0", want, lease=reply.lease)
     assert out == messages.RetrieveReply([True] * 4, [])
     np.testing.assert_array_equal(rank.kv[0][:, 32:48], full)
     np.testing.assert_array_equal(rank.kv[1][:, 32:34], slide)
     np.testing.assert_array_equal(rank.kv[2][:, 40], state[:, 0])
 
 
-def test_hybrid_hit_is_the_fold_of_every_group(gclient, ranks):
+def test_hybrid_hit_is_the_fold_of_every_group(ginclient, ranks):
     """Each group limits the hit on its own terms; the answer is the shortest."""
     rank = ranks(*GROUPS)
-    gclient.register("h0", rank.layout())
+    ginclient.register("h0", rank.layout())
 
     def hit(full_ids, slide_ids, states):
         ks = keys(len(full_ids))
-        gclient.store("h0", [chunk(k, f, s, [t]) for k, f, s, t in zip(ks, full_ids, slide_ids, states)])
-        return gclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks
+        ginclient.store("h0", [chunk(k, f, s, [t]) for k, f, s, t in zip(ks, full_ids, slide_ids, states)])
+        return ginclient.lookup(rank.ns, ks, rank.specs(), rank.chunk_tokens, lease=False).chunks
 
     full = [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
     tails = [[N, N, 2, 3], [N, N, 6, 7], [N, N, 10, 11], [N, N, 14, 15]]
@@ -67,12 +70,12 @@ def test_hybrid_hit_is_the_fold_of_every_group(gclient, ranks):
     assert hit(full, tails, [0, 1, N, N]) == 2
 
 
-def test_hybrid_partial_retrieve_reports_exact_group_block_pairs(gclient, ranks):
+def test_hybrid_partial_retrieve_reports_exact_group_block_pairs(ginclient, ranks):
     rank = ranks(*GROUPS)
-    gclient.register("h0", rank.layout())
+    ginclient.register("h0", rank.layout())
     ks = keys(2)
-    gclient.store("h0", [chunk(ks[0], range(4), [N, N, 2, 3], [0])])
-    out = gclient.retrieve(
+    ginclient.store("h0", [chunk(ks[0], range(4), [N, N, 2, 3], [0])])
+    out = ginclient.retrieve(
         "h0",
         [
             chunk(ks[0], range(40, 44), [50, 51, 52, 53], [N]),
