@@ -2,6 +2,7 @@
 
     python benchmarks/pool_growth.py [--ceiling-gb 2] [--fill-gbps 2] [--rounds 2]
     python benchmarks/pool_growth.py --daemon [--ceiling-gb 2] [--rounds 2]
+    python benchmarks/pool_growth.py --ceiling-gb 12 --burst-mb 4096 --gap-s 3 [--rounds 2]
 
 The pool's segments (tierd.pool.segments, the steps of a default ``tierd serve``: 64 MiB, then as
 large as the pool already is, up to 1 GiB) are filled with 16 MiB blocks, as a store's slabs are
@@ -11,6 +12,12 @@ or STORE of any engine is answered. ``on-demand`` backs each step in the allocat
 (``--no-l1-grow-ahead``); ``ahead`` takes over memory backed on a thread of its own after the
 previous growth (the default). The two alternate, round by round. Prints per mode the growths,
 the longest allocation and the sum of the allocations that grew the pool.
+
+``--burst-mb``: the pool is filled in bursts (a large model's prompt stores GiBs at once), with
+``--gap-s`` of rest between them (the next prompt's prefill); ``ahead-1`` backs one step ahead (as
+tierd did before the look-ahead deepened), ``ahead`` one more step each time a growth found its
+step still being backed. Prints besides what the allocations of every burst after the first took:
+the main loop's time, which the engine's stores wait through.
 
 ``--daemon``: what an engine sees instead. A private ``tierd serve`` (``--no-l1-grow-ahead`` or
 not) is filled to its ceiling over the wire at ``--fill-gbps``, STOREs of 16 one-MiB chunks from
@@ -38,10 +45,18 @@ MIB = 1 << 20
 BLOCK = 16 * MIB
 
 
-def fill(ceiling: int, ahead: bool, gbps: float) -> dict:
-    s = SegmentSet(ceiling, 0, 1024 * MIB, 4096, grow_bytes=64 * MIB, ahead=ahead)
+MODES = {"on-demand": (False, 1), "ahead-1": (True, 1), "ahead": (True, None)}  # (ahead, max steps)
+
+
+def fill(ceiling: int, mode: str, gbps: float, burst: int = 0, gap_s: float = 0.0) -> dict:
+    """Blocks allocated until the ceiling, each timed; ``burst``: that many bytes at once, then
+    ``gap_s`` of rest (a prompt's stores, then the next prompt's prefill), else one block at a time
+    at ``gbps``. ``later_bursts_s``: what the allocations of every burst after the first spent."""
+    ahead, steps = MODES[mode]
+    kw = {} if steps is None else {"max_ahead": steps}
+    s = SegmentSet(ceiling, 0, 1024 * MIB, 4096, grow_bytes=64 * MIB, ahead=ahead, **kw)
     try:
-        longest, grew, growths = 0.0, 0.0, 0
+        longest, grew, growths, later, done = 0.0, 0.0, 0, 0.0, 0
         while True:
             segments = len(s.segments)
             t0 = time.perf_counter()
@@ -52,8 +67,14 @@ def fill(ceiling: int, ahead: bool, gbps: float) -> dict:
             longest = max(longest, took)
             if len(s.segments) > segments:
                 growths, grew = growths + 1, grew + took
-            time.sleep(BLOCK / (gbps * 1e9))
-        return {"growths": growths, "longest_s": longest, "growth_s": grew}
+            done += BLOCK
+            if burst:
+                later += took if done > burst else 0.0
+                if done % burst == 0:
+                    time.sleep(gap_s)
+            else:
+                time.sleep(BLOCK / (gbps * 1e9))
+        return {"growths": growths, "longest_s": longest, "growth_s": grew, "later_bursts_s": later}
     finally:
         s.close()
 
@@ -127,31 +148,49 @@ def main() -> None:
     ap.add_argument("--fill-gbps", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--daemon", action="store_true", help="PINGs to a real daemon while it fills")
+    ap.add_argument(
+        "--burst-mb",
+        type=int,
+        default=0,
+        help="without --daemon: fill in bursts of this many MiB at once (a prompt's stores), --gap-s apart "
+        "(the next prompt's prefill), and compare the look-ahead of one step (ahead-1) with the one that "
+        "deepens after a burst outran it (ahead)",
+    )
+    ap.add_argument("--gap-s", type=float, default=1.0)
     args = ap.parse_args()
+    if args.burst_mb % (BLOCK // MIB):
+        ap.error(f"--burst-mb is a multiple of {BLOCK // MIB}")
     ceiling = int(args.ceiling_gb * 1024) * MIB
     if args.daemon:
         head = (
             f"tierd serve, {args.ceiling_gb:g} GiB ceiling filled by STOREs of 16 MiB at {args.fill_gbps:g} "
             "GB/s; PINGs every 2 ms:"
         )
+    elif args.burst_mb:
+        head = (
+            f"{args.ceiling_gb:g} GiB ceiling, filled in bursts of {args.burst_mb} MiB of 16 MiB blocks, "
+            f"{args.gap_s:g} s apart:"
+        )
     else:
         head = f"{args.ceiling_gb:g} GiB ceiling, filled with 16 MiB blocks at {args.fill_gbps:g} GB/s:"
     print(head)
+    modes = list(MODES) if args.burst_mb else ["on-demand", "ahead"]
     for r in range(args.rounds):
-        for ahead in (False, True) if r % 2 == 0 else (True, False):
-            mode = "ahead" if ahead else "on-demand"
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             if args.daemon:
-                f = serve(ceiling, ahead, args.fill_gbps)
+                f = serve(ceiling, MODES[mode][0], args.fill_gbps)
                 line = (
                     f"{f['pings']} PINGs, p50 {f['p50'] * 1e3:.2f} ms, p99 {f['p99'] * 1e3:.1f} ms, "
                     f"longest {f['max'] * 1e3:.1f} ms"
                 )
             else:
-                f = fill(ceiling, ahead, args.fill_gbps)
+                f = fill(ceiling, mode, args.fill_gbps, args.burst_mb * MIB, args.gap_s)
                 line = (
                     f"{f['growths']} growths, longest allocation {f['longest_s'] * 1e3:8.1f} ms, "
                     f"allocations that grew {f['growth_s'] * 1e3:8.1f} ms"
                 )
+                if args.burst_mb:
+                    line += f", bursts after the first {f['later_bursts_s'] * 1e3:8.1f} ms"
             print(f"  round {r + 1} {mode:9s}: {line}")
 
 

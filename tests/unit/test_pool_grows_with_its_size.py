@@ -155,6 +155,7 @@ def test_a_growth_takes_over_memory_backed_ahead_on_a_thread_of_its_own(backings
     try:
         for _ in range(4):  # 64 KiB each: segments of 64, 64 and 128 KiB
             assert s.alloc(64 * KIB) is not None
+            assert all(spare.wait(10) for spare in s.spares)  # backed before the next growth
         assert [g.nbytes // KIB for g in s.segments] == [64, 64, 128]  # the steps do not change
         me = threading.get_ident()
         assert backings[0] == (me, 64 * KIB)  # the first growth: on demand, here
@@ -172,7 +173,7 @@ def test_memory_backed_ahead_stays_under_the_ceiling_and_the_steps_are_unchanged
     s = steps(ceiling, ahead=True)
     try:
         while s.alloc(64 * KIB) is not None:
-            assert s.backed + (s.spare.nbytes if s.spare is not None else 0) <= ceiling
+            assert s.backed + s.ahead_bytes <= ceiling
         sizes = [seg.nbytes // KIB for seg in s.segments]
         assert sizes == [64, 64, 128, 256, 512, 1024, 1024, 1024, 96]
         assert s.backed == ceiling and s.spare is None  # nothing left to back ahead
@@ -215,7 +216,8 @@ def test_memory_backed_ahead_is_pinned_on_its_own_thread_once_and_unpinned_when_
     pinner, me = Pinner(), threading.get_ident()
     s = SegmentSet(16 * MIB, 0, 1 * MIB, 4 * KIB, pinner=pinner, grow_bytes=64 * KIB, ahead=True)
     try:
-        assert s.alloc(64 * KIB) is not None and s.alloc(64 * KIB) is not None  # two segments
+        assert s.alloc(64 * KIB) is not None and s.spare.wait(10)  # the next step, backed
+        assert s.alloc(64 * KIB) is not None  # two segments, the second backed ahead
         assert [(t == me, n // KIB) for t, _, n in pinner.pins[:2]] == [(True, 64), (False, 64)]
         assert [a for _, a, _ in pinner.pins[:2]] == [g.addr for g in s.segments]  # once each
         assert all(g.pinned for g in s.segments) and s.spare.wait(10)
@@ -265,3 +267,59 @@ def test_a_spare_that_cannot_be_named_is_let_go_and_the_growth_backs_its_segment
     finally:
         s.close()
         folder.close()
+
+
+class HeldPinner(Pinner):
+    """A pinner whose pins on other threads than the test's wait until ``release``: memory backed
+    ahead is then still being backed when the next growth comes, however fast this host is."""
+
+    def __init__(self):
+        super().__init__()
+        self.me, self.go = threading.get_ident(), threading.Event()
+
+    def pin(self, addr: int, nbytes: int) -> None:
+        if threading.get_ident() != self.me:
+            self.go.wait(30)
+        super().pin(addr, nbytes)
+
+    def release_in(self, seconds: float) -> None:
+        threading.Timer(seconds, self.go.set).start()
+
+
+def test_a_growth_that_finds_its_step_still_being_backed_backs_one_step_more_ahead_from_then_on():
+    """A burst of stores (an 8k-32k-token prompt of a large model: GiBs at once) outruns one step
+    backed ahead, and every growth of the burst after the first then waits for its memory on the
+    main loop. Each growth that found its step still being backed makes the look-ahead one step
+    deeper (up to ``max_ahead``), so the next burst of that size finds its memory backed; growths
+    that find their memory ready leave the depth as it is. The spares stay under the ceiling."""
+    pinner = HeldPinner()
+    s = SegmentSet(16 * MIB, 0, 1 * MIB, 4 * KIB, pinner=pinner, grow_bytes=64 * KIB, ahead=True, max_ahead=3)
+
+    def spares():
+        return [(sp.index, sp.nbytes // KIB) for sp in s.spares]
+
+    try:
+        assert s.alloc(64 * KIB) is not None  # on demand; segment 1 is being backed ahead
+        assert s.depth == 1 and spares() == [(1, 64)]
+        pinner.release_in(0.2)
+        assert s.alloc(64 * KIB) is not None  # takes segment 1, still being backed: waits for it
+        assert s.depth == 2 and spares() == [(2, 128), (3, 256)]
+        assert all(sp.wait(10) for sp in s.spares)
+        assert s.alloc(64 * KIB) is not None and s.alloc(64 * KIB) is not None  # segment 2, ready
+        assert s.depth == 2 and spares() == [(3, 256), (4, 512)]
+        assert all(sp.wait(10) for sp in s.spares)
+        pinner.go.clear()  # the next spares are held in their pins
+        assert s.alloc(256 * KIB) is not None and s.alloc(512 * KIB) is not None  # 3 and 4, ready
+        assert s.depth == 2 and spares() == [(5, 1024), (6, 1024)]
+        pinner.release_in(0.2)
+        assert s.alloc(1 * MIB) is not None  # takes segment 5, still being backed
+        assert s.depth == 3 and spares() == [(6, 1024), (7, 1024), (8, 1024)]  # max_ahead
+        assert all(sp.wait(10) for sp in s.spares)
+        pinner.go.clear()
+        pinner.release_in(0.2)
+        assert s.alloc(1 * MIB) is not None  # segment 6 was ready; 9 is held a while
+        assert s.depth == 3 and s.backed + s.ahead_bytes <= 16 * MIB
+    finally:
+        pinner.go.set()
+        s.close()
+    assert sorted(pinner.unpins) == sorted(a for _, a, _ in pinner.pins)  # every spare and segment

@@ -37,9 +37,10 @@ class Settings:
     )
     l1_grow_ahead: bool = _opt(
         True,
-        "Once the pool has grown on demand, back the next step's memory on a thread of its own before it "
-        "is needed (at most one step ahead, under the ceiling), so a growth holds no request; off: each "
-        "step is backed when a store needs it, on the daemon's main loop.",
+        "Once the pool has grown on demand, back the next steps' memory on threads of their own before "
+        "it is needed (one step ahead, one more each time a burst of stores outran it, at most 8, under "
+        "the ceiling), so a growth holds no request; off: each step is backed when a store needs it, on "
+        "the daemon's main loop.",
     )
     socket: str = _opt(
         None,

@@ -186,7 +186,7 @@ class _Collector:
             ("memory_total_bytes", "host memory backed now (all segments)"),
             ("memory_segments", "segments backed"),
             ("memory_next_segment_bytes", "bytes the pool's next growth backs (0 at the ceiling)"),
-            ("memory_ahead_bytes", "host memory backed ahead for the next growth, not in a segment yet"),
+            ("memory_ahead_bytes", "host memory backed ahead for the next growths, not in a segment yet"),
             ("memory_used_bytes", "bytes held by objects"),
             ("memory_pinned_bytes", "pool bytes registered with CUDA (page-locked)"),
             ("largest_free_bytes", "the largest new object a STORE places now without evicting"),

@@ -37,6 +37,10 @@ import numpy as np
 
 from tierd.pool import pages
 
+# steps a pool backs ahead of need at most (tierd.pool.segments.SegmentSet._look_ahead): 8 GiB of
+# 1 GiB segments, as much as a 64k-token prompt of an 8B model stores at once
+MAX_AHEAD_STEPS = 8
+
 
 class Pinner(Protocol):
     def pin(self, addr: int, nbytes: int) -> None: ...
@@ -208,12 +212,13 @@ class SegmentSet:
         restore: Sequence[int] = (),
         grow_bytes: int | None = None,
         ahead: bool = False,
+        max_ahead: int = MAX_AHEAD_STEPS,
     ):
         """``folder``: a PoolDir whose segment files back the pool (memfd without one);
         ``restore``: sizes of segment files 0.. to map as they are (a recovered pool);
         ``grow_bytes``: the smallest segment grown on demand (default ``segment_bytes``: all equal);
-        ``ahead``: once the pool has grown on demand, the next segment's memory is backed on a
-        thread of its own before it is needed (``_look_ahead``)."""
+        ``ahead``: once the pool has grown on demand, the next segments' memory is backed on
+        threads of their own before it is needed, at most ``max_ahead`` steps (``_look_ahead``)."""
         if align <= 0 or align & (align - 1):
             raise ValueError(f"alignment {align} is not a power of two")
         self.grain = max(align, folder.grain if folder is not None else 1)  # powers of two: the lcm
@@ -231,7 +236,9 @@ class SegmentSet:
         self.watch = None  # told of every segment grown (the pool's journal)
         self.grow_error: str | None = None  # why growing failed (then it is not tried again)
         self.ahead = ahead
-        self.spare: pages.Spare | None = None  # the next segment, being backed (``_look_ahead``)
+        self.spares: list[pages.Spare] = []  # the next segments, being backed (``_look_ahead``)
+        self.depth = 1  # steps backed ahead: one more each time a growth had to wait for its memory
+        self.max_ahead = max(1, max_ahead)
         try:
             for nbytes in restore:
                 self._add(nbytes, create=False)
@@ -253,29 +260,45 @@ class SegmentSet:
 
     def _grow(self, nbytes: int) -> Segment:
         nbytes = _round_up(nbytes, self.grain)
-        spare, self.spare, backing = self.spare, None, None
-        if spare is not None:
+        backing = None
+        if self.spares:
+            spare = self.spares[0]
             if spare.index == len(self.segments) and spare.nbytes == nbytes:
+                self.spares.pop(0)
+                if not spare.wait(0):  # the growths outran the look-ahead: it backs one step more
+                    self.depth = min(self.max_ahead, self.depth + 1)
                 name = None if self.folder is None else self.folder.segment(spare.index)
                 backing = spare.take(name)  # None if that failed: then backed here, as without one
-            else:  # a growth for a larger block than the step
-                spare.close()
+            else:  # a growth for a larger block than the step: the spares' indices and sizes are off
+                self._let_go_spares()
         seg = self._add(nbytes, create=True, backing=backing)
         if self.watch is not None:
             self.watch.grew(seg)
         return seg
 
     def _look_ahead(self) -> None:
-        """After a growth on demand: back the next one's memory now, on a thread of its own, so
-        that it holds no request when it comes (0.3 s per GiB on a bare host, several times that
-        in a VM). Memory is then backed at most one step ahead of the pool; the spare's bytes and
-        the segments' stay under the ceiling (the step is at most what the ceiling leaves)."""
-        if self.ahead and self.spare is None:
-            nbytes = self.next_segment_bytes()
-            if nbytes > 0:
-                i = len(self.segments)
-                path = None if self.folder is None else self.folder.ahead(i)
-                self.spare = pages.Spare(i, nbytes, self.pinner, path)
+        """After a growth on demand: back the next ones' memory now, each on a thread of its own,
+        so that it holds no request when it comes (0.3 s per GiB on a bare host, several times that
+        in a VM). One step ahead at first; a growth that finds its step still being backed (a burst
+        of stores, as an 8k-32k-token prompt's of a large model, outran it) makes it one step more,
+        up to ``max_ahead``. The spares' bytes and the segments' stay under the ceiling (a step is
+        at most what the ceiling leaves)."""
+        if not self.ahead:
+            return
+        backed = self.backed + self.ahead_bytes
+        while len(self.spares) < self.depth:
+            nbytes = self._step(0, backed)
+            if nbytes <= 0:
+                return
+            i = len(self.segments) + len(self.spares)
+            path = None if self.folder is None else self.folder.ahead(i)
+            self.spares.append(pages.Spare(i, nbytes, self.pinner, path))
+            backed += nbytes
+
+    def _let_go_spares(self) -> None:
+        for spare in self.spares:
+            spare.close()
+        self.spares.clear()
 
     def _add(self, nbytes: int, create: bool, backing=None) -> Segment:
         i = len(self.segments)
@@ -309,16 +332,24 @@ class SegmentSet:
         """The bytes a growth for a block of order ``k`` backs: the pool's size so far rounded down
         to a power of two, within [grow_bytes, segment_bytes], at least the block, at most what
         the ceiling leaves (module doc); 0 once growing failed."""
+        return self._step(k, self.backed)
+
+    def _step(self, k: int, backed: int) -> int:
+        """``next_segment_bytes`` of a pool that has ``backed`` bytes."""
         if self.grow_error is not None:
             return 0
-        step = min(self.segment_bytes, max(self.grow_bytes, 1 << max(0, self.backed.bit_length() - 1)))
-        return min(self.ceiling - self.backed, _round_up(max(1 << k, step), self.grain))
+        step = min(self.segment_bytes, max(self.grow_bytes, 1 << max(0, backed.bit_length() - 1)))
+        return min(self.ceiling - backed, _round_up(max(1 << k, step), self.grain))
 
     @property
     def ahead_bytes(self) -> int:
-        """Bytes backed (or being backed) ahead for the next growth, not in a segment yet."""
-        spare = self.spare
-        return 0 if spare is None else spare.nbytes
+        """Bytes backed (or being backed) ahead for the next growths, not in a segment yet."""
+        return sum(spare.nbytes for spare in self.spares)
+
+    @property
+    def spare(self) -> pages.Spare | None:
+        """The next segment's memory, being backed (None: nothing is)."""
+        return self.spares[0] if self.spares else None
 
     def can_grow(self, k: int) -> bool:
         """Whether a new segment holding a block of order ``k`` fits under the ceiling."""
@@ -345,9 +376,7 @@ class SegmentSet:
         seg.free(off, max(nbytes, self.align))
 
     def close(self) -> None:
-        if self.spare is not None:
-            self.spare.close()
-            self.spare = None
+        self._let_go_spares()
         for seg in self.segments:
             seg.close(self.pinner)
         self.segments.clear()
