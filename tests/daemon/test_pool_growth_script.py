@@ -45,3 +45,12 @@ def test_a_ping_that_fails_ends_the_run_with_its_error(monkeypatch):
 def test_without_a_failure_it_gives_the_figures():
     got = script().serve(64 << 20, True, 2.0)
     assert got["pings"] > 0 and 0 < got["p50"] <= got["p99"] <= got["max"]
+
+
+def test_bursts_compare_every_look_ahead_over_the_same_segments():
+    """--burst-mb: each mode fills the same segments (64, 64 and 128 MiB for 256 MiB), and only
+    the bursts after the first are summed."""
+    mod = script()
+    for mode in mod.MODES:
+        got = mod.fill(256 << 20, mode, 0.0, burst=64 << 20, gap_s=0.0)
+        assert got["growths"] == 3 and got["longest_s"] <= got["growth_s"] + got["later_bursts_s"], got
