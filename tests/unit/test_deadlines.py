@@ -26,6 +26,7 @@ def test_expired_on_arrival(inproc, inraw, ranks):
     assert r.error("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": past}) == "EXPIRED"
     st = inproc.status()
     assert st["objects"] == 0 and st["stores"] == 0 and st["errors_by_code"] == {"EXPIRED": 1}
+    assert st["request_stages"] == {}  # at once: no copy was planned, queued or run for it
     assert (
         r.ok("LOOKUP", {"namespace": rank.ns, "keys": [a], "groups": rank.specs(), "chunk_tokens": 16})[
             "chunks"
@@ -39,6 +40,7 @@ def test_expired_on_arrival(inproc, inraw, ranks):
         == "EXPIRED"
     )
     assert not rank.kv[0][:, 40:44].any()
+    assert "RETRIEVE" not in inproc.status()["request_stages"]
     assert r.ok("STORE", {"instance": "r", "chunks": [chunk(a, range(4))], "deadline": time.time() + 30})[
         "results"
     ] == ["stored"]

@@ -80,6 +80,12 @@ def test_replicated_rank0_copy_serves_rank1(inproc, inclient_factory, ranks):
     objects = inproc.status()["objects"]
     assert c1.store("tp-1", src).results == ["exists"] * 3  # rank 1 stores nothing
     assert inproc.status()["objects"] == objects == 3
+    # nor a chunk rank 0 has not stored (yet): rank 0's copy is the one that will serve every rank
+    [new] = keys(1)
+    jobs = inproc.status()["request_stages"]["STORE"]["jobs"]  # rank 0's store: one copy
+    assert c1.store("tp-1", [chunk(new, range(12, 16))]).results == ["exists"]
+    st = inproc.status()
+    assert st["objects"] == 3 and st["request_stages"]["STORE"]["jobs"] == jobs == 1  # no copy
 
     reply = c1.lookup(r1.ns, ks, r1.specs(), 16, replicated=True)
     assert reply.chunks == 3
