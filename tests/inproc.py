@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from wire import request
+from wire import Raw, request
 
 from tierd.protocol import PROTOCOL_VERSION
 from tierd.state.records import OWN_PEER
@@ -143,7 +143,7 @@ class InProcessDaemon:
                 self._handler.close()
 
 
-class InProcessRaw:
+class InProcessRaw(Raw):
     """``tests/wire.Raw``'s calls, on an in-process daemon: hand-built request frames from one
     identity, each reply read in the order the daemon sent them and checked as ``Raw.recv``
     checks it."""
@@ -155,51 +155,21 @@ class InProcessRaw:
     def send(self, frame: bytes) -> None:
         self.d.send(self.identity, frame, self.peer)
 
-    def send_request(self, op, body, req_id: int | None = None) -> int:
-        req_id = next(self.ids) if req_id is None else req_id
-        self.send(request(op, req_id, body))
-        return req_id
-
     def send_together(self, requests: list[tuple[str, dict]]) -> list[int]:
         """``(op, body)`` requests the daemon reads in one turn (InProcessDaemon.send_together)."""
         ids = [next(self.ids) for _ in requests]
         self.d.send_together(self.identity, [request(op, i, body) for i, (op, body) in zip(ids, requests)])
         return ids
 
-    def recv(self, timeout: float = REPLY_WAIT_S) -> list:
-        """The next reply, decoded: ``[req_id, ok, body]``."""
-        msg = msgpack.unpackb(self.d.next_reply(self.identity, timeout), raw=False)
-        assert isinstance(msg, list) and len(msg) == 3, msg
-        assert isinstance(msg[1], bool) and isinstance(msg[2], dict), msg
-        if not msg[1]:
-            assert set(msg[2]) == {"code", "message"}, msg
-            assert isinstance(msg[2]["message"], str) and msg[2]["message"], msg
-        return msg
+    def next_frame(self, timeout: float) -> bytes:
+        return self.d.next_reply(self.identity, timeout)
 
     def quiet(self, timeout: float = 0.2) -> bool:
         """Whether nothing more arrives within ``timeout``."""
         return self.d.quiet(self.identity, timeout)
 
-    def call(self, op, body, timeout: float = REPLY_WAIT_S) -> tuple[bool, dict]:
-        req_id = self.send_request(op, body)
-        got, ok, reply = self.recv(timeout)
-        assert got == req_id, f"reply to {got}, expected {req_id}"
-        return ok, reply
-
-    def ok(self, op, body, timeout: float = REPLY_WAIT_S) -> dict:
-        ok, reply = self.call(op, body, timeout)
-        assert ok, f"{op} failed: {reply}"
-        return reply
-
-    def error(self, op, body, timeout: float = REPLY_WAIT_S) -> str:
-        ok, reply = self.call(op, body, timeout)
-        assert not ok, f"{op} unexpectedly succeeded: {reply}"
-        return reply["code"]
-
-    def hello(self, **extra) -> dict:
-        return self.ok(
-            "HELLO", {"protocol": PROTOCOL_VERSION, "client": "raw-test", "pid": os.getpid(), **extra}
-        )
+    def close(self) -> None:
+        pass
 
 
 class InProcessClient:

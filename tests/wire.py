@@ -42,17 +42,21 @@ class Raw:
 
     def recv(self, timeout: float = 10.0) -> list:
         """The next reply, decoded: ``[req_id, ok, body]``."""
-        if not self.sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no reply within {timeout} s")
-        parts = self.sock.recv_multipart()
-        assert len(parts) == 1, f"a reply is one frame, got {len(parts)}"
-        msg = msgpack.unpackb(parts[0], raw=False)
+        msg = msgpack.unpackb(self.next_frame(timeout), raw=False)
         assert isinstance(msg, list) and len(msg) == 3, msg
         assert isinstance(msg[1], bool) and isinstance(msg[2], dict), msg
         if not msg[1]:
             assert set(msg[2]) == {"code", "message"}, msg
             assert isinstance(msg[2]["message"], str) and msg[2]["message"], msg
         return msg
+
+    def next_frame(self, timeout: float) -> bytes:
+        """The next reply's frame (TimeoutError if none comes within ``timeout``)."""
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no reply within {timeout} s")
+        parts = self.sock.recv_multipart()
+        assert len(parts) == 1, f"a reply is one frame, got {len(parts)}"
+        return parts[0]
 
     def quiet(self, timeout: float = 0.2) -> bool:
         """Whether nothing more arrives within ``timeout``."""
