@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 from pool_dirs import shm_dir  # noqa: F401 - fixture
@@ -185,7 +186,7 @@ def test_a_spare_is_let_go_when_a_larger_block_needs_a_segment_of_its_own_and_wh
     before = open_fds()
     s = steps(16 * MIB, ahead=True)
     try:
-        assert s.alloc(64 * KIB) is not None and s.spare.nbytes == 64 * KIB
+        assert s.alloc(64 * KIB) is not None and s.spare.nbytes == 64 * KIB and s.spare.wait(10)
         assert s.alloc(2 * MIB) is not None  # larger than the step: grown at its own size
         assert [g.nbytes for g in s.segments] == [64 * KIB, 2 * MIB]
         assert s.spare is not None and s.spare.index == 2 and s.spare.wait(10)  # the next step
@@ -323,3 +324,27 @@ def test_a_growth_that_finds_its_step_still_being_backed_backs_one_step_more_ahe
         pinner.go.set()
         s.close()
     assert sorted(pinner.unpins) == sorted(a for _, a, _ in pinner.pins)  # every spare and segment
+
+
+def test_spares_let_go_for_a_larger_block_are_not_waited_for():
+    """The growth for a block larger than the step lets every spare go, and up to ``max_ahead``
+    steps may still be backing: the main loop does not wait for them; each is unpinned and
+    released by its own thread once its backing ends."""
+    pinner = HeldPinner()
+    s = SegmentSet(16 * MIB, 0, 1 * MIB, 4 * KIB, pinner=pinner, grow_bytes=64 * KIB, ahead=True)
+    try:
+        assert s.alloc(64 * KIB) is not None  # segment 1 is being backed ahead, held in its pin
+        t = time.monotonic()
+        assert s.alloc(2 * MIB) is not None  # grown at its own size; the held spare let go
+        assert time.monotonic() - t < 5 and [g.nbytes for g in s.segments] == [64 * KIB, 2 * MIB]
+        assert [n for _, _, n in pinner.pins] == [64 * KIB, 2 * MIB]  # the segments; spares held
+        pinner.go.set()
+        deadline = time.monotonic() + 10
+        while not pinner.unpins and time.monotonic() < deadline:
+            time.sleep(0.01)
+        segments = {g.addr for g in s.segments}
+        dropped = [a for _, a, n in pinner.pins if n == 64 * KIB and a not in segments]
+        assert len(dropped) == 1 and pinner.unpins == dropped  # released by its own thread
+    finally:
+        pinner.go.set()
+        s.close()

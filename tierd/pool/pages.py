@@ -95,6 +95,8 @@ class Spare:
         self.index, self.nbytes, self.pinner, self.path = index, nbytes, pinner, path
         self._out: tuple[int, mmap.mmap, bool] | None = None
         self._done = threading.Event()
+        self._lock = threading.Lock()  # between ``drop`` and the end of the backing
+        self._dropped = False
         threading.Thread(target=self._run, name="tierd-pool-grow", daemon=True).start()
 
     def _run(self) -> None:
@@ -109,7 +111,12 @@ class Spare:
         except Exception as exc:  # noqa: BLE001 - the growth then backs it on the main loop, as before
             log.warning("backing segment %d ahead of need failed: %s", self.index, exc)
         finally:
-            self._done.set()
+            with self._lock:
+                self._done.set()
+                out = self._out if self._dropped else None
+            if out is not None:
+                self._out = None
+                self._release(out)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether the backing is over (done or failed), waiting at most ``timeout``."""
@@ -133,6 +140,15 @@ class Spare:
         out = self.take()
         if out is not None:
             self._release(out)
+
+    def drop(self) -> None:
+        """Let it go untaken without waiting: released now if backed, else by its own thread once
+        it is (the caller is the daemon's main loop, which a backing in progress would hold)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._dropped = True
+                return
+        self.close()
 
     def _release(self, out: tuple[int, mmap.mmap, bool]) -> None:
         fd, mapping, pinned = out

@@ -270,7 +270,9 @@ class SegmentSet:
                 name = None if self.folder is None else self.folder.segment(spare.index)
                 backing = spare.take(name)  # None if that failed: then backed here, as without one
             else:  # a growth for a larger block than the step: the spares' indices and sizes are off
-                self._let_go_spares()
+                for spare in self.spares:
+                    spare.drop()  # not waited for: up to max_ahead steps may still be backing
+                self.spares.clear()
         seg = self._add(nbytes, create=True, backing=backing)
         if self.watch is not None:
             self.watch.grew(seg)
@@ -294,11 +296,6 @@ class SegmentSet:
             path = None if self.folder is None else self.folder.ahead(i)
             self.spares.append(pages.Spare(i, nbytes, self.pinner, path))
             backed += nbytes
-
-    def _let_go_spares(self) -> None:
-        for spare in self.spares:
-            spare.close()
-        self.spares.clear()
 
     def _add(self, nbytes: int, create: bool, backing=None) -> Segment:
         i = len(self.segments)
@@ -376,7 +373,9 @@ class SegmentSet:
         seg.free(off, max(nbytes, self.align))
 
     def close(self) -> None:
-        self._let_go_spares()
+        for spare in self.spares:
+            spare.close()
+        self.spares.clear()
         for seg in self.segments:
             seg.close(self.pinner)
         self.segments.clear()
