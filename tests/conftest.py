@@ -10,8 +10,9 @@ import pytest
 
 from tierd.tools.testing import ROOT, DaemonExited, ServeProcess, free_port  # noqa: F401 - tests import these
 
-# A few tests import helpers from a module of another layer (e2e from daemon); with every layer's
-# folder on the path that works however a run is scoped (``pytest tests/e2e`` alone, too).
+# Some test files import helpers from a test file of their own layer (never of another one:
+# tests/unit/test_test_layers.py); with every layer's folder on the path that works however a run
+# is scoped (``pytest tests/unit/test_x.py`` alone, too).
 for _layer in ("unit", "daemon", "e2e"):
     _folder = str(Path(__file__).resolve().parent / _layer)
     if _folder not in sys.path:
