@@ -31,7 +31,7 @@ from tierd.pool.evlog import EvictionLog
 from tierd.pool.index import Index, Obj, Span
 from tierd.pool.persist import KEEP, Persist
 from tierd.pool.recency import Recency
-from tierd.pool.segments import Pinner, SegmentSet
+from tierd.pool.segments import Pinner, Region, SegmentSet
 from tierd.pool.slabs import SizeClass, SlabAllocator
 
 
@@ -296,11 +296,11 @@ class Pool(Recency, Allocation):
             self._drop(obj)
 
     # ---- reading -------------------------------------------------------------------------
-    def regions(self) -> list[tuple[int, int, int]]:
-        """(address, bytes, file descriptor) of every backed segment, oldest first. Segments are
-        only added, never moved or shrunk, until ``close``."""
+    def regions(self) -> list[Region]:
+        """Every backed segment, oldest first. Segments are only added, never moved or shrunk,
+        until ``close``."""
         with self.lock:
-            return [(seg.addr, seg.nbytes, seg.fd) for seg in self.segments.segments]
+            return [Region(seg.addr, seg.nbytes, seg.fd) for seg in self.segments.segments]
 
     # ---- housekeeping --------------------------------------------------------------------
     def clear(self, ns: bytes | None = None) -> int:

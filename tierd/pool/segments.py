@@ -31,7 +31,7 @@ import heapq
 import mmap
 import os
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -46,6 +46,12 @@ class Pinner(Protocol):
     def pin(self, addr: int, nbytes: int) -> None: ...
 
     def unpin(self, addr: int) -> None: ...
+
+
+class Region(NamedTuple):  # a backed segment as a second tier registers it
+    addr: int
+    nbytes: int
+    fd: int
 
 
 class Segment:

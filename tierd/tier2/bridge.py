@@ -204,8 +204,8 @@ class SecondTier:
     def _prepare(self) -> None:
         """Hand the tier every pool segment not yet registered (before a call names its memory)."""
         regions = self.pool.regions()
-        for addr, nbytes, fd in regions[self._registered :]:
-            self.mc.register(addr, nbytes, fd)
+        for region in regions[self._registered :]:
+            self.mc.register(region.addr, region.nbytes, region.fd)
         self._registered = len(regions)
 
     # ---- status and shutdown -----------------------------------------------------------------
