@@ -32,7 +32,7 @@ from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_PARTS, codec, messages 
 from tierd.protocol.layout import GroupKind, GroupSpec, Namespace  # noqa: E402
 from tierd_client import wire  # noqa: E402
 from tierd_client.client import _split, lookup_request, typed_chunks  # noqa: E402
-from tierd_client.session import with_deadline  # noqa: E402
+from tierd_client.transport import with_deadline  # noqa: E402
 
 NS = {"model": "m", "fingerprint": "f" * 16, "world_size": 1, "salt": ""}
 GROUPS = [{"kind": "full", "block_tokens": 16, "window_tokens": 0}]

@@ -1,5 +1,8 @@
-"""The thin engine client: the protocol's verbs (docs/protocol.md section 14) over a ``Connection``
-(``tierd_client.session``: I/O thread, deadlines, HELLO, heartbeats, restart recovery, BYE).
+"""The thin engine client: the protocol's verbs (docs/protocol.md section 14) over its transport
+(``tierd_client.transport``: the I/O thread, requests and their deadlines, the lookup channel, the
+caller's-thread fast path) and its session (``tierd_client.session``: HELLO, registrations,
+heartbeats, restart recovery, BYE). ``TierdClient`` holds the two as ``transport`` and
+``session`` and composes them: the session reacts to the transport through its hooks.
 
 Each verb sends the typed request of tierd.protocol.messages that the daemon decodes it into, its
 parts (a namespace, group specs, a layout, chunks) typed too, so a field's name and default are
@@ -15,15 +18,131 @@ from concurrent.futures import Future
 
 from tierd.protocol import MAX_LOOKUP_PARTS, MAX_REQUEST_IDS, MAX_REQUEST_PARTS, messages
 from tierd.protocol.layout import GroupSpec, Namespace, PageLayout
+from tierd.protocol.sockets import default_socket
 from tierd_client.errors import DaemonUnavailable, DeadlineExceeded, TierdError
 from tierd_client.futures import failed, join, merge_retrieves, merge_stores
-from tierd_client.session import Connection
+from tierd_client.session import Session
+from tierd_client.transport import SPIN_S, Transport
 from tierd_client.wire import typed
 
 __all__ = ["TierdClient", "TierdError", "DeadlineExceeded", "DaemonUnavailable"]
 
 
-class TierdClient(Connection):
+class TierdClient:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        heartbeat_interval_s: float | None = None,
+        name: str = "tierd-client",
+        connect_timeout_s: float = 5.0,
+        token: str | None = None,
+        lookup_channel: bool = True,
+        spin_s: float = SPIN_S,
+    ):
+        """``lookup_channel``: send LOOKUP and PING on the daemon's lookup channel when it has one
+        (docs/protocol.md section 2.1); False: everything on the ZeroMQ socket. ``spin_s``: how
+        long a caller reads the channel for its reply before it sleeps in poll() (SPIN_S; 0: sleep
+        at once)."""
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
+        self.transport = Transport(url or default_socket(), timeout_s, name, lookup_channel, spin_s)
+        self.session = Session(self.transport, token, heartbeat_interval_s)
+        self.transport.start(self.session)
+        self.session.greet(connect_timeout_s)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def call_async(
+        self,
+        op: str,
+        body: messages.Message | dict | None = None,
+        timeout: float | None = None,
+        wait: bool = False,
+    ) -> Future:
+        """``body``: the op's typed request (tierd.protocol.messages); a plain map is sent as it is
+        (tools, and tests of the daemon's own checks). STORE and RETRIEVE get their ``deadline``
+        here. ``wait``: the caller asks for the result at once; its thread then reads the reply
+        itself (tierd_client.fast_path: one wake-up of another thread less each way). The future's
+        result is the op's typed reply (messages.REPLIES; STATUS's a map), its error a TierdError."""
+        return self.transport.call_async(op, body, timeout, wait)
+
+    def call(self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None):
+        return self.transport.call_async(op, body, timeout, True).result()
+
+    def pump(self, fut: Future, limit: float | None) -> None:
+        """Read the reply of ``fut`` (a request's future) on this thread, for at most a few ms."""
+        self.transport.pump(fut, limit)
+
+    @property
+    def url(self) -> str:
+        return self.transport.url
+
+    @property
+    def name(self) -> str:
+        return self.transport.name
+
+    @property
+    def timeout_s(self) -> float:
+        """The deadline of a call that names none."""
+        return self.transport.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float) -> None:
+        self.transport.timeout_s = value
+
+    # ---- the session ----------------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> messages.HelloReply:
+        """Block until HELLO was answered; returns its reply. Raises the daemon's own error when it
+        refused the HELLO (e.g. ``UNSUPPORTED_VERSION``), ``DaemonUnavailable`` when none answered."""
+        return self.session.wait_ready(timeout)
+
+    @property
+    def server(self) -> messages.HelloReply | None:
+        """The last HELLO reply (protocol, version, boot_id, null_block_id, ...)."""
+        return self.session.server
+
+    @property
+    def connected(self) -> bool:
+        """Whether the daemon is there now: a HELLO answered and the connection not lost since."""
+        return self.session.connected
+
+    @property
+    def refusal(self) -> TierdError | None:
+        """The daemon's error if it refused our last HELLO (e.g. UNSUPPORTED_VERSION), else None."""
+        return self.session.refusal
+
+    def register_async(
+        self,
+        instance: str,
+        layout: PageLayout | dict,
+        timeout: float | None = None,
+        publish: object | None = None,
+    ) -> Future:
+        """REGISTER a rank's page layout; once accepted it is re-sent after a daemon restart.
+        ``publish`` (optional): ``open()``/``close()`` around every REGISTER of it
+        (tierd_client.session)."""
+        return self.session.register_async(instance, layout, timeout, publish)
+
+    @property
+    def leaving(self) -> bool:
+        """Whether ``leave_now`` or ``close`` began saying goodbye."""
+        return self.session.leaving
+
+    def leave_now(self, unregister: tuple[str, ...] = ()) -> None:
+        """Queue UNREGISTERs of ``unregister`` (any session may drop any instance) and a BYE, and
+        return at once: safe in a signal handler (lock-free queue puts, a pipe write). No
+        heartbeats or recovery after it; ``close`` then only lets the queue drain and stops."""
+        self.session.leave_now(unregister)
+
+    def close(self, bye_timeout: float = 0.5) -> None:
+        """Say BYE (at most ``bye_timeout`` s), then stop the I/O thread."""
+        if self.transport.closed.is_set():
+            return
+        self.session.bye(bye_timeout)
+        self.transport.stop()
+
+    # ---- the verbs ------------------------------------------------------------------------------
     def register(
         self,
         instance: str,
@@ -34,7 +153,7 @@ class TierdClient(Connection):
         return self.register_async(instance, layout, timeout, publish).result()
 
     def unregister(self, instance: str, timeout: float | None = None) -> messages.Empty:
-        self._registrations.pop(instance, None)
+        self.session.forget(instance)
         return self.call("UNREGISTER", messages.Unregister(instance), timeout)
 
     def lookup_async(

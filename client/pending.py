@@ -1,5 +1,6 @@
-"""A request on its way to the daemon (``Pending``) and the future its caller holds (``Reply``);
-tierd_client.transport sends them and resolves them with the daemon's replies."""
+"""A request on its way to the daemon (``Pending``), the future its caller holds (``Reply``), and
+how a request ends (``resolve``, ``fail``); tierd_client.transport sends them and ends them with
+the daemon's replies."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any
 
 import msgspec
 
+from tierd.protocol import messages
 from tierd.protocol.errors import ProtocolError
 from tierd_client import wire
+from tierd_client.errors import TierdError
 
 log = logging.getLogger("tierd_client")
 
@@ -25,7 +28,7 @@ class Reply(Future):
     def __init__(self, transport):  # the tierd_client.transport.Transport it pumps
         super().__init__()
         self._transport = transport
-        self.pending: Pending | None = None  # set by Transport._request
+        self.pending: Pending | None = None  # set by Transport.request
 
     def result(self, timeout: float | None = None):
         return super().result(self._pumped(timeout))
@@ -60,6 +63,39 @@ class Pending:
         """The instance the request names, if any."""
         body = self.body
         return body.get("instance") if isinstance(body, dict) else getattr(body, "instance", None)
+
+
+def resolve(p: Pending, body) -> None:
+    """``p`` answered with ``body``, its typed reply: its callback, or its future's result."""
+    unpublish(p)
+    if p.callback is not None:
+        p.callback(True, body)
+    elif p.future is not None and not p.future.done():
+        p.future.set_result(body)
+    release(p)
+
+
+def fail(p: Pending, exc: TierdError) -> None:
+    """``p`` ended in ``exc``: its callback (with the matching messages.ErrorReply), or its future's
+    exception."""
+    unpublish(p)
+    if p.callback is not None:
+        try:
+            p.callback(False, messages.ErrorReply(exc.code, exc.message))
+        except Exception:  # noqa: BLE001
+            log.exception("client callback raised")
+    elif p.future is not None and not p.future.done():
+        p.future.set_exception(exc)
+    release(p)
+
+
+def unpublish(p: Pending) -> None:
+    """``publish.close()`` of a request that ended, whichever way it ended."""
+    if p.publish is not None:
+        try:
+            p.publish.close()
+        except OSError as exc:
+            log.warning("tierd: withdrawing the shared-memory names of %s failed: %s", p.instance, exc)
 
 
 def release(p: Pending) -> None:

@@ -1,11 +1,13 @@
-"""A client's session with the daemon (docs/protocol.md sections 5-7): HELLO, heartbeats,
-recovery after a daemon restart, BYE, and the request/deadline API the verbs are built on.
+"""A client's session with the daemon (docs/protocol.md sections 5-7): HELLO, registrations,
+heartbeats, recovery after a daemon restart, BYE.
 
-- Every call has a deadline; a call the daemon does not answer in time fails with
-  ``DeadlineExceeded`` and its reply, should it come later, is ignored.
-- STORE and RETRIEVE carry the wall-clock deadline too, so the daemon never commits a store
-  (or starts a retrieve) after the client gave up on it: a late copy can never publish bytes
-  from blocks the engine has already reused.
+``Session`` owns the session's state (the last HELLO reply or refusal, the accepted
+registrations, the heartbeat's schedule, whether it is recovering or leaving) and is composed
+with a tierd_client.transport.Transport: it sends through the transport, and the transport calls
+it back through the transport's ``Hooks`` (``on_connect``, ``on_reply``, ``tick``), on the I/O
+thread with the transport's lock held, so the state the hooks change is the I/O thread's (a
+success may reach ``on_reply`` on a caller's thread too; it changes nothing there).
+
 - Heartbeats (PING) start with the session. A daemon restart shows as a new connection or an
   ``UNKNOWN_SESSION`` answer; the client then says HELLO again, re-registers its ranks and
   re-sends the request once. A daemon that comes up only after the first HELLO expired is
@@ -15,8 +17,9 @@ recovery after a daemon restart, BYE, and the request/deadline API the verbs are
   after binding its socket) is sent again, until one is answered; ``wait_ready`` waits on.
 - A HELLO the daemon refuses (e.g. ``UNSUPPORTED_VERSION``) is not "no daemon": ``wait_ready``
   raises the daemon's own error, and requests that fail for want of a session carry it too.
-- ``close`` says BYE (bounded; an older daemon's ``UNKNOWN_OP`` is fine), so the daemon drops
-  the session, its leases and its instances at once instead of at the heartbeat timeout.
+- ``bye`` (the client's ``close``) says BYE (bounded; an older daemon's ``UNKNOWN_OP`` is fine),
+  so the daemon drops the session, its leases and its instances at once instead of at the
+  heartbeat timeout.
 - A REGISTER may carry a *publication* (``register_async(publish=)``): ``open()`` runs on the
   I/O thread right before every REGISTER of that instance is sent (re-registrations after a
   daemon restart included) and ``close()`` once it is answered. The CPU path uses it to give
@@ -32,21 +35,17 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import msgspec
-
 from tierd.protocol import PROTOCOL_VERSION, messages
 from tierd.protocol.errors import ErrorCode
 from tierd.protocol.layout import PageLayout
-from tierd.protocol.sockets import default_socket
 from tierd_client.errors import DaemonUnavailable, TierdError
 from tierd_client.futures import failed
-from tierd_client.pending import Pending, Reply
-from tierd_client.transport import SPIN_S, Transport
+from tierd_client.pending import Pending, fail
+from tierd_client.transport import Transport
 from tierd_client.wire import typed
 
 log = logging.getLogger("tierd_client")
 
-_DEADLINE_OPS = ("STORE", "RETRIEVE")
 _NOT_REFUSALS = ("DEADLINE", "UNAVAILABLE", "CLOSED")  # a HELLO that got no answer was not refused
 
 
@@ -57,26 +56,11 @@ class _Registration:
     publish: object | None = None
 
 
-class Connection(Transport):
+class Session:
     def __init__(
-        self,
-        url: str | None = None,
-        *,
-        timeout_s: float = 10.0,
-        heartbeat_interval_s: float | None = None,
-        name: str = "tierd-client",
-        connect_timeout_s: float = 5.0,
-        token: str | None = None,
-        lookup_channel: bool = True,
-        spin_s: float = SPIN_S,
+        self, transport: Transport, token: str | None = None, heartbeat_interval_s: float | None = None
     ):
-        """``lookup_channel``: send LOOKUP and PING on the daemon's lookup channel when it has one
-        (docs/protocol.md section 2.1); False: everything on the ZeroMQ socket. ``spin_s``: how
-        long a caller reads the channel for its reply before it sleeps in poll() (SPIN_S; 0: sleep
-        at once)."""
-        if not spin_s >= 0:
-            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
-        super().__init__(url or default_socket(), timeout_s, name, lookup_channel, spin_s)
+        self.transport = transport
         # tcp://: the tenant token the daemon's --tcp-token-file lists (default $TIERD_TOKEN)
         self._token = os.environ.get("TIERD_TOKEN", "") if token is None else token
         self._heartbeat = heartbeat_interval_s
@@ -84,43 +68,25 @@ class Connection(Transport):
         self._hello: messages.HelloReply | None = None
         self._hello_event = threading.Event()
         self._hello_error: TierdError | None = None  # the daemon refused our last HELLO
-        self._recovering = True  # a HELLO is in flight (the first one is submitted below)
+        self._recovering = True  # a HELLO is in flight (the first one is submitted by ``greet``)
         self._leaving = False  # saying BYE: no heartbeats, no recovery
         self._bye_queued = False  # leave_now() queued one
         self._next_ping = 0.0
-        self._thread.start()
-        self._submit(self._request("HELLO", self._hello_body(), connect_timeout_s, callback=self._on_hello))
 
-    # ---- requests -------------------------------------------------------------------------------
-    def call_async(
-        self,
-        op: str,
-        body: messages.Message | dict | None = None,
-        timeout: float | None = None,
-        wait: bool = False,
-    ) -> Future:
-        """``body``: the op's typed request (tierd.protocol.messages); a plain map is sent as it is
-        (tools, and tests of the daemon's own checks). STORE and RETRIEVE get their ``deadline``
-        here. ``wait``: the caller asks for the result at once; its thread then reads the reply
-        itself (tierd_client.transport: one wake-up of another thread less each way). The future's
-        result is the op's typed reply (messages.REPLIES; STATUS's a map), its error a TierdError."""
-        timeout = self.timeout_s if timeout is None else timeout
-        fut: Future = Reply(self)
-        body = with_deadline(op, {} if body is None else body, timeout)
-        self._submit(self._request(op, body, timeout, future=fut, wait=wait))
-        return fut
-
-    def call(self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None):
-        return self.call_async(op, body, timeout, wait=True).result()
+    # ---- callers' threads -----------------------------------------------------------------------
+    def greet(self, timeout: float) -> None:
+        """Send the first HELLO (the transport started): answered or not within ``timeout``."""
+        t = self.transport
+        t.submit(t.request("HELLO", self.hello_body(), timeout, callback=self._on_hello))
 
     def wait_ready(self, timeout: float | None = None) -> messages.HelloReply:
         """Block until HELLO was answered; returns its reply. Raises the daemon's own error when it
         refused the HELLO (e.g. ``UNSUPPORTED_VERSION``), ``DaemonUnavailable`` when none answered."""
-        self._hello_event.wait(self.timeout_s if timeout is None else timeout)
+        self._hello_event.wait(self.transport.timeout_s if timeout is None else timeout)
         if self._hello_error is not None:
             raise self._hello_error
         if self._hello is None:
-            raise DaemonUnavailable(self.url)
+            raise DaemonUnavailable(self.transport.url)
         return self._hello
 
     @property
@@ -131,7 +97,7 @@ class Connection(Transport):
     @property
     def connected(self) -> bool:
         """Whether the daemon is there now: a HELLO answered and the connection not lost since."""
-        return self._hello is not None and self._connected
+        return self._hello is not None and self.transport.connected
 
     @property
     def refusal(self) -> TierdError | None:
@@ -164,112 +130,133 @@ class Connection(Transport):
 
         fut: Future = Future()
         fut.add_done_callback(finish)
-        self._submit(
-            self._request(
-                "REGISTER", messages.Register(instance, layout), timeout, future=fut, publish=publish
-            )
+        t = self.transport
+        t.submit(
+            t.request("REGISTER", messages.Register(instance, layout), timeout, future=fut, publish=publish)
         )
         return done
 
+    def forget(self, instance: str) -> None:
+        """Stop re-registering ``instance`` (it is being unregistered)."""
+        self._registrations.pop(instance, None)
+
     @property
     def leaving(self) -> bool:
-        """Whether ``leave_now`` or ``close`` began saying goodbye."""
+        """Whether ``leave_now`` or ``bye`` began saying goodbye."""
         return self._leaving
 
     def leave_now(self, unregister: tuple[str, ...] = ()) -> None:
         """Queue UNREGISTERs of ``unregister`` (any session may drop any instance) and a BYE, and
         return at once: safe in a signal handler (lock-free queue puts, a pipe write). No
-        heartbeats or recovery after it; ``close`` then only lets the queue drain and stops."""
-        if self._leaving or self._hello is None or self._closed.is_set():
+        heartbeats or recovery after it; ``bye`` then only lets the queue drain."""
+        t = self.transport
+        if self._leaving or self._hello is None or t.closed.is_set():
             return
         self._leaving = self._bye_queued = True
-        for instance in unregister:
-            self._outbox.put(
-                self._request("UNREGISTER", messages.Unregister(instance), 1.0, callback=_ignore)
-            )
-        self._outbox.put(self._request("BYE", messages.Bye(), 1.0, callback=_ignore))
-        self._wake()
+        byes = [t.request("UNREGISTER", messages.Unregister(i), 1.0, callback=_ignore) for i in unregister]
+        t.enqueue(*byes, t.request("BYE", messages.Bye(), 1.0, callback=_ignore))
 
-    def close(self, bye_timeout: float = 0.5) -> None:
-        """Say BYE (at most ``bye_timeout`` s), then stop the I/O thread."""
-        if self._closed.is_set():
-            return
+    def bye(self, bye_timeout: float) -> None:
+        """Say BYE (at most ``bye_timeout`` s), or let the one ``leave_now`` queued go out; the
+        transport is stopped next."""
+        t = self.transport
         if self._bye_queued:
             deadline = time.monotonic() + bye_timeout  # let the queued BYE go out
-            while not self._outbox.empty() and time.monotonic() < deadline:
+            while not t.outbox.empty() and time.monotonic() < deadline:
                 time.sleep(0.005)
-        elif self._hello is not None and self._connected:
+        elif self._hello is not None and t.connected:
             self._leaving = True
             try:
-                self.call("BYE", messages.Bye(), timeout=bye_timeout)
+                t.call("BYE", messages.Bye(), timeout=bye_timeout)
             except TierdError:
                 pass  # UNKNOWN_OP (older daemon), gone, or slow: the heartbeat timeout reaps us
-        self._stop()
 
-    # ---- I/O thread -----------------------------------------------------------------------------
-    def _hello_body(self) -> messages.Hello:
+    def hello_body(self) -> messages.Hello:
         # tcp://: the tenant token (--tcp-token-file); left out of the frame when empty
-        return messages.Hello(PROTOCOL_VERSION, self.name, os.getpid(), self._token)
+        return messages.Hello(PROTOCOL_VERSION, self.transport.name, os.getpid(), self._token)
+
+    # ---- the transport's hooks: I/O thread, its lock held ---------------------------------------
+    def on_connect(self, reconnect: bool) -> None:
+        # a new daemon (or the same one after a blip, or one that came up after our first HELLO
+        # expired): new session, same registrations
+        if (reconnect or self._hello is None) and not self._recovering and not self._leaving:
+            log.info(
+                "connected to tierd at %s; saying HELLO%s",
+                self.transport.url,
+                " and re-registering" if self._registrations else "",
+            )
+            self._resync()
+
+    def on_reply(self, p: Pending, ok: bool, body) -> bool:
+        """Take over ``p`` when the daemon lost this session or its instance (HELLO and re-REGISTER
+        first, then ``p`` once more), or when it has no session because it refused our HELLO (then
+        ``p`` fails with that refusal). A success is never taken over: that also runs on a caller's
+        thread (tierd_client.transport.Hooks)."""
+        if ok:
+            return False
+        code = body.code
+        internal = p.op == "HELLO" or (p.op == "REGISTER" and p.callback is not None)
+        if not p.retried and not internal and not self._leaving:
+            if code == ErrorCode.UNKNOWN_SESSION.name:
+                p.retried = True  # the daemon lost us (restart): HELLO, re-REGISTER, then p once
+                if self._recovering:
+                    self.transport.front.append(p)
+                else:
+                    log.info(
+                        "tierd at %s lost this session; saying HELLO and re-registering", self.transport.url
+                    )
+                    self._resync(then=p)  # STORE/RETRIEVE keep their wall-clock deadline
+                return True
+            reg = self._registrations.get(p.instance) if code == ErrorCode.UNKNOWN_INSTANCE.name else None
+            if reg is not None:  # the daemon dropped this rank only (e.g. UNREGISTER elsewhere)
+                p.retried = True
+                self.transport.front += [self._reregister(reg), p]
+                return True
+        if code == ErrorCode.UNKNOWN_SESSION.name and self._hello_error is not None:
+            fail(p, self._hello_error)  # no session because the daemon refused our HELLO: say why
+            return True
+        return False
+
+    def tick(self) -> None:
+        """Heartbeat: a PING every interval once a HELLO was answered."""
+        if self._hello is None or self._heartbeat is None or self._leaving:
+            return
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + self._heartbeat
+            t = self.transport
+            t.front.append(
+                t.request("PING", messages.Ping(), max(self._heartbeat * 2, 1.0), callback=_ignore)
+            )
 
     def _resync(self, then: Pending | None = None) -> None:
         """HELLO, every accepted REGISTER, then ``then``: ahead of anything else waiting."""
         self._recovering = True
-        self._front.append(self._request("HELLO", self._hello_body(), callback=self._on_hello))
-        self._front += [self._reregister(reg) for reg in list(self._registrations.values())]
+        front = self.transport.front
+        front.append(self.transport.request("HELLO", self.hello_body(), callback=self._on_hello))
+        front += [self._reregister(reg) for reg in list(self._registrations.values())]
         if then is not None:
-            self._front.append(then)
+            front.append(then)
 
     def _reregister(self, reg: _Registration) -> Pending:
-        return self._request(
+        return self.transport.request(
             "REGISTER",
             messages.Register(reg.instance, reg.layout),
             callback=self._on_reregister,
             publish=reg.publish,
         )
 
-    def _on_connect(self, reconnect: bool) -> None:
-        # a new daemon (or the same one after a blip, or one that came up after our first HELLO
-        # expired): new session, same registrations
-        if (reconnect or self._hello is None) and not self._recovering and not self._leaving:
-            log.info(
-                "connected to tierd at %s; saying HELLO%s",
-                self.url,
-                " and re-registering" if self._registrations else "",
-            )
-            self._resync()
-
-    def _on_reply(self, p: Pending, ok: bool, body) -> None:
-        code = None if ok else body.code
-        internal = p.op == "HELLO" or (p.op == "REGISTER" and p.callback is not None)
-        if code is not None and not p.retried and not internal and not self._leaving:
-            if code == ErrorCode.UNKNOWN_SESSION.name:
-                p.retried = True  # the daemon lost us (restart): HELLO, re-REGISTER, then p once
-                if self._recovering:
-                    self._front.append(p)
-                else:
-                    log.info("tierd at %s lost this session; saying HELLO and re-registering", self.url)
-                    self._resync(then=p)  # STORE/RETRIEVE keep their wall-clock deadline
-                return
-            reg = self._registrations.get(p.instance) if code == ErrorCode.UNKNOWN_INSTANCE.name else None
-            if reg is not None:  # the daemon dropped this rank only (e.g. UNREGISTER elsewhere)
-                p.retried = True
-                self._front += [self._reregister(reg), p]
-                return
-        if code == ErrorCode.UNKNOWN_SESSION.name and self._hello_error is not None:
-            self._fail(p, self._hello_error)  # no session because the daemon refused our HELLO: say why
-        else:
-            super()._on_reply(p, ok, body)
-
     def _on_hello(self, ok: bool, body: messages.HelloReply | messages.ErrorReply) -> None:
         self._recovering = False
-        if not ok and body.code == "UNAVAILABLE" and not self._leaving and not self._closed.is_set():
+        t = self.transport
+        if not ok and body.code == "UNAVAILABLE" and not self._leaving and not t.closed.is_set():
             # the daemon dropped the connection under this HELLO (over its connection cap, or a
-            # restart): the socket reconnects by itself and _on_connect asks again; wait_ready waits on
+            # restart): the socket reconnects by itself and on_connect asks again; wait_ready waits on
             return
-        if not ok and body.code == "DEADLINE" and self._connected and not self._leaving:
+        if not ok and body.code == "DEADLINE" and t.connected and not self._leaving:
             # connected, yet no answer in time: the daemon is still opening (backing and pinning its
             # pool comes after it binds its socket) or busy. Ask again; wait_ready waits on.
-            log.info("tierd at %s has not answered HELLO yet; asking again", self.url)
+            log.info("tierd at %s has not answered HELLO yet; asking again", t.url)
             self._resync()
             return
         if ok:
@@ -278,36 +265,15 @@ class Connection(Transport):
             if self._heartbeat is None:
                 self._heartbeat = max(0.05, min(5.0, body.heartbeat_timeout_s / 4))
             self._next_ping = time.monotonic() + self._heartbeat
-            self._open_channel(body.channel_max_bytes)
+            t.channel.open(body.channel_max_bytes)
         elif body.code not in _NOT_REFUSALS:
             self._hello_error = TierdError(body.code, body.message)
-            log.error("tierd at %s refused HELLO: %s", self.url, self._hello_error)
+            log.error("tierd at %s refused HELLO: %s", t.url, self._hello_error)
         self._hello_event.set()
 
     def _on_reregister(self, ok: bool, body) -> None:
         if not ok:
             log.error("re-registering with tierd failed: %s", body)
-
-    def _tick(self) -> None:
-        """Heartbeat: a PING every interval once a HELLO was answered."""
-        if self._hello is None or self._heartbeat is None or self._leaving:
-            return
-        now = time.monotonic()
-        if now >= self._next_ping:
-            self._next_ping = now + self._heartbeat
-            self._front.append(
-                self._request("PING", messages.Ping(), max(self._heartbeat * 2, 1.0), callback=_ignore)
-            )
-
-
-def with_deadline(op: str, body: messages.Message | dict, timeout: float) -> messages.Message | dict:
-    """``body`` with the wall-clock ``deadline`` STORE and RETRIEVE carry (``timeout`` from now)."""
-    if op not in _DEADLINE_OPS:
-        return body
-    deadline = time.time() + timeout
-    if isinstance(body, messages.Message):
-        return msgspec.structs.replace(body, deadline=deadline)
-    return {**body, "deadline": deadline}
 
 
 def _ignore(ok: bool, body) -> None:

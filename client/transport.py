@@ -8,14 +8,19 @@ Hazards handled here:
   first connection a request waits (up to its deadline) for one; after a connection was lost,
   requests fail at once with ``DaemonUnavailable`` (a dead daemon never answers, and nothing it
   had not committed is committed later), and so does everything in flight at the disconnect.
-- A reply that comes after its request's deadline is dropped: the caller has moved on.
+- Every call has a deadline; a call the daemon does not answer in time fails with
+  ``DeadlineExceeded`` and its reply, should it come later, is dropped: the caller has moved on.
+- STORE and RETRIEVE carry the wall-clock deadline too (``with_deadline``), so the daemon never
+  commits a store (or starts a retrieve) after the client gave up on it: a late copy can never
+  publish bytes from blocks the engine has already reused.
 - A request with a ``publish`` hook has ``publish.open(url)`` called right before it is sent and
   ``publish.close()`` once it ends, whichever way it ends (reply, deadline, disconnect, close).
 
-The caller's own thread does the socket work where it can: tierd_client.fast_path.
-
-The lookup channel (LOOKUP and PING without ZeroMQ) is tierd_client.lookup_channel's half; a
-request and its future are tierd_client.pending's.
+The caller's own thread does the socket work where it can (tierd_client.fast_path): whoever holds
+``lock`` owns the socket and the state it guards (the requests in flight, the queues, the stash).
+The lookup channel (LOOKUP and PING without ZeroMQ) is tierd_client.lookup_channel's object, held
+as ``channel``; a request and its future are tierd_client.pending's. The session on top
+(tierd_client.session) reacts through the ``Hooks`` handed to ``start``.
 """
 
 from __future__ import annotations
@@ -28,17 +33,18 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future
+from typing import Protocol
 
 import msgspec
 import zmq
 
 from tierd.protocol import messages
 from tierd.protocol.errors import ProtocolError
-from tierd_client import wire
+from tierd_client import fast_path, wire
 from tierd_client.errors import BadReply, DaemonUnavailable, DeadlineExceeded, TierdError
-from tierd_client.fast_path import FastPath
-from tierd_client.lookup_channel import ChannelSide
-from tierd_client.pending import Pending, decode_reply, release
+from tierd_client.lookup_channel import LookupChannel
+from tierd_client.pending import Pending, Reply, decode_reply, fail, resolve
 
 log = logging.getLogger("tierd_client")
 
@@ -47,6 +53,7 @@ TICK_MS = 50  # the I/O thread's longest sleep: heartbeats, deadlines and claims
 # waking a thread that sleeps in poll() costs, on a VM's vCPU, about a PING's whole work
 # (benchmarks/lookup_latency.py: the channel's figures against ``no_spin``'s).
 SPIN_S = 0.0003
+_DEADLINE_OPS = ("STORE", "RETRIEVE")
 
 
 def routing_identity() -> bytes:
@@ -55,75 +62,125 @@ def routing_identity() -> bytes:
     return b"t" + uuid.uuid4().bytes[1:]
 
 
-class Transport(FastPath, ChannelSide):
-    """Subclasses react through three hooks, all called on the I/O thread: ``_on_connect`` (a
-    ZMTP handshake completed), ``_on_reply`` (a reply matched a request) and ``_tick`` (every
-    loop turn, at least every TICK_MS). ``_front`` holds requests to send before anything waiting."""
+class Hooks(Protocol):
+    """How the layer above (tierd_client.session.Session) reacts to the transport; called on the I/O
+    thread with ``lock`` held, but for ``on_reply`` of a success a caller read for its own request
+    (tierd_client.fast_path): on that caller's thread, after it let the lock go."""
+
+    def on_connect(self, reconnect: bool) -> None:
+        """A ZMTP handshake completed (``reconnect``: not the first one)."""
+
+    def on_reply(self, p: Pending, ok: bool, body) -> bool:
+        """A reply matched ``p`` (``body``: ``p.op``'s typed reply, or a messages.ErrorReply when not
+        ``ok``). True: the hook took ``p`` over (retried or ended it); False: ``p`` ends with it."""
+
+    def tick(self) -> None:
+        """Every loop turn, at least every TICK_MS."""
+
+
+class Transport:
+    """Owns the DEALER socket (``sock``, the I/O thread's), the I/O thread, and under ``lock`` the
+    requests in flight (``pending``), those not sent yet (``outbox``, then ``waiting``; ``front``
+    before anything waiting: the hooks put HELLOs, re-REGISTERs and retries there), the replies a
+    caller read for the I/O thread (``stash``) and whether that thread watches the socket; and the
+    lookup channel (``channel``). Its public names are for tierd_client.fast_path and the session;
+    what the lock guards is touched only with it held (the outbox is a thread-safe queue)."""
 
     def __init__(self, url: str, timeout_s: float, name: str, channel: bool = True, spin_s: float = SPIN_S):
         self.url = url
-        self.spin_s = spin_s  # SPIN_S: how long a caller reads a lookup-channel reply before sleeping
         self.timeout_s = timeout_s
         self.name = name
         self._ctx = zmq.Context.instance()
-        self._ids = itertools.count(1)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.ids = itertools.count(1)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._pending: dict[int, Pending] = {}
-        self._front: list[Pending] = []
-        self._waiting: list[Pending] = []  # taken from the outbox, not yet sent: no connection so far
-        self._lock = threading.Lock()  # owns the socket and the state above (module doc)
-        self._sock: zmq.Socket | None = None
-        self._stash: list[tuple[int, bool, msgspec.Raw]] = []  # replies a caller read for the I/O thread
-        self._watching = True  # the I/O thread's poll includes the socket's descriptor
-        self._closed = threading.Event()
-        self._connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
+        self.pending: dict[int, Pending] = {}
+        self.front: list[Pending] = []
+        self.waiting: list[Pending] = []  # taken from the outbox, not yet sent: no connection so far
+        self.lock = threading.Lock()  # owns the socket and the state above (module doc)
+        self.sock: zmq.Socket | None = None
+        self.stash: list[tuple[int, bool, msgspec.Raw]] = []  # replies a caller read for the I/O thread
+        self.watching = True  # the I/O thread's poll includes the socket's descriptor
+        self.closed = threading.Event()
+        self.connected = False  # a ZMTP handshake with the daemon completed and no disconnect since
         self._ever_connected = False
-        self._identity = routing_identity()  # the DEALER's, named on the lookup channel too
-        self._init_channel(url, channel)
-        self._thread = threading.Thread(target=self._loop, name=f"tierd-client-{name}", daemon=True)
+        self.identity = routing_identity()  # the DEALER's, named on the lookup channel too
+        self.channel = LookupChannel(url, channel, self.identity, spin_s, self._channel_lost)
+        self._hooks: Hooks | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"tierd-client-{name}", daemon=True)
 
-    # ---- any thread (and tierd_client.fast_path) ------------------------------------------------
-    def _submit(self, p: Pending) -> None:
-        if self._closed.is_set():
+    def start(self, hooks: Hooks) -> None:
+        """Start the I/O thread, ``hooks`` reacting to what it sees."""
+        self._hooks = hooks
+        self.thread.start()
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def request(self, op: str, body, timeout: float | None = None, wait: bool = False, **kw) -> Pending:
+        """A request (not sent yet); ``wait``: claimed for its caller (tierd_client.fast_path)."""
+        timeout = self.timeout_s if timeout is None else timeout
+        now = time.monotonic()
+        p = Pending(op, body, now + timeout, timeout, **kw)
+        if wait:
+            p.claimed_until = now + fast_path.FAST_WAIT_S
+        if isinstance(p.future, Reply):
+            p.future.pending = p
+        return p
+
+    def call_async(
+        self,
+        op: str,
+        body: messages.Message | dict | None = None,
+        timeout: float | None = None,
+        wait: bool = False,
+    ) -> Future:
+        """``op`` with ``body`` sent, its future returned (module doc: deadlines; ``wait``: the
+        caller reads its reply itself, tierd_client.fast_path)."""
+        timeout = self.timeout_s if timeout is None else timeout
+        fut: Future = Reply(self)
+        body = with_deadline(op, {} if body is None else body, timeout)
+        self.submit(self.request(op, body, timeout, future=fut, wait=wait))
+        return fut
+
+    def call(self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None):
+        return self.call_async(op, body, timeout, wait=True).result()
+
+    def submit(self, p: Pending) -> None:
+        if self.closed.is_set():
             raise TierdError("CLOSED", "client is closed")
-        if p.publish is None and p.callback is None and self._send_now(p):
+        if p.publish is None and p.callback is None and fast_path.send_now(self, p):
             return
-        self._outbox.put(p)
-        self._wake()
+        self.outbox.put(p)
+        self.wake()
 
-    def _wake(self) -> None:
+    def enqueue(self, *requests: Pending) -> None:
+        """Hand ``requests`` to the I/O thread: lock-free queue puts and a pipe write, safe in a
+        signal handler."""
+        for p in requests:
+            self.outbox.put(p)
+        self.wake()
+
+    def pump(self, fut: Future, limit: float | None) -> None:
+        """Read the reply of ``fut`` (a request's Reply) on this thread (tierd_client.fast_path)."""
+        fast_path.pump(self, fut, limit)
+
+    def wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
 
-    def _stop(self) -> None:
-        self._closed.set()
-        self._wake()
-        self._thread.join(timeout=5)
+    def stop(self) -> None:
+        self.closed.set()
+        self.wake()
+        self.thread.join(timeout=5)
         os.close(self._wake_r)
         os.close(self._wake_w)
-
-    # ---- hooks ----------------------------------------------------------------------------------
-    def _on_connect(self, reconnect: bool) -> None:
-        pass
-
-    def _on_reply(self, p: Pending, ok: bool, body) -> None:
-        """``body``: ``p.op``'s typed reply, or a messages.ErrorReply when not ``ok``."""
-        if ok:
-            self._resolve(p, body)
-        else:
-            self._fail(p, TierdError(body.code, body.message))
-
-    def _tick(self) -> None:
-        pass
 
     # ---- I/O thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not connected
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -135,12 +192,13 @@ class Transport(FastPath, ChannelSide):
         poller.register(fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        with self._lock:
-            self._sock = sock
+        with self.lock:
+            self.sock = sock
         timeout_ms = TICK_MS
         polled = None  # the lookup channel's socket, while registered
+        channel, hooks = self.channel, self._hooks
         try:
-            while not self._closed.is_set():
+            while not self.closed.is_set():
                 events = dict(poller.poll(timeout_ms))
                 if self._wake_r in events:
                     try:
@@ -148,53 +206,53 @@ class Transport(FastPath, ChannelSide):
                             pass
                     except BlockingIOError:
                         pass
-                with self._lock:
+                with self.lock:
                     if monitor in events:
                         self._on_monitor(monitor)
-                    stash, self._stash = self._stash, []
+                    stash, self.stash = self.stash, []
                     for req_id, ok, body in stash:
                         self._dispatch(req_id, ok, body)
                     self._recv_all(sock)
-                    self._channel_poll()
+                    channel.poll(self._dispatch)
                     while True:
                         try:
-                            self._waiting.append(self._outbox.get_nowait())
+                            self.waiting.append(self.outbox.get_nowait())
                         except queue.Empty:
                             break
-                    if self._front:
-                        self._waiting, self._front = self._front + self._waiting, []
-                    if self._waiting:
-                        self._waiting = self._send_waiting(sock, self._waiting)
+                    if self.front:
+                        self.waiting, self.front = self.front + self.waiting, []
+                    if self.waiting:
+                        self.waiting = self._send_waiting(sock, self.waiting)
                         self._recv_all(sock)  # a send may have taken in replies (edge-triggered descriptor)
-                    self._waiting = self._expire(self._waiting)
-                    self._tick()
-                    watch, timeout_ms = self._watch_socket()
-                    if watch != self._watching:
-                        self._watching = watch
+                    self.waiting = self._expire(self.waiting)
+                    hooks.tick()
+                    watch, timeout_ms = self.watch_socket()
+                    if watch != self.watching:
+                        self.watching = watch
                         if watch:
                             poller.register(fd, zmq.POLLIN)
                         else:
                             poller.unregister(fd)
-                    polled = self._sync_channel(poller, polled, watch)
+                    polled = channel.sync(poller, polled, watch)
         finally:
-            with self._lock:
-                self._sock = None
+            with self.lock:
+                self.sock = None
                 sock.disable_monitor()
                 monitor.close(linger=0)
                 sock.close(linger=0)
-                for p in list(self._pending.values()) + self._waiting + self._front:
-                    self._fail(p, TierdError("CLOSED", "client closed"))
-                self._pending.clear()
-                self._drop_channel("the client closed")
-                self._sync_channel(poller, polled, False)
+                for p in list(self.pending.values()) + self.waiting + self.front:
+                    fail(p, TierdError("CLOSED", "client closed"))
+                self.pending.clear()
+                channel.drop("the client closed")
+                channel.sync(poller, polled, False)
 
-    def _watch_socket(self) -> tuple[bool, int]:
+    def watch_socket(self) -> tuple[bool, int]:
         """Whether the I/O thread watches the socket (some request in flight is not claimed by a
         caller reading its reply), and its poll's timeout in ms (until the next claim runs out)."""
-        if self._stash or self._waiting or self._front:
+        if self.stash or self.waiting or self.front:
             return True, TICK_MS
         now, until = time.monotonic(), None
-        for p in self._pending.values():
+        for p in self.pending.values():
             if p.claimed_until <= now:
                 return True, TICK_MS
             until = p.claimed_until if until is None else min(until, p.claimed_until)
@@ -209,24 +267,24 @@ class Transport(FastPath, ChannelSide):
                 try:
                     p.publish.open(self.url)
                 except OSError as exc:
-                    self._fail(p, TierdError("LAYOUT_INVALID", f"cannot publish {p.instance}: {exc}"))
+                    fail(p, TierdError("LAYOUT_INVALID", f"cannot publish {p.instance}: {exc}"))
                     continue
-            req_id = next(self._ids)
+            req_id = next(self.ids)
             frame = wire.encode_request(p.op, req_id, p.body)
-            if self._send_on_channel(p, frame):
-                self._pending[req_id] = p
+            if self.channel.send(p, frame):
+                self.pending[req_id] = p
                 continue
             try:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
-                if self._ever_connected and not self._connected:
+                if self._ever_connected and not self.connected:
                     # the daemon went away: answer now rather than at the deadline
                     for q in waiting[i:]:
-                        self._fail(q, DaemonUnavailable(self.url))
+                        fail(q, DaemonUnavailable(self.url))
                     return left
                 left.extend(waiting[i:])  # first connection still being made: wait for it
                 break
-            self._pending[req_id] = p
+            self.pending[req_id] = p
         return left
 
     def _on_monitor(self, monitor) -> None:
@@ -238,19 +296,26 @@ class Transport(FastPath, ChannelSide):
             except zmq.Again:
                 return
             if event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
-                self._drop_channel("the daemon disconnected")
-                lost, self._pending = list(self._pending.values()), {}
+                self.connected = False
+                self.channel.drop("the daemon disconnected")
+                lost, self.pending = list(self.pending.values()), {}
                 if lost:
                     log.warning(
                         "tierd at %s disconnected; failing %d requests in flight", self.url, len(lost)
                     )
                 for p in lost:
-                    self._fail(p, DaemonUnavailable(self.url))
+                    fail(p, DaemonUnavailable(self.url))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 reconnect = self._ever_connected
-                self._connected = self._ever_connected = True
-                self._on_connect(reconnect)
+                self.connected = self._ever_connected = True
+                self._hooks.on_connect(reconnect)
+
+    def _channel_lost(self) -> None:
+        """The lookup channel ended (lock held): what is in flight on it fails."""
+        lost = [req_id for req_id, p in self.pending.items() if p.channel]
+        for req_id in lost:
+            fail(self.pending.pop(req_id), DaemonUnavailable(self.url))
+        self.wake()
 
     def _recv_all(self, sock) -> None:
         while True:
@@ -262,57 +327,46 @@ class Transport(FastPath, ChannelSide):
                 self._dispatch(*reply)
 
     def _dispatch(self, req_id: int, ok: bool, body: msgspec.Raw) -> None:
-        p = self._pending.pop(req_id, None)
+        p = self.pending.pop(req_id, None)
         if p is not None:  # else: the answer to a request that already timed out
-            self._answer(p, ok, body)
+            self.answer(p, ok, body)
 
-    def _answer(self, p: Pending, ok: bool, body: msgspec.Raw) -> None:
-        """``p``'s reply, its body decoded into ``p.op``'s reply type (tierd_client.wire)."""
+    def answer(self, p: Pending, ok: bool, body: msgspec.Raw) -> None:
+        """``p``'s reply, its body decoded into ``p.op``'s reply type (tierd_client.wire), handed to
+        the hooks, then (unless they took ``p`` over) ending ``p``."""
         try:
             reply = wire.decode_body(p.op, ok, body)
         except ProtocolError as exc:
             log.warning("tierd at %s sent a reply this client cannot read: %s", self.url, exc.message)
-            self._fail(p, BadReply(exc.message))
+            fail(p, BadReply(exc.message))
             return
-        self._on_reply(p, ok, reply)
+        if self._hooks.on_reply(p, ok, reply):
+            return
+        if ok:
+            resolve(p, reply)
+        else:
+            fail(p, TierdError(reply.code, reply.message))
 
     def _expire(self, waiting: list[Pending]) -> list[Pending]:
         now = time.monotonic()
-        for req_id, p in list(self._pending.items()):
+        for req_id, p in list(self.pending.items()):
             if now >= p.deadline:
-                del self._pending[req_id]
-                self._fail(p, DeadlineExceeded(p.op, p.timeout))
+                del self.pending[req_id]
+                fail(p, DeadlineExceeded(p.op, p.timeout))
         keep = []
         for p in waiting:
             if now >= p.deadline:
-                self._fail(p, DeadlineExceeded(p.op, p.timeout))
+                fail(p, DeadlineExceeded(p.op, p.timeout))
             else:
                 keep.append(p)
         return keep
 
-    def _resolve(self, p: Pending, body) -> None:
-        self._unpublish(p)
-        if p.callback is not None:
-            p.callback(True, body)
-        elif p.future is not None and not p.future.done():
-            p.future.set_result(body)
-        release(p)
 
-    def _fail(self, p: Pending, exc: TierdError) -> None:
-        self._unpublish(p)
-        if p.callback is not None:
-            try:
-                p.callback(False, messages.ErrorReply(exc.code, exc.message))
-            except Exception:  # noqa: BLE001
-                log.exception("client callback raised")
-        elif p.future is not None and not p.future.done():
-            p.future.set_exception(exc)
-        release(p)
-
-    @staticmethod
-    def _unpublish(p: Pending) -> None:
-        if p.publish is not None:
-            try:
-                p.publish.close()
-            except OSError as exc:
-                log.warning("tierd: withdrawing the shared-memory names of %s failed: %s", p.instance, exc)
+def with_deadline(op: str, body: messages.Message | dict, timeout: float) -> messages.Message | dict:
+    """``body`` with the wall-clock ``deadline`` STORE and RETRIEVE carry (``timeout`` from now)."""
+    if op not in _DEADLINE_OPS:
+        return body
+    deadline = time.time() + timeout
+    if isinstance(body, messages.Message):
+        return msgspec.structs.replace(body, deadline=deadline)
+    return {**body, "deadline": deadline}

@@ -190,7 +190,7 @@ class InProcessClient:
 
     def call(self, op: str, body=None):
         from tierd_client.errors import TierdError
-        from tierd_client.session import with_deadline
+        from tierd_client.transport import with_deadline
         from tierd_client.wire import decode_body, encode_request, split_reply
 
         req_id = next(self.ids)

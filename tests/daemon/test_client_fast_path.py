@@ -26,7 +26,7 @@ def _resolved_on(fut) -> list[int]:
 def test_blocking_call_reads_its_reply_on_the_calling_thread(daemon, client_factory):
     c = client_factory(daemon)
     c.ping()
-    io_thread = c._thread.ident
+    io_thread = c.transport.thread.ident
     me = threading.get_ident()
     on = []
     for _ in range(50):
@@ -133,11 +133,12 @@ def test_a_caller_whose_error_reply_another_caller_read_hands_it_on_at_once(
         try:
             fut = c.call_async("RELEASE", {"lease": 987654321}, wait=True)  # answered UNKNOWN_LEASE
             time.sleep(0.2)  # sent (by this thread or the I/O thread); no answer can come yet
-            with c._lock:  # as another pumping caller: read the reply and stash it for the I/O thread
+            # as another pumping caller: read the reply and stash it for the I/O thread
+            with c.transport.lock:
                 daemon.proc.send_signal(signal.SIGCONT)
-                if fut.done() or not c._sock.poll(5000, zmq.POLLIN):
+                if fut.done() or not c.transport.sock.poll(5000, zmq.POLLIN):
                     continue  # the I/O thread read it first: try again
-                c._stash.append(decode_reply(c._sock.recv()))
+                c.transport.stash.append(decode_reply(c.transport.sock.recv()))
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         t0 = time.monotonic()
@@ -157,8 +158,8 @@ def test_a_caller_sends_on_its_own_thread_while_the_io_thread_takes_its_turns(da
     c = client_factory(daemon)
     c.ping()
     turns, queued = [], []
-    watch, outbox = c._watch_socket, c._outbox
-    c._watch_socket = lambda: (turns.append(1), watch())[1]  # once a turn of the I/O thread's loop
+    watch, outbox = c.transport.watch_socket, c.transport.outbox
+    c.transport.watch_socket = lambda: (turns.append(1), watch())[1]  # once a turn of the I/O thread's loop
 
     class Counted:  # the outbox, counting what callers leave to the I/O thread
         def put(self, p):
@@ -168,7 +169,7 @@ def test_a_caller_sends_on_its_own_thread_while_the_io_thread_takes_its_turns(da
         def __getattr__(self, name):
             return getattr(outbox, name)
 
-    c._outbox = Counted()
+    c.transport.outbox = Counted()
     t0 = time.monotonic()
     calls = 0
     while time.monotonic() - t0 < 1.0:

@@ -19,13 +19,18 @@ from tierd.protocol import codec, messages
 from tierd.protocol.errors import ErrorCode
 from tierd.tools.testing import serve_argv
 from tierd_client import DaemonUnavailable, TierdClient, TierdError
+from tierd_client.session import Session
 
 
-class FutureClient(TierdClient):
-    """A client from a later release: it speaks a protocol version this daemon does not."""
+def speak_a_later_protocol(monkeypatch) -> None:
+    """Clients made from now on say HELLO as a client from a later release: with a protocol version
+    this daemon does not speak."""
+    hello_body = Session.hello_body
 
-    def _hello_body(self) -> messages.Hello:
-        return msgspec.structs.replace(super()._hello_body(), protocol=999)
+    def later(session: Session) -> messages.Hello:
+        return msgspec.structs.replace(hello_body(session), protocol=999)
+
+    monkeypatch.setattr(Session, "hello_body", later)
 
 
 def wait_for(pred, timeout: float = 5.0, every: float = 0.02):
@@ -38,8 +43,9 @@ def wait_for(pred, timeout: float = 5.0, every: float = 0.02):
     return pred()
 
 
-def test_a_refused_hello_reaches_the_caller_as_the_daemons_error(daemon):
-    c = FutureClient(daemon.endpoint, timeout_s=3)
+def test_a_refused_hello_reaches_the_caller_as_the_daemons_error(daemon, monkeypatch):
+    speak_a_later_protocol(monkeypatch)
+    c = TierdClient(daemon.endpoint, timeout_s=3)
     try:
         with pytest.raises(TierdError) as err:
             c.wait_ready(5)

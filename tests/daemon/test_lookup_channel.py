@@ -94,7 +94,9 @@ def test_lookups_on_the_channel_answer_as_on_zmq_and_lease_in_the_callers_sessio
     assert fast.server.channel_max_bytes == MAX_BYTES
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(slow, rank, 12)
-    wait_for(lambda: fast._channel is not None, 5, what="the client's channel to be acknowledged")
+    wait_for(
+        lambda: fast.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged"
+    )
     before = channel_requests(daemon)
     for c in (fast, slow):
         for probe in (ks, ks[:5] + keys(3), keys(4)):
@@ -121,14 +123,14 @@ def test_a_daemon_without_the_channel_is_served_on_zmq_alone(daemon_factory, cli
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(c, rank, 4)
     assert c.lookup(rank.ns, ks, rank.specs(), 16).chunks == 4
-    assert c._channel is None and d.status()["lookup_channel"] is None
+    assert c.transport.channel.sock is None and d.status()["lookup_channel"] is None
 
 
 def test_a_lookup_too_large_for_the_channel_goes_on_zmq(daemon, client_factory, ranks):
     c = client_factory(daemon)
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(c, rank, 4)
-    wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
+    wait_for(lambda: c.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged")
     before = channel_requests(daemon)
     many = ks + keys(20000)  # a frame of ~400 KiB: over channel_max_bytes
     assert c.lookup(rank.ns, many, rank.specs(), 16).chunks == 4
@@ -140,11 +142,15 @@ def test_the_client_opens_a_new_channel_after_a_daemon_restart(daemon, client_fa
     c = client_factory(daemon)
     rank = ranks(GEOM, num_blocks=64)
     stored(c, rank, 2)
-    wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
-    old = c._channel
+    wait_for(lambda: c.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged")
+    old = c.transport.channel.sock
     daemon.restart()
     # the client says HELLO again (its connection came back), re-registers, and reopens the channel
-    wait_for(lambda: c._channel is not None and c._channel is not old, 10, what="a new channel")
+    wait_for(
+        lambda: c.transport.channel.sock is not None and c.transport.channel.sock is not old,
+        10,
+        what="a new channel",
+    )
     ks = keys(3)
     assert (
         c.store("r", [chunk(k, range(4 * i, 4 * i + 4)) for i, k in enumerate(ks)]).results == ["stored"] * 3
@@ -157,7 +163,7 @@ def test_a_lookup_in_flight_when_the_daemon_dies_fails_at_once(daemon, client_fa
     c = client_factory(daemon, timeout_s=30)
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(c, rank, 2)
-    wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
+    wait_for(lambda: c.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged")
     daemon.proc.send_signal(signal.SIGSTOP)  # it reads nothing now
     try:
         fut = c.lookup_async(rank.ns, ks, rank.specs(), 16)
@@ -180,7 +186,7 @@ def test_channel_requests_are_held_to_the_session_they_name(daemon, client_facto
     req_id, ok, body = stranger.call("PING", {}, req_id=11)
     assert (req_id, ok, body["code"]) == (11, False, "UNKNOWN_SESSION")
     mine = peers(daemon)
-    assert mine.attach(c._identity) == [0, True, {}]
+    assert mine.attach(c.transport.identity) == [0, True, {}]
     req_id, ok, body = mine.call("PING", {}, req_id=12)
     assert (req_id, ok) == (12, True) and body["boot_id"] == c.server.boot_id
 
@@ -199,7 +205,7 @@ def test_another_users_channel_cannot_act_in_a_session(xdaemon, client_factory, 
         s.send(request("PING", 5, {}))
         return ack, msgpack.unpackb(s.recv(1 << 16), raw=False)
 
-    ack, (req_id, ok, body) = run_as(make_user(), ping_as, c._identity)
+    ack, (req_id, ok, body) = run_as(make_user(), ping_as, c.transport.identity)
     assert ack == [0, True, {}]
     assert (req_id, ok, body["code"]) == (5, False, "FORBIDDEN")
 
@@ -207,7 +213,7 @@ def test_another_users_channel_cannot_act_in_a_session(xdaemon, client_factory, 
 def test_the_channel_serves_only_lookup_and_ping(daemon, client_factory, peers):
     c = client_factory(daemon)
     p = peers(daemon)
-    p.attach(c._identity)
+    p.attach(c.transport.identity)
     for op, body in (("STATUS", {}), ("CLEAR", {}), ("HELLO", {"protocol": 1}), ("BYE", {})):
         req_id, ok, err = p.call(op, body, req_id=21)
         assert (req_id, ok, err["code"]) == (21, False, "BAD_REQUEST"), op
@@ -221,7 +227,7 @@ def test_the_channel_serves_only_lookup_and_ping(daemon, client_factory, peers):
 def test_a_channel_frame_over_its_limit_is_answered_too_large_with_its_req_id(daemon, client_factory, peers):
     c = client_factory(daemon)
     p = peers(daemon, sndbuf=4 << 20)
-    p.attach(c._identity)
+    p.attach(c.transport.identity)
     big = {"namespace": {}, "keys": [b"k" * 16] * 20000, "groups": [], "chunk_tokens": 16}
     frame = request("LOOKUP", 31, big)
     assert len(frame) > MAX_BYTES
@@ -246,10 +252,10 @@ def test_channel_connections_over_the_cap_are_closed(daemon_factory, client_fact
     c = client_factory(d, lookup_channel=False)  # its DEALER is one of the 3 ROUTER connections
     held = [peers(d) for _ in range(3)]
     for p in held:
-        assert p.attach(c._identity) == [0, True, {}]
+        assert p.attach(c.transport.identity) == [0, True, {}]
     extra = peers(d)
     try:
-        extra.sock.send(c._identity)
+        extra.sock.send(c.transport.identity)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the daemon closed it at accept, before this send: what is under test (a race CI met)
     assert extra.closed()
@@ -258,7 +264,7 @@ def test_channel_connections_over_the_cap_are_closed(daemon_factory, client_fact
     held[0].close()
     wait_for(lambda: d.status()["lookup_channel"]["connections"] == 2, 5, what="the closed one to go")
     again = peers(d)
-    assert again.attach(c._identity) == [0, True, {}]
+    assert again.attach(c.transport.identity) == [0, True, {}]
 
 
 def test_a_channel_peer_that_never_reads_stalls_nobody(daemon, client_factory, peers, ranks):
@@ -267,7 +273,7 @@ def test_a_channel_peer_that_never_reads_stalls_nobody(daemon, client_factory, p
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(other, rank, 3)
     hog = peers(daemon)
-    hog.attach(c._identity)
+    hog.attach(c.transport.identity)
     hog.sock.setblocking(False)
     sent = 0
     t_end = time.monotonic() + 10
@@ -290,18 +296,19 @@ def test_a_channel_that_ends_fails_its_lookups_and_the_dealer_carries_the_next(d
     c = client_factory(daemon, timeout_s=30)
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(c, rank, 2)
-    wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
+    wait_for(lambda: c.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged")
     before = channel_requests(daemon)
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
         fut = c.lookup_async(rank.ns, ks, rank.specs(), 16)
         time.sleep(0.2)
-        c._channel.shutdown(socket.SHUT_RDWR)  # as if the daemon had closed it: the client reads its end
+        # as if the daemon had closed it: the client reads its end
+        c.transport.channel.sock.shutdown(socket.SHUT_RDWR)
         with pytest.raises(DaemonUnavailable):
             fut.result(timeout=5)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    wait_for(lambda: c._channel is None, 5, what="the channel to be dropped")
+    wait_for(lambda: c.transport.channel.sock is None, 5, what="the channel to be dropped")
     assert c.lookup(rank.ns, ks, rank.specs(), 16, lease=False).chunks == 2  # on the DEALER
     assert channel_requests(daemon) == before + 1  # the failed one was read; the next was not sent there
 
@@ -310,7 +317,7 @@ def test_a_lookup_in_flight_on_the_channel_when_the_client_closes_fails_closed(d
     c = client_factory(daemon, timeout_s=30)
     rank = ranks(GEOM, num_blocks=64)
     ks = stored(c, rank, 2)
-    wait_for(lambda: c._channel is not None, 5, what="the client's channel to be acknowledged")
+    wait_for(lambda: c.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged")
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
         fut = c.lookup_async(rank.ns, ks, rank.specs(), 16)

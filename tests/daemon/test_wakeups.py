@@ -24,7 +24,7 @@ def channel_polls(monkeypatch, client) -> list[int]:
     real = transport.zmq.zmq_poll
 
     def counting(items, timeout=-1):
-        if any(sock is client._channel for sock, _ in items):
+        if any(sock is client.transport.channel.sock for sock, _ in items):
             polls.append(timeout)
         return real(items, timeout)
 
@@ -33,7 +33,9 @@ def channel_polls(monkeypatch, client) -> list[int]:
 
 
 def attached(client):
-    wait_for(lambda: client._channel is not None, 5, what="the client's channel to be acknowledged")
+    wait_for(
+        lambda: client.transport.channel.sock is not None, 5, what="the client's channel to be acknowledged"
+    )
     return client
 
 
