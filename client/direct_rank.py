@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_REQUEST_PARTS, messages
+from tierd.protocol.copies import pitched
 from tierd_client.client import typed_chunks
 from tierd_client.cuda_stage import MAX_PEER_EVENTS
 from tierd_client.futures import join, merge_retrieves, merge_stores
@@ -180,8 +181,6 @@ def direct_layout(layout, tensors) -> bool:
     """Whether a cuda ``layout`` (a PageLayout over ``tensors``, in its order) can be registered
     without a staging buffer: every group tierd.protocol.copies.Pitched (module doc of
     tierd.transfer.cuda), each in one tensor."""
-    from tierd.protocol.copies import pitched
-
     for group in layout.groups:
         if len({s.tensor for s in group.layers}) != 1:
             return False

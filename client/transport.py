@@ -38,6 +38,7 @@ from typing import Protocol
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tierd.protocol import messages
 from tierd.protocol.errors import ProtocolError
@@ -288,8 +289,6 @@ class Transport:
         return left
 
     def _on_monitor(self, monitor) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
         while True:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]

@@ -17,6 +17,14 @@ import logging
 
 from vllm.logger import init_logger
 
+from tierd.protocol.versions import (
+    KEY_VERSION,
+    TIERD_VERSION,
+    vllm_in_tested_range,
+    vllm_installed,
+    vllm_tested,
+)
+
 _ROOT = "tierd_client"
 
 
@@ -30,8 +38,6 @@ class _ToVllm(logging.Handler):
 def versions_line(vllm_version: str, tested: str | None) -> tuple[int, str]:
     """(level, text) of the connector's first line: tierd's, the key format's and vLLM's versions,
     and the vLLM releases tierd is tested with; a warning when this vLLM is not one of them."""
-    from tierd.protocol.versions import KEY_VERSION, TIERD_VERSION, vllm_in_tested_range
-
     text = f"tierd {TIERD_VERSION} (key format {KEY_VERSION}) on vLLM {vllm_version}"
     if not tested:
         return (
@@ -46,8 +52,6 @@ def versions_line(vllm_version: str, tested: str | None) -> tuple[int, str]:
 def say_versions(log: logging.Logger, role: str) -> None:
     """Log ``versions_line`` for the running vLLM, prefixed with the connector's role."""
     import vllm
-
-    from tierd.protocol.versions import vllm_installed, vllm_tested
 
     running = getattr(vllm, "__version__", None) or vllm_installed() or "unknown"
     level, text = versions_line(running, vllm_tested())

@@ -18,9 +18,13 @@ import time
 
 from tierd.protocol.errors import ProtocolError
 from tierd.protocol.layout import PageLayout
+from tierd_client.cuda_ipc import share_cuda_tensors
+from tierd_client.cuda_stage import Stager
+from tierd_client.direct_rank import direct_layout
 from tierd_client.layouts import block_span
 from tierd_client.layouts import group as group_desc
 from tierd_client.layouts import layout as layout_desc
+from tierd_client.shm import share_torch_tensors
 from tierd_client.vllm_connector.config import STAGING_AUTO_CAP_MB, STAGING_AUTO_CHUNKS
 from tierd_client.vllm_connector.log import get_logger
 
@@ -54,12 +58,8 @@ class RankRegistration:
             raise ValueError("register_kv_caches got none of the layers in the KV cache config")
         device = tensors[0].device.type
         if device == "cpu":
-            from tierd_client.shm import share_torch_tensors
-
             refs, where, self.publication = share_torch_tensors(tensors)
         elif device == "cuda":
-            from tierd_client.cuda_ipc import share_cuda_tensors
-
             devices = sorted({str(t.device) for t in tensors})
             if len(devices) > 1:
                 raise ValueError(f"a rank's KV tensors lie on one GPU, got {devices}")
@@ -128,8 +128,6 @@ class RankRegistration:
     def _stager(self, layout, flats: list, device):
         """The rank's Stager over ``flats`` (each distinct storage of its KV tensors as one flat uint8
         tensor: the layout's spans are offsets into them), with ``staging_bytes`` of staging."""
-        from tierd_client.cuda_stage import Stager
-
         size = staging_bytes(self.cfg.staging_mb, layout.chunk_bytes)
         stager = Stager(layout, flats, size)
         log.info(
@@ -224,8 +222,6 @@ def cuda_path(choice: str, layout, flats: list) -> str:
     ``tierd.cuda_path`` ``choice`` asks (ConnectorConfig.cuda_path): auto takes direct where every
     group keeps a block's layers in one span; direct where the copy engines cannot move the
     layout is a ValueError."""
-    from tierd_client.direct_rank import direct_layout
-
     if choice == "staged":
         return "staged"
     movable = direct_layout(layout, flats)

@@ -35,7 +35,9 @@ import time
 
 from tierd.protocol import messages
 from tierd.protocol.layout import GroupKind
+from tierd_client.direct_rank import DirectRank
 from tierd_client.errors import TierdError
+from tierd_client.staged_rank import StagedRank
 from tierd_client.vllm_connector import stages
 from tierd_client.vllm_connector.config import ConnectorConfig
 from tierd_client.vllm_connector.geometry import EngineGeometry
@@ -93,8 +95,6 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict, rank: int) -> None:
         self.reg.publish(kv_caches, rank)
         if self.reg.stager is not None:
-            from tierd_client.staged_rank import StagedRank
-
             self.device = self.reg.stager.device
             self.gpu = StagedRank(
                 self.client,
@@ -105,8 +105,6 @@ class WorkerSide:
                 host_order=self.cfg.gpu_order == "host",
             )
         elif self.reg.direct is not None:
-            from tierd_client.direct_rank import DirectRank
-
             self.device = self.reg.direct
             self.gpu = DirectRank(
                 self.client,

@@ -293,3 +293,52 @@ def test_the_callback_walk_finds_one():
     h = Holder()
     h.hooks = {"evict": partial(handlers.hello, None)}
     assert callbacks_up(h, "tierd.pool.pool") == ["tierd.pool.pool.hooks['evict']: tierd.core.handlers"]
+
+
+# What a module may import inside a function: an optional dependency (an extra of pyproject, or one
+# a user may lack), which a module-level import would make every user install. Anything else is
+# imported at module level, where the graph and a reader see it.
+# (tierd_client.vllm_connector.connector imports vLLM at module level: its package reaches it on
+# first access, so the rest of the package imports without vLLM.)
+OPTIONAL = (
+    "torch",
+    "vllm",
+    "mooncake",
+    "matplotlib",
+    "packaging",
+    "tierd.native",
+    "tierd_client.vllm_connector.connector",
+)
+
+
+def lazy_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import inside a function of ``source`` that is not OPTIONAL."""
+    out = set()
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            out.update(
+                (node.lineno, n) for n in names if not any(n == o or n.startswith(o + ".") for o in OPTIONAL)
+            )
+    return sorted(out)
+
+
+def test_nothing_but_an_optional_dependency_is_imported_inside_a_function():
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in modules().values()
+        for line, name in lazy_imports(path.read_text())
+    ]
+    assert not found, "import these at module level:\n" + "\n".join(found)
+
+
+def test_the_lazy_import_check_finds_one():
+    source = "import os\n\ndef f():\n    import torch\n    from tierd.pool import pool\n    import json\n"
+    assert lazy_imports(source) == [(5, "tierd.pool"), (6, "json")]

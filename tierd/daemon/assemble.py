@@ -5,6 +5,7 @@ the engines' memory, the connection cap. tierd.daemon.server puts them together 
 from __future__ import annotations
 
 import os
+import resource
 
 from tierd.base.config import Settings
 from tierd.daemon import warm
@@ -14,6 +15,10 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
 from tierd.state.registry import Limits, Registry
 from tierd.state.tenants import Tenants, load_tokens
+from tierd.tier2.bridge import SecondTier
+from tierd.tier2.metrics import families
+from tierd.transfer.cpu import CpuRankMemory
+from tierd.transfer.cuda import detect as detect_cuda
 from tierd.transfer.engine import TransferEngine
 
 
@@ -55,8 +60,6 @@ class MemoryOpener:
 
     def __call__(self, layout: PageLayout, peer: Peer):
         if layout.device == "cpu":
-            from tierd.transfer.cpu import CpuRankMemory
-
             claim = None
             if self.inbox is not None and peer.local:
 
@@ -88,8 +91,6 @@ def connection_cap(settings: Settings) -> int:
     """--max-connections, or (0) a quarter of the descriptors this process may open, raised first
     to the hard limit: the rest is for shared-memory files, pool segments, the lookup channel and
     the fd inbox."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         try:
@@ -103,17 +104,13 @@ def connection_cap(settings: Settings) -> int:
 
 def l2_families(status: dict):
     """The ``tierd_l2_*`` metric families of a /status (with --l2-url)."""
-    from tierd.tier2.metrics import families
-
     return families(status.get("l2"))
 
 
 def second_tier(settings: Settings, pool: Pool, registry: Registry):
-    """Mooncake Store as L2 with --l2-url (imported only then), else None."""
+    """Mooncake Store as L2 with --l2-url (its client library loaded only then), else None."""
     if not settings.l2_url:
         return None
-    from tierd.tier2.bridge import SecondTier
-
     return SecondTier(settings, pool, registry)
 
 
@@ -121,8 +118,4 @@ def cuda_support(settings: Settings):
     """The CUDA data path when torch sees a GPU (and --cuda is not off), else None."""
     if settings.cuda == "off":
         return None
-    try:
-        from tierd.transfer import cuda
-    except ImportError:
-        return None
-    return cuda.detect(settings)
+    return detect_cuda(settings)

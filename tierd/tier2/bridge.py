@@ -32,6 +32,7 @@ from tierd.tier2.fetch import Fetches
 from tierd.tier2.keys import FORMAT as NAME_FORMAT
 from tierd.tier2.lookups import PENDING, Caller, Folded, Lookups
 from tierd.tier2.lookups import Need as LookupNeed
+from tierd.tier2.mooncake import MooncakeTier
 from tierd.tier2.retrieves import Need as RetrieveNeed
 from tierd.tier2.retrieves import Retrieves
 from tierd.tier2.spill import Spill
@@ -66,8 +67,6 @@ class SecondTier:
     PENDING = PENDING  # ``lookup``'s answer while the LOOKUP waits for L2
 
     def __init__(self, settings, pool: Pool, registry: Registry):
-        from tierd.tier2.mooncake import MooncakeTier
-
         self.settings, self.pool, self.registry = settings, pool, registry
         self.mc = MooncakeTier(settings.l2_url)  # connects in the background
         self.get_timeout_s = self.mc.url.timeout_ms / 1000

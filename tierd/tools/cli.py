@@ -7,14 +7,24 @@ import logging
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import MISSING, fields
 
 import click
 
 from tierd import __version__
 from tierd.base.config import Settings, default_socket
+from tierd.daemon.server import Daemon
+from tierd.edge.endpoint import EndpointError
+from tierd.pool.pooldir import PoolDirError
+from tierd.state.tenants import TokenFileError, load_tokens
+from tierd.tier2.client import L2Unavailable, load_store_class
+from tierd.tools.bench import BenchError, BenchOptions, run_bench
 from tierd.tools.bench.options import DEFAULTS as BENCH
 from tierd.tools.replay import command as replay_command
+from tierd.tools.report import bench_table, status_table
+from tierd_client import TierdClient, TierdError
 
 SOCKET_HELP = "ZeroMQ endpoint of the daemon (its --socket)."
 STATUS_TIMEOUT_S = 5.0  # `tierd status`: how long a daemon whose socket exists has to answer
@@ -63,17 +73,11 @@ def serve(**kwargs):
     )
     _check_ceiling(settings)
     if settings.tcp_token_file:
-        from tierd.state.tenants import TokenFileError, load_tokens
-
         try:
             load_tokens(settings.tcp_token_file)
         except TokenFileError as exc:
             raise click.UsageError(str(exc)) from None
     _check_l2(settings)
-    from tierd.daemon.server import Daemon
-    from tierd.edge.endpoint import EndpointError
-    from tierd.pool.pooldir import PoolDirError
-
     try:
         daemon = Daemon(settings)
     except PoolDirError as exc:
@@ -105,8 +109,6 @@ def _check_l2(settings: Settings) -> None:
     anything starts)."""
     if settings.l2_url is None:
         return
-    from tierd.tier2.client import L2Unavailable, load_store_class
-
     try:
         load_store_class()
     except L2Unavailable as exc:
@@ -140,15 +142,10 @@ def status(socket, url, as_json):
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    from tierd.tools.report import status_table
-
     click.echo(status_table(data))
 
 
 def _status_http(url: str) -> dict:
-    import urllib.error
-    import urllib.request
-
     base = url.rstrip("/")
     try:
         with urllib.request.urlopen(f"{base}/status", timeout=5) as resp:
@@ -158,8 +155,6 @@ def _status_http(url: str) -> dict:
 
 
 def _status_socket(socket: str) -> dict:
-    from tierd_client import TierdClient, TierdError
-
     serve = "`tierd serve`" if socket == default_socket() else f"`tierd serve --socket {socket}`"
     file = socket.startswith("ipc://") and not socket.startswith("ipc://@")  # not an abstract name
     path = socket[len("ipc://") :] if file else None
@@ -317,8 +312,6 @@ def _appears(path: str, wait_s: float) -> bool:
 def bench(as_json, quiet, **opts):
     """Store and retrieve a synthetic multi-layer KV layout through the real protocol, verify
     every byte, and print GB/s next to a same-run memcpy baseline."""
-    from tierd.tools.bench import BenchError, BenchOptions, run_bench
-
     try:
         result = run_bench(BenchOptions(**opts), progress=not quiet and not as_json)
     except BenchError as exc:
@@ -326,8 +319,6 @@ def bench(as_json, quiet, **opts):
     if as_json:
         click.echo(json.dumps(result))
     else:
-        from tierd.tools.report import bench_table
-
         click.echo(bench_table(result))
     if not result["verified"]:
         sys.exit(1)

@@ -5,7 +5,10 @@ CUDA: raw pinned cudaMemcpyAsync). The bench's own objects are removed from the 
 from __future__ import annotations
 
 from tierd.tools.bench.common import BenchError, Progress
+from tierd.tools.bench.cpu import run_cpu_bench
+from tierd.tools.bench.cuda import run_cuda_bench
 from tierd.tools.bench.options import BenchOptions
+from tierd.tools.bench.ranks import run_ranks_bench
 
 __all__ = ["BenchError", "BenchOptions", "run_bench"]
 
@@ -39,15 +42,9 @@ def run_bench(opts: BenchOptions, progress: bool) -> dict:
     if opts.ranks > 1:
         if opts.interference:
             raise BenchError("--interference runs with one rank (leave --ranks out)")
-        from tierd.tools.bench.ranks import run_ranks_bench
-
         return run_ranks_bench(opts, bar)
     if opts.device == "cuda":
-        from tierd.tools.bench.cuda import run_cuda_bench
-
         return run_cuda_bench(opts, bar)
     if opts.interference:
         raise BenchError("--interference measures GPU steps: it needs --device cuda")
-    from tierd.tools.bench.cpu import run_cpu_bench
-
     return run_cpu_bench(opts, bar)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+import click
 import numpy as np
 
 from tierd.base.stats import STAGES
@@ -105,8 +106,6 @@ class Progress:
         self.phase(label)
         if not self.enabled:
             return lambda n: self._say(self._close()) if n is None else None
-        import click
-
         bar = click.progressbar(length=total, label=f"bench: {label}", file=self._file(), show_eta=True)
         bar.__enter__()
 

@@ -27,13 +27,12 @@ from tierd.tools.bench.common import (
     stage_means,
 )
 from tierd.tools.bench.options import BenchOptions
+from tierd_client import TierdClient
+from tierd_client.layouts import block_span, group, layout, namespace
+from tierd_client.shm import SharedBuffer
 
 
 def run_cpu_bench(opts: BenchOptions, progress: Progress) -> dict:
-    from tierd_client import TierdClient
-    from tierd_client.layouts import block_span, group, layout, namespace
-    from tierd_client.shm import SharedBuffer
-
     socket, layers, chunks, batch = opts.socket, opts.layers, opts.chunks, opts.batch
     rounds, runs = opts.rounds, opts.runs
     block_bytes, bpc, object_bytes = opts.block_bytes, opts.blocks_per_chunk, opts.object_bytes

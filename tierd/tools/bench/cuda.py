@@ -35,26 +35,24 @@ import time
 import uuid
 
 from tierd.protocol.keys import KEY_BYTES
-from tierd.tools.bench.common import Progress, request_stages, stage_means
+from tierd.protocol.layout import PageLayout
+from tierd.tools.bench.common import BenchError, Progress, private_daemon, request_stages, stage_means
 from tierd.tools.bench.cuda_baselines import _baselines, _gbps
 from tierd.tools.bench.cuda_interference import _interference
 from tierd.tools.bench.cuda_latency import PROBE_CHUNKS, _latencies
 from tierd.tools.bench.options import BenchOptions
+from tierd_client import TierdClient, native
+from tierd_client.cuda_ipc import share_cuda_tensors
+from tierd_client.cuda_stage import Stager
+from tierd_client.direct_rank import REQUEST_BYTES, DirectRank, direct_layout
+from tierd_client.layouts import block_span, group, group_specs, layout, namespace
+from tierd_client.staged_rank import StagedRank
 
 LOOKUP_KEYS = 16  # a 4096-token prompt at 256 tokens per chunk
 
 
 def run_cuda_bench(opts: BenchOptions, progress: Progress) -> dict:
     import torch
-
-    from tierd.protocol.layout import PageLayout
-    from tierd.tools.bench.common import BenchError, private_daemon
-    from tierd_client import TierdClient, native
-    from tierd_client.cuda_ipc import share_cuda_tensors
-    from tierd_client.cuda_stage import Stager
-    from tierd_client.direct_rank import REQUEST_BYTES, DirectRank, direct_layout
-    from tierd_client.layouts import block_span, group, group_specs, layout, namespace
-    from tierd_client.staged_rank import StagedRank
 
     socket, layers, chunks, batch, rounds = opts.socket, opts.layers, opts.chunks, opts.batch, opts.rounds
     chunk_tokens, block_tokens = opts.chunk_tokens, opts.block_tokens

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+from tierd_client import native
+
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
@@ -20,8 +22,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def _baselines(torch, buf, total: int, block_bytes: int, blocks: list[int], dev) -> dict:
     """Raw pinned copies of ``total`` bytes each way and both ways at once, and per-block copies."""
-    from tierd_client import native
-
     d1 = torch.empty(total, dtype=torch.uint8, device=dev)
     d2 = torch.empty(total, dtype=torch.uint8, device=dev)
     h1 = torch.empty(total, dtype=torch.uint8, pin_memory=True)

@@ -12,14 +12,13 @@ twice on the device and twice pinned.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
 
 def _interference(torch, dev, store, retrieve, keys, src, dst, settle, total: int, burst: int = 0) -> dict:
     """Engine steps timed with CUDA events: alone, with tierd copying both ways, with raw DMA."""
-    import threading
-
     n = 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)

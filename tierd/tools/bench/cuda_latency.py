@@ -13,8 +13,11 @@ client's copies in the meantime count in them.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+
+import numpy as np
 
 from tierd.tools.bench.common import stage_means
 
@@ -26,8 +29,6 @@ def _latencies(torch, rank, nbytes_chunk: int, probe: list[int], bpc: int, dev, 
     from the call to the moment the engine may read the blocks, next to the raw pinned copy time
     of the same bytes (median of 9 after 2 warm-ups), and where a request's time goes
     (``breakdown``: the medians of its stages, module doc)."""
-    import numpy as np
-
     out = {}
     med = lambda xs: round(float(np.median(xs)) * 1e3, 3) if len(xs) else None  # noqa: E731
     for n in (1, 4, PROBE_CHUNKS):
@@ -170,8 +171,6 @@ def _wire_floor(client, rank, bpc: int, med) -> dict:
     """Round trips that copy nothing, the same way a STORE's answer travels (through the client's
     I/O thread to a waiting caller): a STORE of chunks already stored and a RETRIEVE of a key
     never stored, each one chunk."""
-    import threading
-
     key = uuid.uuid4().bytes[:16]
     chunk = {"key": key, "blocks": [list(range(bpc))]}
     rank.store([chunk]).result()

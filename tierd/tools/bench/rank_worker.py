@@ -21,7 +21,17 @@ import sys
 import time
 from collections import deque
 
+import numpy as np
+
+from tierd.protocol.layout import PageLayout
+from tierd.tools.bench.common import fill_pattern
 from tierd.tools.bench.ranks import DEPTH, GAP_S, _phases, namespace_of
+from tierd_client import TierdClient
+from tierd_client.cuda_ipc import share_cuda_tensors
+from tierd_client.cuda_stage import Stager
+from tierd_client.layouts import block_span, group, layout
+from tierd_client.shm import SharedBuffer
+from tierd_client.staged_rank import StagedRank
 
 
 def _key(run: str, *parts) -> bytes:
@@ -42,8 +52,6 @@ class _Rank:
         self.object_bytes = cfg["layers"] * self.bpc * self.block_bytes
         self.request_bytes = cfg["batch"] * self.object_bytes
         seed = 0 if cfg["mla"] else self.rank + 1  # replicated ranks hold the same bytes
-        from tierd_client.layouts import block_span, group, layout
-
         ns = namespace_of(cfg)
         self.ns, self.gpu = ns, None
         if self.device == "cuda":
@@ -58,11 +66,6 @@ class _Rank:
         ]
 
     def _cpu_init(self, seed, ns, block_span, group, layout):
-        import numpy as np
-
-        from tierd.tools.bench.common import fill_pattern
-        from tierd_client.shm import SharedBuffer
-
         c = self.cfg
         self.buf = SharedBuffer(c["layers"] * self.num_blocks * self.block_bytes, prefix="tierd-bench-ranks")
         self.kv = self.buf.array.reshape(c["layers"], self.num_blocks, self.block_bytes)
@@ -82,11 +85,6 @@ class _Rank:
 
     def _cuda_init(self, seed, ns, block_span, group, layout):
         import torch
-
-        from tierd.protocol.layout import PageLayout
-        from tierd_client.cuda_ipc import share_cuda_tensors
-        from tierd_client.cuda_stage import Stager
-        from tierd_client.staged_rank import StagedRank
 
         c = self.cfg
         self.gpu = self.rank % torch.cuda.device_count()
@@ -180,8 +178,6 @@ class _Rank:
     def raw(self, which: str):
         """One raw copy of a request's bytes (``which``: d2h, h2d, both; CPU: memcpy)."""
         if self.device != "cuda":
-            import numpy as np
-
             np.copyto(self._raw[1], self._raw[0])
             return self.request_bytes  # counted as a store's bytes are: once
         torch = self.torch
@@ -206,8 +202,6 @@ class _Rank:
         a, b = self.kv[:, : self.region], self.kv[:, self.region :]
         if self.device == "cuda":
             return bool(self.torch.equal(a, b))
-        import numpy as np
-
         return bool(np.array_equal(a, b))
 
     def close(self) -> None:
@@ -270,8 +264,6 @@ def _window(
 
 def worker_main() -> None:
     cfg = json.loads(sys.stdin.readline())
-    from tierd_client import TierdClient
-
     with TierdClient(
         cfg["endpoint"], timeout_s=300, connect_timeout_s=60, name=f"tierd-bench-rank-{cfg['rank']}"
     ) as client:

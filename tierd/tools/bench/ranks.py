@@ -30,8 +30,10 @@ import subprocess
 import sys
 import time
 
-from tierd.tools.bench.common import Progress
+from tierd.tools.bench.common import BenchError, Progress, private_daemon
 from tierd.tools.bench.options import BenchOptions
+from tierd_client import TierdClient, native
+from tierd_client.layouts import namespace
 
 PHASES_SOLO = ("solo_store", "solo_retrieve", "solo_both")
 PHASES_ALL = ("store", "retrieve", "both")
@@ -47,8 +49,6 @@ DEPTH = 4  # requests in flight per rank and direction
 
 # ---- the parent ------------------------------------------------------------------------------------
 def run_ranks_bench(opts: BenchOptions, progress: Progress) -> dict:
-    from tierd.tools.bench.common import BenchError, private_daemon
-
     socket, device, ranks, seconds = opts.socket, opts.device, opts.ranks, opts.seconds
     mla, chunks, batch = opts.mla, opts.chunks, opts.batch
     if ranks < 1:
@@ -58,8 +58,6 @@ def run_ranks_bench(opts: BenchOptions, progress: Progress) -> dict:
     churn = ranks * 2 * DEPTH * batch * object_bytes  # store-phase objects in flight and just committed
     pool_bytes = int(opts.pool_gb * 2**30) if opts.pool_gb else resident + churn + (512 << 20)
     if device == "cuda":
-        from tierd_client import native
-
         progress.phase("building the native kernels (cached after the first time)")
         native.load(timeout=900)  # once here: the workers find it built
     run = os.urandom(8).hex()
@@ -124,14 +122,10 @@ def run_ranks_bench(opts: BenchOptions, progress: Progress) -> dict:
 
 
 def namespace_of(cfg: dict) -> dict:
-    from tierd_client.layouts import namespace
-
     return namespace("tierd-bench-ranks", cfg["run"], world_size=cfg["ranks"])
 
 
 def _clear(endpoint: str, ns: dict) -> None:
-    from tierd_client import TierdClient
-
     with TierdClient(endpoint, timeout_s=30, name="tierd-bench-ranks") as client:
         client.call("CLEAR", {"namespace": ns})
 
