@@ -178,7 +178,9 @@ def test_a_caller_sends_on_its_own_thread_while_the_io_thread_takes_its_turns(da
     elapsed = time.monotonic() - t0
     ticks = elapsed / (transport.TICK_MS / 1000)
     assert calls > 200  # (the loop did run calls back to back)
-    assert len(turns) <= ticks + 10, (len(turns), ticks, calls)
+    # a claim that runs out before its caller reads (a loaded 2-core machine: 31 turns in 1 s seen)
+    # wakes the I/O thread now and then; the fault this guards against took ~280 turns a second
+    assert len(turns) <= 2 * ticks + 10, (len(turns), ticks, calls)
     assert len(queued) <= calls // 50, (queued[:5], calls)
 
 

@@ -299,8 +299,11 @@ def test_the_callback_walk_finds_one():
 # a user may lack), which a module-level import would make every user install. Anything else is
 # imported at module level, where the graph and a reader see it.
 # (tierd_client.vllm_connector.connector imports vLLM at module level: its package reaches it on
-# first access, so the rest of the package imports without vLLM.)
+# first access, so the rest of the package imports without vLLM. tierd.tier2 is the optional
+# second tier over Mooncake Store: a daemon without --l2-url imports none of it,
+# tests/e2e/test_l2_daemon.py.)
 OPTIONAL = (
+    "tierd.tier2",
     "torch",
     "vllm",
     "mooncake",

@@ -15,8 +15,6 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import PageLayout
 from tierd.state.registry import Limits, Registry
 from tierd.state.tenants import Tenants, load_tokens
-from tierd.tier2.bridge import SecondTier
-from tierd.tier2.metrics import families
 from tierd.transfer.cpu import CpuRankMemory
 from tierd.transfer.cuda import detect as detect_cuda
 from tierd.transfer.engine import TransferEngine
@@ -104,13 +102,17 @@ def connection_cap(settings: Settings) -> int:
 
 def l2_families(status: dict):
     """The ``tierd_l2_*`` metric families of a /status (with --l2-url)."""
+    from tierd.tier2.metrics import families
+
     return families(status.get("l2"))
 
 
 def second_tier(settings: Settings, pool: Pool, registry: Registry):
-    """Mooncake Store as L2 with --l2-url (its client library loaded only then), else None."""
+    """Mooncake Store as L2 with --l2-url (the second tier imported only then), else None."""
     if not settings.l2_url:
         return None
+    from tierd.tier2.bridge import SecondTier
+
     return SecondTier(settings, pool, registry)
 
 

@@ -19,7 +19,6 @@ from tierd.daemon.server import Daemon
 from tierd.edge.endpoint import EndpointError
 from tierd.pool.pooldir import PoolDirError
 from tierd.state.tenants import TokenFileError, load_tokens
-from tierd.tier2.client import L2Unavailable, load_store_class
 from tierd.tools.bench import BenchError, BenchOptions, run_bench
 from tierd.tools.bench.options import DEFAULTS as BENCH
 from tierd.tools.replay import command as replay_command
@@ -109,6 +108,8 @@ def _check_l2(settings: Settings) -> None:
     anything starts)."""
     if settings.l2_url is None:
         return
+    from tierd.tier2.client import L2Unavailable, load_store_class
+
     try:
         load_store_class()
     except L2Unavailable as exc:
