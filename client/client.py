@@ -68,7 +68,7 @@ class TierdClient:
         return self.transport.call_async(op, body, timeout, wait)
 
     def call(self, op: str, body: messages.Message | dict | None = None, timeout: float | None = None):
-        return self.transport.call_async(op, body, timeout, True).result()
+        return self.transport.call(op, body, timeout)
 
     def pump(self, fut: Future, limit: float | None) -> None:
         """Read the reply of ``fut`` (a request's future) on this thread, for at most a few ms."""

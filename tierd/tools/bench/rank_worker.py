@@ -55,17 +55,17 @@ class _Rank:
         ns = namespace_of(cfg)
         self.ns, self.gpu = ns, None
         if self.device == "cuda":
-            self._cuda_init(seed, ns, block_span, group, layout)
+            self._cuda_init(seed, ns)
         else:
-            self._cpu_init(seed, ns, block_span, group, layout)
+            self._cpu_init(seed, ns)
 
-    def _spans(self, block_span, shape_strides):
+    def _spans(self, shape_strides):
         return [
             block_span(shape, strides, 1, 0, tensor=0, offset=li * self.num_blocks * self.block_bytes)
             for li, (shape, strides) in enumerate(shape_strides)
         ]
 
-    def _cpu_init(self, seed, ns, block_span, group, layout):
+    def _cpu_init(self, seed, ns):
         c = self.cfg
         self.buf = SharedBuffer(c["layers"] * self.num_blocks * self.block_bytes, prefix="tierd-bench-ranks")
         self.kv = self.buf.array.reshape(c["layers"], self.num_blocks, self.block_bytes)
@@ -76,14 +76,14 @@ class _Rank:
             self.rank,
             c["chunk_tokens"],
             [self.buf.ref()],
-            [group("full", c["block_tokens"], self._spans(block_span, shape))],
+            [group("full", c["block_tokens"], self._spans(shape))],
             replicated=c["mla"],
         )
         self.client.register(f"bench-rank-{self.rank}", lay)
         self._raw = (np.empty(self.request_bytes, np.uint8), np.empty(self.request_bytes, np.uint8))
         np.copyto(self._raw[1], self._raw[0])
 
-    def _cuda_init(self, seed, ns, block_span, group, layout):
+    def _cuda_init(self, seed, ns):
         import torch
 
         c = self.cfg
@@ -104,7 +104,7 @@ class _Rank:
             self.rank,
             c["chunk_tokens"],
             refs,
-            [group("full", c["block_tokens"], self._spans(block_span, shape))],
+            [group("full", c["block_tokens"], self._spans(shape))],
             device="cuda",
             replicated=c["mla"],
         )
