@@ -40,8 +40,6 @@ log = logging.getLogger("tierd_client")
 
 CHANNEL_REPLY_BYTES = 1 << 16  # LOOKUP and PING replies are a few hundred bytes
 
-Reply = tuple[int, bool, msgspec.Raw]  # (req_id, ok, undecoded body)
-
 
 class LookupChannel:
     def __init__(self, url: str, enabled: bool, identity: bytes, spin_s: float, on_lost: Callable[[], None]):
@@ -59,7 +57,7 @@ class LookupChannel:
         self._on_lost = on_lost
 
     # ---- callers' threads and the I/O thread, lock held -----------------------------------------
-    def pump(self, own: Pending, end: float, pending: dict[int, Pending], stash: list[Reply]):
+    def pump(self, own: Pending, end: float, pending: dict[int, Pending], stash: list[wire.RawReply]):
         """Read the channel for ``own``'s reply until ``end`` (level-triggered: nothing to drain).
         Returns ``((own, body), handed)`` when its success came (popped from ``pending``), else
         ``(None, handed)``; every other reply read (and ``own``'s error) goes on ``stash`` for the
@@ -114,7 +112,7 @@ class LookupChannel:
                 self.drop(f"sending failed: {exc.strerror}")
             return False
 
-    def _recv(self, channel: socket.socket) -> Reply | None:
+    def _recv(self, channel: socket.socket) -> wire.RawReply | None:
         """One reply read from the lookup channel, or None (nothing there, or it ended)."""
         while True:
             try:

@@ -11,8 +11,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from tierd.protocol import messages
 from tierd.protocol.errors import ProtocolError
 from tierd_client import wire
@@ -107,7 +105,7 @@ def release(p: Pending) -> None:
         p.future.pending = None
 
 
-def decode_reply(frame: bytes) -> tuple[int, bool, msgspec.Raw] | None:
+def decode_reply(frame: bytes) -> wire.RawReply | None:
     """A reply's (req_id, ok, body), the body undecoded until its request is found
     (tierd_client.wire); None (logged) if the frame cannot be taken apart."""
     try:

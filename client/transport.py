@@ -101,7 +101,7 @@ class Transport:
         self.waiting: list[Pending] = []  # taken from the outbox, not yet sent: no connection so far
         self.lock = threading.Lock()  # owns the socket and the state above (module doc)
         self.sock: zmq.Socket | None = None
-        self.stash: list[tuple[int, bool, msgspec.Raw]] = []  # replies a caller read for the I/O thread
+        self.stash: list[wire.RawReply] = []  # replies a caller read for the I/O thread
         self.watching = True  # the I/O thread's poll includes the socket's descriptor
         self.closed = threading.Event()
         self.connected = False  # a ZMTP handshake with the daemon completed and no disconnect since

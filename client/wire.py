@@ -20,8 +20,10 @@ from tierd.protocol import messages
 from tierd.protocol.errors import ErrorCode, ProtocolError, convert
 from tierd_client.errors import TierdError
 
+RawReply = tuple[int, bool, msgspec.Raw]  # a reply frame taken apart: (req_id, ok, undecoded body)
+
 _encoder = msgspec.msgpack.Encoder()
-_frame = msgspec.msgpack.Decoder(tuple[int, bool, msgspec.Raw])
+_frame = msgspec.msgpack.Decoder(RawReply)
 _error = msgspec.msgpack.Decoder(messages.ErrorReply)
 _plain = msgspec.msgpack.Decoder(dict[str, Any])  # STATUS's /status object; an op the client does not know
 _replies = {op: _plain if t is None else msgspec.msgpack.Decoder(t) for op, t in messages.REPLIES.items()}
@@ -47,7 +49,7 @@ def typed(part: Any, typ: type, path: str) -> Any:
         raise TierdError(exc.code.name, exc.message) from None
 
 
-def split_reply(frame: bytes) -> tuple[int, bool, msgspec.Raw]:
+def split_reply(frame: bytes) -> RawReply:
     """A reply frame's ``(req_id, ok, body)``, the body left undecoded; raises ProtocolError."""
     try:
         return _frame.decode(frame)
