@@ -7,6 +7,8 @@ notification descriptor, not the socket, so it never touches it without the lock
   (``pump``); a success for its own request resolves there. Every other reply it reads (and its
   own errors, which may be retried) goes to the I/O thread, so callbacks and retries still run
   only there. Past FAST_WAIT_S it waits for the I/O thread like any other caller.
+- A thread that polls a reply's future (``poll``: an engine's step loop asking whether a load
+  came back) reads what the socket holds at that moment the same way, never waiting.
 - A request made to be waited for at once (``wait=True``: ``call()``, the verbs' blocking forms)
   is *claimed* for FAST_WAIT_S (``Transport.request``): while every request in flight is claimed,
   the I/O thread does not watch the socket at all, so a reply wakes only the thread waiting for
@@ -15,7 +17,7 @@ notification descriptor, not the socket, so it never touches it without the lock
   wakes the I/O thread, before letting the lock go.
 
 The fast path has no state of its own (it is the transport's socket, lock, queues and requests in
-flight, used on another thread), so it is two functions handed the tierd_client.transport.Transport
+flight, used on another thread), so it is functions handed the tierd_client.transport.Transport
 explicitly, kept in a module of their own only for the transport module's size.
 """
 
@@ -33,6 +35,7 @@ from tierd_client.pending import Pending, decode_reply
 
 FAST_WAIT_S = 0.005  # a caller reads the socket for its own reply this long before the I/O thread does
 SEND_WAIT_S = 0.001  # a caller waits this long for the lock to send on its own thread
+POLL_WAIT_S = 0.0002  # a poll waits this long for the lock (``poll``)
 # plain ints: pyzmq's enum flags make each ``EVENTS & POLLIN`` test a Python-level __and__
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -78,9 +81,27 @@ def pump(t, fut: Future, limit: float | None) -> None:
     resolved, for at most FAST_WAIT_S (and ``limit``). Only a success of ``fut``'s own request
     resolves here."""
     wait = FAST_WAIT_S if limit is None else min(FAST_WAIT_S, limit)
+    if wait > 0:
+        _read_own(t, fut, wait)
+
+
+def poll(t, fut: Future) -> None:
+    """Read what transport ``t``'s sockets hold now on this thread, without waiting: a success of
+    ``fut``'s own request resolves here, every other reply goes to the I/O thread. For a thread that
+    polls a future again and again and holds the interpreter's lock between polls (an engine's step
+    loop): its reply is then not left waiting for the I/O thread's turn at that lock, up to the
+    interpreter's switch interval (5 ms by default). Claims are left as they are (no one waits)."""
+    _read_own(t, fut, 0.0)
+
+
+def _read_own(t, fut: Future, wait: float) -> None:
+    """``pump`` (``wait`` > 0: ``fut``'s request claimed until then) or ``poll`` (0)."""
     end = time.monotonic() + wait
     lock = t.lock
-    if wait <= 0 or not lock.acquire(timeout=wait):
+    # a poll that finds the lock taken waits a moment too: the I/O thread may hold it while it
+    # waits for the interpreter's lock this thread holds (up to the switch interval), and waiting
+    # lets it have that; briefly, as an engine's step pays for the wait
+    if not lock.acquire(timeout=wait if wait > 0 else POLL_WAIT_S):
         return
     mine, handed = None, False
     own = getattr(fut, "pending", None)  # (``p`` below: whatever request a reply answers)
@@ -92,7 +113,8 @@ def pump(t, fut: Future, limit: float | None) -> None:
         if own.channel:
             mine, handed = t.channel.pump(own, end, pending, stash)
             return
-        own.claimed_until = max(own.claimed_until, end)
+        if wait > 0:
+            own.claimed_until = max(own.claimed_until, end)
         for i, (req_id, ok, _body) in enumerate(stash):  # read by another caller
             if pending.get(req_id) is own:
                 if ok:
@@ -120,9 +142,9 @@ def pump(t, fut: Future, limit: float | None) -> None:
                 stash.append((req_id, ok, body))
                 handed = handed or p is own
     finally:
-        if mine is None and own is not None:
+        if wait > 0 and mine is None and own is not None:
             own.claimed_until = 0.0  # not answered yet: the I/O thread reads it from now on
-        if t.stash or (mine is None and not fut.done()):
+        if t.stash or (wait > 0 and mine is None and not fut.done()):
             t.wake()
         lock.release()
         if mine is not None:

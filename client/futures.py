@@ -1,4 +1,5 @@
-"""One future for several requests (a job split to stay within the daemon's bounds)."""
+"""One future for several requests (a job split to stay within the daemon's bounds), and asking a
+future whether it is done the way a polling thread should."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ def failed(exc: BaseException) -> Future:
     out: Future = Future()
     out.set_exception(exc)
     return out
+
+
+def polled(fut: Future) -> bool:
+    """Whether ``fut`` is done, after reading on this thread what the client's sockets hold for it
+    (its ``poll``: a request's Reply, a GPU rank's job); any other future just says."""
+    poll = getattr(fut, "poll", None)
+    return fut.done() or (poll is not None and poll())
 
 
 def join(parts: list[Future], out: Future, merge, error: BaseException | None = None) -> None:

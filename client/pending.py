@@ -34,6 +34,14 @@ class Reply(Future):
     def exception(self, timeout: float | None = None):
         return super().exception(self._pumped(timeout))
 
+    def poll(self) -> bool:
+        """Whether the request has its answer, once what the client's sockets hold for it now has
+        been read on this thread (``Transport.poll``): a thread that polls sees its reply without
+        waiting for the I/O thread's turn."""
+        if not self.done():
+            self._transport.poll(self)
+        return self.done()
+
     def _pumped(self, timeout: float | None) -> float | None:
         """Pump, and return what is left of ``timeout``."""
         if self.done() or timeout == 0:

@@ -37,6 +37,14 @@ class RankJob(Future):
     def exception(self, timeout: float | None = None):
         return super().exception(self._pump(timeout))
 
+    def poll(self) -> bool:
+        """Whether the job has its answer, once what the client's sockets hold for its request now
+        has been read on this thread (``Reply.poll``; for any job: it never waits)."""
+        reply = self.reply
+        if not self.done() and reply is not None and not reply.done() and hasattr(reply, "poll"):
+            reply.poll()
+        return self.done()
+
     def _pump(self, timeout: float | None) -> float | None:
         reply = self.reply
         if reply is None or self.done() or reply.done() or timeout == 0 or not (self.alone and self.alone()):

@@ -37,6 +37,7 @@ from tierd.protocol import messages
 from tierd.protocol.layout import GroupKind
 from tierd_client.direct_rank import DirectRank
 from tierd_client.errors import TierdError
+from tierd_client.futures import polled
 from tierd_client.staged_rank import StagedRank
 from tierd_client.vllm_connector import stages
 from tierd_client.vllm_connector.config import ConnectorConfig
@@ -200,7 +201,7 @@ class WorkerSide:
         finished, failed = set(), set()
         for req_id, (fut, ids) in list(self.loads.items()):
             stages.add(req_id, "load_polls", 1)
-            if not fut.done() or not self._landed(req_id, fut):
+            if not polled(fut) or not self._landed(req_id, fut):
                 continue
             stages.stamp(req_id, "landed")
             del self.loads[req_id]

@@ -4,6 +4,7 @@ blocking and not, each get their own answer. Real daemon, real sockets."""
 
 import gc
 import signal
+import sys
 import threading
 import time
 
@@ -14,6 +15,7 @@ from util import chunk, ranks  # noqa: F401 - fixtures
 
 from tierd_client import TierdError, fast_path, transport
 from tierd_client.fast_path import FAST_WAIT_S
+from tierd_client.futures import polled
 from tierd_client.pending import decode_reply
 
 
@@ -205,3 +207,35 @@ def test_an_answered_request_leaves_nothing_for_the_cyclic_gc(daemon, client_fac
     finally:
         gc.enable()
     assert found < 20, found
+
+
+@pytest.mark.parametrize("op", ["STATUS", "PING"])  # the DEALER's reply, and the lookup channel's
+def test_a_thread_polling_its_request_sees_the_reply_without_waiting_out_the_gil_switch_interval(
+    daemon, client_factory, op
+):
+    """An engine's step loop polls whether a load came back and runs Python between polls, holding
+    the interpreter's lock: the I/O thread that would read the reply waits for it up to the switch
+    interval (5 ms by default) each time, and may hold the transport's lock meanwhile. A poll reads
+    what the sockets hold on the polling thread, and lets an I/O thread holding the transport's
+    lock finish its turn. Here the interval is 2 s and each round's loop gives up after 1 s."""
+    c = client_factory(daemon)
+    c.ping()
+    c.call(op, {})
+    interval = sys.getswitchinterval()
+    slow = []
+    for _ in range(20):  # the I/O thread holding the transport's lock was a race: about 1 round in 13
+        sys.setswitchinterval(2.0)
+        try:
+            fut = c.call_async(op, {})  # not claimed: nobody waits in result()
+            sent = fut.pending
+            t0 = time.perf_counter()
+            while not polled(fut) and time.perf_counter() - t0 < 1.0:
+                pass
+            elapsed = time.perf_counter() - t0
+        finally:
+            sys.setswitchinterval(interval)
+        if not fut.done():
+            slow.append(round(elapsed, 3))
+        assert fut.result(timeout=10) is not None
+        assert sent.channel == (op == "PING")  # (each path the one meant)
+    assert not slow, slow

@@ -9,6 +9,7 @@ LOOKUP and RETRIEVE must end in a recompute, never a hang or a lookup/load loop.
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import pytest
@@ -246,3 +247,32 @@ def test_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_
         time.sleep(0.01)
     assert "b" not in b.scheduler.requests  # freed once the load landed
     assert all(pool.blocks[i].ref_cnt == 0 for i in held["blocks"])
+
+
+def test_an_engine_loop_that_holds_the_gil_sees_its_load_land_without_waiting_out_the_switch_interval(
+    engines, daemon
+):
+    """vLLM's engine loop steps without pause while a request waits for its load, and holds the
+    interpreter's lock between steps: a load whose reply only the client's I/O thread reads waits
+    for that lock up to the switch interval (5 ms by default) per hand-over. The worker polls its
+    loads, reading what the client's sockets hold on the engine's thread. Here the interval is 2 s
+    and the loop gives up after 1 s of steps."""
+    tokens = prompt(200, seed=5)
+    a = engines(CONFIGS["single"])
+    a.add("a", tokens)
+    a.run()
+    b = engines(CONFIGS["single"])
+    b.add("b", tokens)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    try:
+        t0 = time.perf_counter()
+        while b.scheduler.has_unfinished_requests() and time.perf_counter() - t0 < 1.0:
+            b.step()  # no sleep between steps: the engine's loop holds the interpreter's lock
+        elapsed = time.perf_counter() - t0
+    finally:
+        sys.setswitchinterval(interval)
+    b.run()
+    assert b.first_computed("b") == 3 * CHUNK and not b.failed_loads
+    b.assert_restored("b", tokens, 3 * CHUNK)
+    assert "b" in b.finished and elapsed < 1.0, (elapsed, b.steps)
