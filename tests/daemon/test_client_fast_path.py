@@ -12,6 +12,7 @@ import pytest
 import zmq
 from kv import GroupGeom, keys
 from util import chunk, ranks  # noqa: F401 - fixtures
+from wire import wait_for
 
 from tierd_client import TierdError, fast_path, transport
 from tierd_client.fast_path import FAST_WAIT_S
@@ -219,6 +220,8 @@ def test_a_thread_polling_its_request_sees_the_reply_without_waiting_out_the_gil
     what the sockets hold on the polling thread, and lets an I/O thread holding the transport's
     lock finish its turn. Here the interval is 2 s and each round's loop gives up after 1 s."""
     c = client_factory(daemon)
+    if op == "PING":
+        wait_for(lambda: c.transport.channel.sock is not None, 5, what="the client's lookup channel")
     c.ping()
     c.call(op, {})
     interval = sys.getswitchinterval()
