@@ -49,6 +49,16 @@ def engines(tiny_model, daemon):
             pass
 
 
+def stored_then_asked_by_a_new_engine(engines, config: str, tokens: list[int]) -> SimEngine:
+    """Engine "a" computes and stores ``tokens``; a new engine "b" is asked for them (request "b")."""
+    a = engines(CONFIGS[config])
+    a.add("a", tokens)
+    a.run()
+    b = engines(CONFIGS[config])
+    b.add("b", tokens)
+    return b
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_new_engine_restores_prefix_byte_equal(engines, daemon, config):
     groups = CONFIGS[config]
@@ -215,11 +225,7 @@ def test_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_
     from vllm.v1.request import RequestStatus
 
     tokens = prompt(200, seed=51)
-    a = engines(CONFIGS["sliding"])
-    a.add("a", tokens)
-    a.run()
-    b = engines(CONFIGS["sliding"])
-    b.add("b", tokens)
+    b = stored_then_asked_by_a_new_engine(engines, "sliding", tokens)
     held = {}
 
     def pause_and_abort(so):
@@ -258,11 +264,7 @@ def test_an_engine_loop_that_holds_the_gil_sees_its_load_land_without_waiting_ou
     loads, reading what the client's sockets hold on the engine's thread. Here the interval is 2 s
     and the loop gives up after 1 s of steps."""
     tokens = prompt(200, seed=5)
-    a = engines(CONFIGS["single"])
-    a.add("a", tokens)
-    a.run()
-    b = engines(CONFIGS["single"])
-    b.add("b", tokens)
+    b = stored_then_asked_by_a_new_engine(engines, "single", tokens)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(2.0)
     try:
