@@ -147,7 +147,7 @@ class DirectRank:
                     body = messages.Store(self.instance, part, touch=extra["touch"] if i == 0 else [])
                 else:
                     body = messages.Retrieve(self.instance, part, lease=extra["lease"])
-                fut = out.reply = self.client.call_async(op, body, timeout=self.timeout_s)
+                fut = out.sent(self.client.call_async(op, body, timeout=self.timeout_s))
                 stamp(rec, "sent")
                 if rec is not None:
                     fut.add_done_callback(lambda _f, rec=rec: stamp(rec, "answered"))

@@ -28,8 +28,18 @@ class RankJob(Future):
     flight for its rank (``alone()``): pumping holds the client's socket for up to a few
     milliseconds, which would hold back the other requests' sends and answers."""
 
-    reply: Future | None = None
+    reply: Future | None = None  # its last request's Reply (what a job of one request waits on)
     alone = None  # () -> bool, set by the rank
+
+    def __init__(self):
+        super().__init__()
+        self.replies: list[Future] = []  # every request's Reply, in the order sent
+
+    def sent(self, reply: Future) -> Future:
+        """Note ``reply`` (the future of one of the job's requests, just sent); returns it."""
+        self.reply = reply
+        self.replies.append(reply)
+        return reply
 
     def result(self, timeout: float | None = None):
         return super().result(self._pump(timeout))
@@ -38,11 +48,14 @@ class RankJob(Future):
         return super().exception(self._pump(timeout))
 
     def poll(self) -> bool:
-        """Whether the job has its answer, once what the client's sockets hold for its request now
-        has been read on this thread (``Reply.poll``; for any job: it never waits)."""
-        reply = self.reply
-        if not self.done() and reply is not None and not reply.done() and hasattr(reply, "poll"):
-            reply.poll()
+        """Whether the job has its answer, once what the client's sockets hold for its requests now
+        has been read on this thread (``Reply.poll`` of each still open; for any job: it never
+        waits). A job split in several requests ends when the last of them does."""
+        for reply in list(self.replies):
+            if self.done():
+                break
+            if not reply.done() and hasattr(reply, "poll"):
+                reply.poll()
         return self.done()
 
     def _pump(self, timeout: float | None) -> float | None:

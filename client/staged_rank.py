@@ -242,7 +242,7 @@ class StagedRank:
                 body = messages.Store(self.instance, batch, touch=touch, staged_at=at)
                 return self._send_gathered(ring, at, size, body, gathered, rec, self._spin_s(kw), kw["job"])
             body = messages.Store(self.instance, batch, touch=touch, event=event, staged_at=at)
-            fut = kw["job"].reply = self.client.call_async("STORE", body, timeout=self.timeout_s)
+            fut = kw["job"].sent(self.client.call_async("STORE", body, timeout=self.timeout_s))
             ring.hold(at, size, fut)  # the next gather into this room queues behind this one anyway
             read: Future = Future()
             fut.add_done_callback(lambda f: self._when_read(f, gathered, read))
@@ -251,7 +251,7 @@ class StagedRank:
         event = None if self.host_order else self.stager.mark()
         body = messages.Retrieve(self.instance, batch, lease=kw["lease"], event=event, staged_at=at)
         scattered: Future = Future()
-        fut = kw["job"].reply = self.client.call_async("RETRIEVE", body, timeout=self.timeout_s)
+        fut = kw["job"].sent(self.client.call_async("RETRIEVE", body, timeout=self.timeout_s))
         stamp(rec, "sent")
         ids = [blocks_of(c) for c in batch]
         try:  # while the daemon copies: the answer then only has the scatter launched
@@ -297,7 +297,7 @@ class StagedRank:
                 read.set_exception(exc)
                 return
             if job is not None:
-                job.reply = fut
+                job.sent(fut)
             stamp(rec, "sent")
             fut.add_done_callback(lambda f: (stamp(rec, "answered"), chain(f, read)))
 

@@ -496,3 +496,47 @@ def test_a_retrieves_scatter_is_prepared_while_the_daemon_copies_and_let_go_when
         assert stager.released == [("prepared", 2)] and stager.scattered == [("prepared", 1)]
     finally:
         rank.close()
+
+
+class SocketHeldReply(Future):
+    """Stands in for a client Reply whose answer is on the socket: only a read (``poll``) on the
+    calling thread delivers it (the I/O thread would, at its next turn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.answer = None
+
+    def poll(self):
+        if self.answer is not None and not self.done():
+            self.set_result(self.answer)
+        return self.done()
+
+
+class HeldClient(Client):
+    def call_async(self, op, body, timeout=None):
+        super().call_async(op, body, timeout)
+        self.futs[-1] = SocketHeldReply()
+        return self.futs[-1]
+
+    def answer(self, i, body):
+        self.futs[i].answer = body
+
+
+def test_a_polled_job_split_in_several_requests_reads_every_answer_on_the_polling_thread():
+    """An engine loop polls its loads once a step; a load cut into several requests (a large
+    prompt: a 32k-token 8B prompt is 64 of them) ends when the last answer is read, so a poll
+    reads each request's answer, not only the last request's."""
+    client = HeldClient()
+    rank = DirectRank(client, "e/0", device=None, chunk_bytes=10, request_bytes=25)
+    try:
+        # a store: a retrieve's merged answer takes a CUDA event, which this machine lacks; both
+        # are the same RankJob
+        job = rank.store([chunk(bytes([i]) * 16, [i]) for i in range(5)])
+        assert len(client.calls) == 3
+        assert not job.poll()  # nothing answered yet
+        for i in range(3):
+            client.answer(i, stored(len(client.calls[i][1]["chunks"])))
+        assert job.poll()
+        assert job.result(0).results == ["stored"] * 5
+    finally:
+        rank.close()
