@@ -96,12 +96,13 @@ def poll(t, fut: Future) -> None:
 
 def _read_own(t, fut: Future, wait: float) -> None:
     """``pump`` (``wait`` > 0: ``fut``'s request claimed until then) or ``poll`` (0)."""
+    claim = wait > 0
     end = time.monotonic() + wait
     lock = t.lock
     # a poll that finds the lock taken waits a moment too: the I/O thread may hold it while it
     # waits for the interpreter's lock this thread holds (up to the switch interval), and waiting
     # lets it have that; briefly, as an engine's step pays for the wait
-    if not lock.acquire(timeout=wait if wait > 0 else POLL_WAIT_S):
+    if not lock.acquire(timeout=wait if claim else POLL_WAIT_S):
         return
     mine, handed = None, False
     own = getattr(fut, "pending", None)  # (``p`` below: whatever request a reply answers)
@@ -113,7 +114,7 @@ def _read_own(t, fut: Future, wait: float) -> None:
         if own.channel:
             mine, handed = t.channel.pump(own, end, pending, stash)
             return
-        if wait > 0:
+        if claim:
             own.claimed_until = max(own.claimed_until, end)
         for i, (req_id, ok, _body) in enumerate(stash):  # read by another caller
             if pending.get(req_id) is own:
@@ -142,9 +143,9 @@ def _read_own(t, fut: Future, wait: float) -> None:
                 stash.append((req_id, ok, body))
                 handed = handed or p is own
     finally:
-        if wait > 0 and mine is None and own is not None:
+        if claim and mine is None and own is not None:
             own.claimed_until = 0.0  # not answered yet: the I/O thread reads it from now on
-        if t.stash or (wait > 0 and mine is None and not fut.done()):
+        if t.stash or (claim and mine is None and not fut.done()):
             t.wake()
         lock.release()
         if mine is not None:

@@ -9,6 +9,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tierd_client.futures import polled
+
 
 @dataclass(frozen=True)
 class Loaded:
@@ -28,7 +30,6 @@ class RankJob(Future):
     flight for its rank (``alone()``): pumping holds the client's socket for up to a few
     milliseconds, which would hold back the other requests' sends and answers."""
 
-    reply: Future | None = None  # its last request's Reply (what a job of one request waits on)
     alone = None  # () -> bool, set by the rank
 
     def __init__(self):
@@ -37,9 +38,13 @@ class RankJob(Future):
 
     def sent(self, reply: Future) -> Future:
         """Note ``reply`` (the future of one of the job's requests, just sent); returns it."""
-        self.reply = reply
         self.replies.append(reply)
         return reply
+
+    @property
+    def reply(self) -> Future | None:
+        """Its last request's Reply (what a job of one request waits on)."""
+        return self.replies[-1] if self.replies else None
 
     def result(self, timeout: float | None = None):
         return super().result(self._pump(timeout))
@@ -54,8 +59,7 @@ class RankJob(Future):
         for reply in list(self.replies):
             if self.done():
                 break
-            if not reply.done() and hasattr(reply, "poll"):
-                reply.poll()
+            polled(reply)
         return self.done()
 
     def _pump(self, timeout: float | None) -> float | None:

@@ -471,7 +471,7 @@ def test_a_waiting_caller_reads_the_answer_itself_only_for_a_job_alone_in_flight
     """Reading the socket on the caller's thread holds it for milliseconds: only worth it (and
     harmless) when no other request of the rank needs it meanwhile."""
     job = RankJob()
-    job.reply = CountingReply()
+    job.sent(CountingReply())
     job.alone = lambda: alone
     with pytest.raises(TimeoutError):
         job.result(0.01)
