@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -45,7 +46,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpu_engine_models import EXACT_DTYPE, GPU_BACKEND, GPU_CONFIG, kv_bytes_per_token  # noqa: E402
+from gpu_engine_models import BLOCK_SIZE, EXACT_DTYPE, GPU_BACKEND, GPU_CONFIG, kv_bytes_per_token  # noqa: E402
 
 TOL = {"float32": 1e-3, "bfloat16": 0.1}
 CHUNK = 256  # tierd.chunk_tokens of every pass
@@ -143,6 +144,7 @@ def exact_specs(fam: str, paths: list[str], args, daemon: Daemon) -> list[list[t
         dtype=EXACT_DTYPE.get(fam, "float32"),
         backend=GPU_BACKEND.get(fam),
         max_model_len=4096,
+        block_size=BLOCK_SIZE.get(fam),
         kv_cache_memory_bytes=1 << 30,
         gpu_memory_utilization=0.1,
         # prefill steps of one chunk in every pass: the step after a hit boundary then computes the
@@ -180,12 +182,19 @@ def exact_specs(fam: str, paths: list[str], args, daemon: Daemon) -> list[list[t
     return chains
 
 
+def lp_distance(p: float, q: float) -> float:
+    """How far two logprobs are apart; infinite where either is NaN (logits of a block that was
+    never written), which no tolerance accepts (``abs(p - q)`` is NaN there, and ``max`` and ``<=``
+    then read it as no difference or skip it)."""
+    return math.inf if math.isnan(p) or math.isnan(q) else abs(p - q)
+
+
 def compare(a: list[dict], b: list[dict], tol: float) -> dict:
     """Prompts whose token ids are all equal and logprobs within ``tol``, of ``a`` against ``b``."""
     ok, worst = 0, 0.0
     for x, y in zip(a, b):
         same = x["ids"] == y["ids"]
-        diff = max((abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
+        diff = max((lp_distance(p, q) for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
         worst = max(worst, diff)
         ok += same and diff <= tol
     return {"match": ok, "of": min(len(a), len(b)), "max_lp_diff": worst}

@@ -147,6 +147,12 @@ EXACT_DTYPE = {"mla": "bfloat16"}
 # vLLM's additional_config per family on a GPU: its GDN prefill on Hopper is FlashInfer's kernel
 # (not in this engine build) unless the Triton one is asked for
 GPU_CONFIG = {"gdn": {"gdn_prefill_backend": "triton"}}
+# the engine's --block-size per family. A hybrid's attention block is raised until its page holds
+# one recurrent state (vLLM's Platform._align_hybrid_block_size, in multiples of the block size
+# asked for): gdn's float32 state is 70 KiB a layer and its attention 1 KiB a token, so vLLM's
+# default of 16 would become 80 tokens, which no 256-token chunk is made of (the connector refuses
+# it at start-up); asked for 128, it stays 128
+BLOCK_SIZE = {"gdn": 128}
 
 
 def kv_bytes_per_token(name: str, dtype_bytes: int = 2) -> int:
