@@ -101,7 +101,7 @@ def make_vllm_config(
     model_dir: str,
     url: str,
     block_size: int,
-    chunk_tokens: int,
+    chunk_tokens: int | None,
     *,
     max_batched: int = 256,
     extra: dict | None = None,
@@ -136,7 +136,7 @@ def make_vllm_config(
     )
     cfg_extra = {
         "tierd.url": url,
-        "tierd.chunk_tokens": chunk_tokens,
+        **({"tierd.chunk_tokens": chunk_tokens} if chunk_tokens is not None else {}),  # None: unset
         "tierd.timeout_s": 5,
         "tierd.lookup_timeout_s": 2,
         **(extra or {}),
@@ -185,7 +185,7 @@ class SimEngine:
         groups: list[GroupDef],
         *,
         num_blocks: int = 256,
-        chunk_tokens: int = 64,
+        chunk_tokens: int | None = 64,
         max_batched: int = 256,
         extra: dict | None = None,
         spec_tokens: int = 0,

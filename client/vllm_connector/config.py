@@ -26,7 +26,10 @@ BLOCK_OUTERMOST = "BLNHC"  # tierd.kv_layout=auto on a GPU: a block's layers one
 @dataclass(frozen=True)
 class ConnectorConfig:
     url: str
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # tokens per stored chunk: a multiple of every KV cache group's block size. None (unset): the
+    # least such multiple of DEFAULT_CHUNK_TOKENS or more (a hybrid model's blocks are sized by vLLM
+    # from its recurrent state, e.g. 80 or 544 tokens); set: exactly this, or refused at start-up
+    chunk_tokens: int | None = None
     timeout_s: float = 10.0  # deadline of STORE/RETRIEVE/REGISTER calls
     lookup_timeout_s: float = 2.0  # a LOOKUP slower than this counts as a miss
     lookup_wait_ms: float = 2.0  # how long get_num_new_matched_tokens may wait before returning None
@@ -93,8 +96,8 @@ class ConnectorConfig:
             if "://" not in host:
                 host = f"tcp://{host}"
             url = host if host.startswith("ipc://") else f"{host}:{int(extra.get('lmcache.mp.port', 5555))}"
-        chunk = int(get("chunk_tokens", "lmcache.chunk_size"))
-        if chunk < 1:
+        chunk = get("chunk_tokens", "lmcache.chunk_size")
+        if chunk is not None and (chunk := int(chunk)) < 1:
             raise ValueError(f"tierd.chunk_tokens must be >= 1, got {chunk}")
         staging = float(get("staging_mb"))
         if not staging >= 0:

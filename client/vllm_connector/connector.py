@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - vLLM before 0.33's transfer results
     KVConnectorTransferResults = None
 
 from tierd_client.client import TierdClient
-from tierd_client.vllm_connector.config import ConnectorConfig
+from tierd_client.vllm_connector.config import DEFAULT_CHUNK_TOKENS, ConnectorConfig
 from tierd_client.vllm_connector.events import ChunkReports, RouterEvents
 from tierd_client.vllm_connector.geometry import build_geometry
 from tierd_client.vllm_connector.leave import arm as arm_leaving
@@ -56,6 +56,14 @@ def _host_hit_source():
     except ImportError:  # pragma: no cover
         return None
     return getattr(CacheHitSource, "HOST", None)
+
+
+def _fitted(cfg: ConnectorConfig, geo) -> str:
+    """Why the chunks are not of DEFAULT_CHUNK_TOKENS, where tierd.chunk_tokens was left unset."""
+    if cfg.chunk_tokens is not None or geo.chunk_tokens == DEFAULT_CHUNK_TOKENS:
+        return ""
+    blocks = sorted({g.block_tokens for g in geo.groups})
+    return f" (tierd.chunk_tokens unset: {DEFAULT_CHUNK_TOKENS} is no whole number of blocks {blocks})"
 
 
 class TierdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -104,10 +112,11 @@ class TierdConnector(KVConnectorBase_V1, SupportsHMA):
             )
             self._rank = rank
         log.info(
-            "TierdConnector (%s) -> %s: chunks of %d tokens (shorter prompts bypass the tier), groups %s%s",
+            "TierdConnector (%s) -> %s: chunks of %d tokens%s (shorter prompts bypass the tier), groups %s%s",
             role.name.lower(),
             self.cfg.url,
-            self.cfg.chunk_tokens,
+            self.geo.chunk_tokens,
+            _fitted(self.cfg, self.geo),
             [g.kind.value for g in self.geo.groups],
             ", KV events on" if events else "",
         )

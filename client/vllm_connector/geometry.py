@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from tierd.protocol.layout import GroupKind, GroupSpec, Namespace
+from tierd_client.vllm_connector.config import DEFAULT_CHUNK_TOKENS
 
 
 class ChunkSizeError(ValueError):
@@ -80,7 +81,9 @@ def _classify(spec) -> tuple[GroupKind, int, bool]:
     )
 
 
-def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> EngineGeometry:
+def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int | None) -> EngineGeometry:
+    """``chunk_tokens``: as set, which must fit the blocks as it is; None (unset): the least whole
+    number of blocks from DEFAULT_CHUNK_TOKENS on (``fit_chunk_tokens``)."""
     groups = []
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         if getattr(group, "enable_kv_transfer", True) is False:
@@ -99,6 +102,8 @@ def build_geometry(vllm_config, kv_cache_config, chunk_tokens: int) -> EngineGeo
                 replicated=replicated,
             )
         )
+    if chunk_tokens is None:
+        chunk_tokens = fit_chunk_tokens(DEFAULT_CHUNK_TOKENS, groups)
     check_chunk_tokens(chunk_tokens, groups)
     parallel = vllm_config.parallel_config
     world = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
@@ -128,6 +133,14 @@ def kv_cache_layout(vllm_config, kv_cache_config) -> str:
         or getattr(vllm_config.cache_config, "kv_cache_layout", None)
         or ""
     )
+
+
+def fit_chunk_tokens(least: int, groups) -> int:
+    """The smallest whole multiple of every group's block size that is at least ``least`` tokens.
+    Every engine of one model and parallel layout derives the same, so they share chunks."""
+    sizes = [g.block_tokens for g in groups]
+    lcm = math.lcm(*sizes) if sizes else 1
+    return max(1, -(-least // lcm)) * lcm
 
 
 def check_chunk_tokens(chunk_tokens: int, groups) -> None:

@@ -8,6 +8,8 @@ LOOKUP and RETRIEVE must end in a recompute, never a hang or a lookup/load loop.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 import sys
 import time
@@ -127,6 +129,37 @@ def test_chunk_size_that_is_not_a_block_multiple_is_refused(tiny_model, daemon):
         SimEngine(tiny_model, daemon.endpoint, [GroupDef("full", block_size=16)], chunk_tokens=40)
     msg = str(err.value)
     assert "tierd.chunk_tokens=48" in msg and "block_size=16" in msg and "--block-size" in msg
+
+
+@pytest.mark.parametrize("config", ["single", "mamba"])
+def test_an_unset_chunk_size_is_the_least_whole_number_of_blocks_from_256_and_restores(engines, config):
+    """Blocks that do not divide 256 tokens (vLLM sizes a hybrid model's from its recurrent state):
+    with tierd.chunk_tokens unset both roles take chunks of 320 tokens (four 80-token blocks) and a
+    new engine restores them; the engine used to refuse to start with the default."""
+    groups = [dataclasses.replace(g, block_size=80) for g in CONFIGS[config]]
+    tokens = prompt(2 * 320 + 50, seed=11)
+    lines: list[str] = []
+    said = logging.Handler(logging.INFO)
+    said.emit = lambda record: lines.append(record.getMessage())
+    connector_log = logging.getLogger("tierd_client.vllm_connector")
+    connector_log.addHandler(said)
+    try:
+        a = engines(groups, chunk_tokens=None)
+    finally:
+        connector_log.removeHandler(said)
+    assert a.connector.geo.chunk_tokens == a.worker.geo.chunk_tokens == 320
+    started = [ln for ln in lines if ln.startswith("TierdConnector (") and ": chunks of" in ln]
+    assert len(started) == 2 and all(
+        "chunks of 320 tokens (tierd.chunk_tokens unset: 256 is no whole number of blocks [80])" in ln
+        for ln in started
+    ), started
+    a.add("a", tokens)
+    a.run()
+    b = engines(groups, chunk_tokens=None)
+    b.add("b", tokens)
+    b.run()
+    assert b.first_computed("b") == 2 * 320 and not b.failed_loads
+    b.assert_restored("b", tokens, 2 * 320)
 
 
 def _lookups(daemon) -> int:
