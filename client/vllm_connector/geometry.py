@@ -135,21 +135,24 @@ def kv_cache_layout(vllm_config, kv_cache_config) -> str:
     )
 
 
+def block_multiple(groups) -> int:
+    """The fewest tokens that are a whole number of blocks of every group."""
+    return math.lcm(*(g.block_tokens for g in groups)) if groups else 1
+
+
 def fit_chunk_tokens(least: int, groups) -> int:
     """The smallest whole multiple of every group's block size that is at least ``least`` tokens.
     Every engine of one model and parallel layout derives the same, so they share chunks."""
-    sizes = [g.block_tokens for g in groups]
-    lcm = math.lcm(*sizes) if sizes else 1
+    lcm = block_multiple(groups)
     return max(1, -(-least // lcm)) * lcm
 
 
 def check_chunk_tokens(chunk_tokens: int, groups) -> None:
     """Refuse a chunk size that is not a whole multiple of every group's block size."""
-    sizes = [g.block_tokens for g in groups]
-    lcm = math.lcm(*sizes) if sizes else 1
+    lcm = block_multiple(groups)
     if chunk_tokens % lcm == 0:
         return
-    suggestion = max(lcm, -(-chunk_tokens // lcm) * lcm)
+    suggestion = fit_chunk_tokens(chunk_tokens, groups)
     where = "; ".join(
         f"group {g.index} {g.spec_name} block_size={g.block_tokens} (KVCacheConfig.kv_cache_groups[{g.index}]"
         f".kv_cache_spec.block_size, from --block-size"
