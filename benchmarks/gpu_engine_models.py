@@ -141,9 +141,9 @@ CONFIGS: dict[str, dict] = {
 }
 
 # the engine's attention backend per family on a GPU (None: TRITON_ATTN), and the dtype exactness is
-# judged in (Triton MLA runs in bf16/fp16 only; the others in float32)
+# judged in (Triton MLA and the GDN prefill kernel run in bf16/fp16 only; the others in float32)
 GPU_BACKEND = {"mla": "TRITON_MLA"}
-EXACT_DTYPE = {"mla": "bfloat16"}
+EXACT_DTYPE = {"mla": "bfloat16", "gdn": "bfloat16"}
 # vLLM's additional_config per family on a GPU: its GDN prefill on Hopper is FlashInfer's kernel
 # (not in this engine build) unless the Triton one is asked for
 GPU_CONFIG = {"gdn": {"gdn_prefill_backend": "triton"}}

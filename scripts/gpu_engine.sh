@@ -29,8 +29,8 @@ from tierd_client import native
 native.load(); print('native kernels', native.state()['state'], f'{time.time() - t:.1f} s')" > "$OUT/build.log" 2>&1 ) &
 wait $cpu_pkg
 if [ "${TESTS:-}" != none ]; then
-  ( PYTHONPATH=/tmp/alias:$PWD:/tmp/sitecpu:/tmp/site VLLM_TARGET_DEVICE=cpu timeout "${TEST_LIMIT:-240}" \
-      python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pt -o addopts="" \
+  ( PYTHONPATH=/tmp/alias:$PWD:/tmp/sitecpu:/tmp/site VLLM_TARGET_DEVICE=cpu timeout -s INT -k 20 "${TEST_LIMIT:-240}" \
+      python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --basetemp=/tmp/pt -o addopts="" \
       ${TESTS:-tests/e2e/test_gpu_connector.py tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py} \
       > "$OUT/tests.log" 2>&1; echo "pytest exit $?" >> "$OUT/tests.log" ) &
   tests=$!
@@ -40,7 +40,7 @@ timeout "${LIMIT:-420}" python3 benchmarks/gpu_engine.py --out "$OUT/engine" --w
   ${ENGINE_ARGS:-} 2>&1 | tee "$OUT/engine.log"
 say "harness exit ${PIPESTATUS[0]}"
 tail -1 "$OUT/build.log"
-[ -n "${tests:-}" ] && { wait $tests; say tests; grep -E "passed|failed|error|^E |SKIP|^(writer|reader) " "$OUT/tests.log" | tail -30; }
+[ -n "${tests:-}" ] && { wait $tests; say tests; grep -E "passed|failed|error|FAILED|ERROR|^E |SKIP|^(writer|reader) " "$OUT/tests.log" | tail -30; }
 # what comes back: the tables and summary, and one archive of every pass's log and JSON
 tar czf "$OUT/runs.tgz" -C "$OUT/engine" runs /tmp/pt 2>/dev/null
 mv "$OUT/engine/summary.json" "$OUT/summary.json" 2>/dev/null

@@ -12,6 +12,12 @@
 # engines with: enforce_eager=True, attention_config={"backend": "TRITON_ATTN"} (MLA: "TRITON_MLA"),
 # compilation_config={"custom_ops": ["none"], "mode": 0}.
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+# sourced again in the same machine (the engine harness, then serving): the package is in place
+if [ -f /tmp/site2/.ready ]; then
+  export PYTHONPATH=/tmp/alias:$PWD:/tmp/site:/tmp/site2
+  echo "vLLM package already set up"
+  return 0
+fi
 mkdir -p /tmp/site /tmp/site2
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 tar xJf .whl/vllm_pylib.tar.xz -C /tmp/site
@@ -71,3 +77,4 @@ SC
 mkdir -p /tmp/alias && ln -sfn "$PWD/client" /tmp/alias/tierd_client
 export PYTHONPATH=/tmp/alias:$PWD:/tmp/site:/tmp/site2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+: > /tmp/site2/.ready
