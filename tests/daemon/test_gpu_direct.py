@@ -93,10 +93,11 @@ def after_now():
 
 @pytest.mark.parametrize("kind", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
 @pytest.mark.parametrize("ids", ["shuffled", "consecutive"])
-def test_direct_round_trip_through_the_daemon(daemon_factory, client_factory, kind, ids):
+@pytest.mark.parametrize("layers", [4, 1])  # one layer: a small hybrid's group (no pitch between layers)
+def test_direct_round_trip_through_the_daemon(daemon_factory, client_factory, kind, ids, layers):
     d = daemon_factory(pool_mb=256)
     c = client_factory(d, timeout_s=60)
-    eng = Engine(kind, blocks=96)
+    eng = Engine(kind, layers=layers, blocks=96)
     assert direct_layout(PageLayout.from_wire(eng.layout), [eng.buf])
     rank = eng.rank(c)
     n = 6
@@ -111,7 +112,7 @@ def test_direct_round_trip_through_the_daemon(daemon_factory, client_factory, ki
     torch.cuda.current_stream(DEV).wait_event(got.done)
     assert torch.equal(eng.blocks(dst), expect)
     lanes = d.status()["cuda_detail"]["lanes"]
-    assert lanes["store"]["bytes"] == lanes["retrieve"]["bytes"] == n * 4 * BPC * eng.views[0][0].nbytes
+    assert lanes["store"]["bytes"] == lanes["retrieve"]["bytes"] == n * layers * BPC * eng.views[0][0].nbytes
     # one copy per block (pitched, or one span for block-outermost), one per chunk where blocks lie
     # side by side in the tensor and ids run on
     assert lanes["store"]["dmas"] == (n if ids == "consecutive" else n * BPC)

@@ -5,7 +5,8 @@ vLLM 0.33's KVCacheLayouts), a simulated forward on its own stream writing token
 (tests/e2e/test_gpu_connector_engine.py). One engine process stores; a fresh engine process restores
 and its forward reads every restored position byte for byte. Both copy paths: a block-outermost
 layout goes direct (``tierd.cuda_path=auto``: the daemon's DMAs straight to and from the blocks),
-the others through staging, and each path is also forced on a layout of the other kind.
+the others through staging, and each path is also forced on a layout of the other kind and
+reads what the other one wrote.
 
 The two fences, each with its negative control (the worker's private test switches):
 - store: the forward is still running (a sleep kernel before its KV writes) when the step's
@@ -93,7 +94,13 @@ RUNS_STORED = [rt(layout, 10 + i) for i, layout in enumerate(LAYOUTS)] + [
         "slow_forward_s": SLOW_FORWARD_S,
     },
 ]
-RESTORED = [r["name"] for r in RUNS_STORED if r["name"].startswith("rt-")]
+# the other path reads what one path wrote: an object's bytes do not depend on the path that
+# stored it (and a wrong restore says which side to look at: the writer's or the reader's)
+CROSS = [
+    {**rt("LBNHC", 16, "staged"), "name": "x-direct-written-staged-read"},
+    {**rt("LBNHC", 10, "direct"), "name": "x-staged-written-direct-read"},
+]
+RESTORED = [r["name"] for r in RUNS_STORED + CROSS if r["name"].startswith(("rt-", "x-"))]
 RUNS_LOAD = [
     {**rt("LBNHC", 10), "name": "load-unfenced", "load_fence": False, "slow_scatter_s": SLOW_SCATTER_S},
     {**rt("LBNHC", 10), "name": "load-fenced", "slow_scatter_s": SLOW_SCATTER_S},
@@ -128,7 +135,7 @@ def world(tmp_path_factory):
     try:
         written = engine_process(tmp, d.endpoint, RUNS_STORED)
         stored = d.status()["stored_chunks"]
-        restored = engine_process(tmp, d.endpoint, RUNS_STORED + RUNS_LOAD)  # a fresh engine process
+        restored = engine_process(tmp, d.endpoint, RUNS_STORED + RUNS_LOAD + CROSS)  # a fresh engine process
         yield {"daemon": d, "written": written, "restored": restored, "stored_chunks": stored}
     finally:
         d.kill()
@@ -140,7 +147,8 @@ def full_chunks(n: int) -> int:
 
 def show(r: dict) -> str:
     return (
-        f"{r['name']}: {r['reads']} reads, {r['bad_reads']} wrong {r['bad_examples'][:3]}, hits "
+        f"{r['name']}: {r['reads']} reads, {r['bad_reads']} wrong {r['bad_examples'][:3]} "
+        f"(by request {r['bad_by_request']}), hits "
         f"{r['hit_tokens']}, {r['steps']} steps, {r['seconds']} s, {r['path']}, "
         f"staging {r['staging_bytes']} B"
     )

@@ -191,6 +191,7 @@ class Engine:
         self.first: dict[str, int] = {}  # request -> position of its first computed token (the hit before it)
         self.bad: list = []  # (request, layer, position, block) read with the wrong bytes
         self.bad_count = 0
+        self.bad_by_request: dict[str, int] = {}  # wrong reads per request
         self.reads = 0
         self.steps = 0
         self.finished: set[str] = set()
@@ -346,6 +347,8 @@ class Engine:
         for bad, owners, rp, rb in self._pending:
             bad = bad.cpu()
             self.bad_count += int(bad.sum())
+            for i in bad.any(dim=0).nonzero().flatten().tolist():
+                self.bad_by_request[owners[i]] = self.bad_by_request.get(owners[i], 0) + int(bad[:, i].sum())
             for layer, i in bad.nonzero().tolist()[: max(0, 8 - len(self.bad))]:
                 self.bad.append((owners[i], layer, rp[i], rb[i]))
         self._pending = []
@@ -385,6 +388,7 @@ def run_one(run: dict, url: str, mdir: str) -> dict:
             "reads": eng.reads,
             "bad_reads": eng.bad_count,
             "bad_examples": eng.bad,
+            "bad_by_request": eng.bad_by_request,
             "cuda_path": w.gpu is not None,
             "path": "staged" if stager is not None else "direct" if w.gpu is not None else "",
             "staging_bytes": stager.nbytes if stager is not None else 0,

@@ -10,8 +10,18 @@ import pytest
 
 from tierd.protocol import messages
 from tierd.protocol.layout import GroupLayout
+from tierd.transfer import dma
+from tierd.transfer.dma import DmaLane
 from tierd.transfer.engine import INLINE_ANY, INLINE_MAX_BYTES, DeviceWork, TransferEngine
-from tierd.transfer.items import CopyItem, Pitched, pitched, pitched_copies, span_copies
+from tierd.transfer.items import (
+    MAX_PITCH,
+    CopyItem,
+    Pitched,
+    pitched,
+    pitched_copies,
+    row_pitches,
+    span_copies,
+)
 from tierd_client.direct_rank import DirectRank
 from tierd_client.layouts import block_span, group
 from tierd_client.rank_jobs import RankJob
@@ -156,6 +166,62 @@ def test_layer_outermost_runs_of_ids_merge_into_one_wider_copy():
         (4 * BB, 0, BB),
         (5 * BB, 2 * BB, BB),
     ]
+
+
+class RecordingDriver:
+    """The driver calls a lane makes, recorded, each held to what the copy engines accept: a 2D
+    copy's pitches at least its width and within their largest (CUDA_ERROR_INVALID_VALUE else)."""
+
+    ok = True
+
+    def __init__(self):
+        self.copies2d = []
+
+    def current(self, device):
+        pass
+
+    def copy2d(self, host, host_pitch, dev, dev_pitch, width, rows, d2h, stream):
+        assert width <= host_pitch <= MAX_PITCH and width <= dev_pitch <= MAX_PITCH, (
+            f"the copy engines refuse {rows} rows of {width} bytes at pitches {dev_pitch}/{host_pitch}"
+        )
+        self.copies2d.append((dev, host, width, rows, dev_pitch, host_pitch))
+
+    def event(self):
+        return 1
+
+    def record(self, event, stream):
+        pass
+
+
+def lane_with(driver, monkeypatch) -> DmaLane:
+    """A DmaLane over ``driver`` (no GPU here: only its planning and driver calls run)."""
+    monkeypatch.setattr(dma, "_DRIVER", driver)
+    lane = object.__new__(DmaLane)
+    lane.device, lane.d2h, lane.cu_stream, lane._done = 0, True, 0, []
+    lane.stats = {"calls": 0, "bytes": 0, "dmas": 0, "host_s": 0.0, "sync_s": 0.0}
+    return lane
+
+
+@pytest.mark.parametrize("kind", ["LBNHC", "LBHNC"])
+def test_a_single_layer_groups_adjacent_blocks_go_as_copies_the_copy_engines_accept(kind, monkeypatch):
+    """A group of one layer (a small hybrid model's attention or state group) has no pitch between
+    layers; its adjacent blocks merge into one row wider than a block, which the driver refused
+    (cuMemcpy2DAsync: CUDA driver error 1) for every direct store and restore of such a chunk."""
+    g = GroupLayout.from_wire(group("full", 4, spans(kind, layers=1)))
+    p = pitched(g, [(1 << 20) + s.offset for s in g.layers])
+    assert p == Pitched(1 << 20, BB, BB, BB, 1)
+    ops = pitched_copies(p, 1 << 30, np.array([2, 3, 4, 5, 8]), np.arange(5))
+    assert ops == [((1 << 20) + 2 * BB, 1 << 30, 4 * BB), ((1 << 20) + 8 * BB, (1 << 30) + 4 * BB, BB)]
+    driver = RecordingDriver()
+    lane_with(driver, monkeypatch).copy_pitched(ops, p.layers, p.pitch, 8 * BB, None)
+    assert [(d, h, w, rows) for d, h, w, rows, _, _ in driver.copies2d] == [(d, h, w, 1) for d, h, w in ops]
+
+
+def test_rows_wider_than_their_pitch_are_refused_before_any_copy():
+    assert row_pitches(1, 4 * BB, BB, 2 * BB) == (4 * BB, 4 * BB)
+    assert row_pitches(3, BB, 10 * BB, 4 * BB) == (10 * BB, 4 * BB)
+    with pytest.raises(ValueError, match="3 rows of 4096 bytes"):
+        row_pitches(3, 4 * BB, 2 * BB, 8 * BB)
 
 
 def test_dmas_whose_destinations_overlap_go_one_by_one_in_order():

@@ -86,6 +86,19 @@ def pitched_copies(p: Pitched, host: int, ids, pos) -> list[tuple[int, int, int]
     return list(zip(e[first].tolist(), h[first].tolist(), (count * bb).tolist()))
 
 
+def row_pitches(rows: int, width: int, dev_pitch: int, host_pitch: int) -> tuple[int, int]:
+    """The (engine, host) row pitches the copy engines are given for one pitched copy of ``rows``
+    rows of ``width`` bytes. They refuse a pitch below the width (CUDA_ERROR_INVALID_VALUE), and a
+    single row has no pitch of its own: a group of one layer (``Pitched.pitch`` = one block) merges
+    adjacent blocks into a row wider than that, so its pitches are raised to the width. Rows wider
+    than their pitch would overlap: a ValueError, never a copy."""
+    if rows == 1:
+        return max(dev_pitch, width), max(host_pitch, width)
+    if width > dev_pitch or width > host_pitch:
+        raise ValueError(f"a pitched copy of {rows} rows of {width} bytes, pitches {dev_pitch}/{host_pitch}")
+    return dev_pitch, host_pitch
+
+
 def span_copies(p: Pitched, items: list[CopyItem]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The contiguous copies between the engine's blocks and the object parts of ``items`` for a
     block-major group (GroupLayout.block_major: a block of every layer is one span of

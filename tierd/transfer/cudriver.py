@@ -207,7 +207,10 @@ class Driver:
             m.dstMemoryType, m.dstDevice, m.dstPitch = _MEM_DEVICE, dev, dev_pitch
         err = self.fn2d(ctypes.byref(m), stream)
         if err:
-            raise RuntimeError(f"cuMemcpy2DAsync failed: CUDA driver error {err}")
+            raise RuntimeError(
+                f"cuMemcpy2DAsync failed: CUDA driver error {err} ({rows} rows of {width} bytes, "
+                f"pitches {dev_pitch} on the device, {host_pitch} on the host)"
+            )
 
 
 DRIVER = Driver()

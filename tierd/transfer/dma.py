@@ -26,7 +26,7 @@ import numpy as np
 
 from tierd.transfer.cudriver import DRIVER as _DRIVER
 from tierd.transfer.engine import DeviceWork
-from tierd.transfer.items import CopyItem
+from tierd.transfer.items import CopyItem, row_pitches
 from tierd.transfer.pinned import HostPinner
 
 MAX_EVENTS = 256  # engine events opened per rank, least recently used closed first
@@ -120,7 +120,8 @@ class DmaLane:
         if _DRIVER.ok:
             _DRIVER.current(self.device)
             for d, h, w in ops:
-                _DRIVER.copy2d(h, host_pitch, d, dev_pitch, w, rows, self.d2h, stream)
+                dp, hp = row_pitches(rows, w, dev_pitch, host_pitch)
+                _DRIVER.copy2d(h, hp, d, dp, w, rows, self.d2h, stream)
         else:  # torch's own path (ROCm, no libcuda): strided views, the same bytes
             torch = self.torch
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):

@@ -7,6 +7,7 @@ from tierd.protocol.copies import (  # noqa: F401 - re-exported
     Pitched,
     pitched,
     pitched_copies,
+    row_pitches,
     span_copies,
     split_nulls,
 )
