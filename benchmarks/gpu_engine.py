@@ -228,6 +228,7 @@ def exactness(args, daemon: Daemon, workdir: Path) -> list[dict]:
             row.update(
                 restored_vs_stored=compare(r, s, tol),
                 restored_vs_nothing=compare(r, n, tol),
+                restored_vs_none=compare(r, n0, tol),
                 stored_vs_nothing=compare(s, n, tol),
                 nothing_vs_none=compare(n, n0, tol),
                 skip_vs_stored=compare(k, s, tol),
@@ -244,9 +245,10 @@ def exactness(args, daemon: Daemon, workdir: Path) -> list[dict]:
 
 def exact_table(rows: list[dict]) -> str:
     out = [
-        "| family | path | dtype | restored = stored | restored = do-nothing | stored = do-nothing | "
-        "do-nothing = no connector | tokens from tier | negative control (one block skipped) fails |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | path | dtype | restored = stored | restored = do-nothing | restored = no connector | "
+        "stored = do-nothing | do-nothing = no connector | tokens from tier | "
+        "negative control (one block skipped) fails |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(c):
@@ -254,12 +256,13 @@ def exact_table(rows: list[dict]) -> str:
 
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['family']} | {r['path']} | {r['dtype']} | error: {r['error']} | | | | |")
+            out.append(f"| {r['family']} | {r['path']} | {r['dtype']} | error: {r['error']} | | | | | |")
             continue
         k = r["skip_vs_stored"]
         out.append(
             f"| {r['family']} | {r['path']} | {r['dtype']} | {cell(r['restored_vs_stored'])} | "
-            f"{cell(r['restored_vs_nothing'])} | {cell(r['stored_vs_nothing'])} | "
+            f"{cell(r['restored_vs_nothing'])} | {cell(r['restored_vs_none'])} | "
+            f"{cell(r['stored_vs_nothing'])} | "
             f"{cell(r['nothing_vs_none'])} | "
             f"{r['tier_tokens']}/{r['prompt_tokens']} | {k['of'] - k['match']}/{k['of']} "
             f"(max dlp {k['max_lp_diff']:.2e}, {r['skip_tier_tokens']} tier tokens) |"

@@ -52,7 +52,13 @@ def test_the_table_reads_a_nan_negative_control_as_failed_with_an_infinite_diffe
     ref = [row([5, 6], [-0.5, -1.0])]
     cells = {
         key: harness.compare(ref, ref, 1e-3)
-        for key in ("restored_vs_stored", "restored_vs_nothing", "stored_vs_nothing", "nothing_vs_none")
+        for key in (
+            "restored_vs_stored",
+            "restored_vs_nothing",
+            "restored_vs_none",
+            "stored_vs_nothing",
+            "nothing_vs_none",
+        )
     }
     skip = harness.compare([row([0, 0], [math.nan, math.nan])], ref, 1e-3)
     line = harness.exact_table(
