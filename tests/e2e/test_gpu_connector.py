@@ -101,6 +101,8 @@ CROSS = [
     {**rt("LBNHC", 10, "direct"), "name": "x-staged-written-direct-read"},
 ]
 RESTORED = [r["name"] for r in RUNS_STORED + CROSS if r["name"].startswith(("rt-", "x-"))]
+# the check's own control: a restore that leaves one block of each load unwritten is caught
+SKIP = {**rt("LBNHC", 16, "direct"), "name": "skip-one-block", "skip_one_block": True}
 RUNS_LOAD = [
     {**rt("LBNHC", 10), "name": "load-unfenced", "load_fence": False, "slow_scatter_s": SLOW_SCATTER_S},
     {**rt("LBNHC", 10), "name": "load-fenced", "slow_scatter_s": SLOW_SCATTER_S},
@@ -135,7 +137,8 @@ def world(tmp_path_factory):
     try:
         written = engine_process(tmp, d.endpoint, RUNS_STORED)
         stored = d.status()["stored_chunks"]
-        restored = engine_process(tmp, d.endpoint, RUNS_STORED + RUNS_LOAD + CROSS)  # a fresh engine process
+        # a fresh engine process reads it all back
+        restored = engine_process(tmp, d.endpoint, RUNS_STORED + RUNS_LOAD + CROSS + [SKIP])
         yield {"daemon": d, "written": written, "restored": restored, "stored_chunks": stored}
     finally:
         d.kill()
@@ -174,6 +177,13 @@ def test_a_fresh_engine_process_restores_byte_exact(world, name):
     assert r["hit_tokens"] == {f"r{i}": full_chunks(n) for i, n in enumerate(LENGTHS)}, show(r)
     assert r["reads"] >= len(LENGTHS) * 4 * 128 and r["bad_reads"] == 0, show(r)
     assert not r["failed_loads"] and len(r["finished"]) == len(LENGTHS)
+
+
+def test_a_restore_that_leaves_a_block_unwritten_is_caught_negative_control(world):
+    r = world["restored"]["skip-one-block"]
+    print("\nreader", show(r))
+    assert r["hit_tokens"] == {f"r{i}": full_chunks(n) for i, n in enumerate(LENGTHS)}, show(r)
+    assert r["bad_reads"] > 0 and set(r["bad_by_request"]) == {f"r{i}" for i in range(len(LENGTHS))}, show(r)
 
 
 def test_restore_under_block_pressure_is_byte_exact(world):

@@ -185,11 +185,12 @@ class Engine:
         w = self.worker.worker
         w._store_fence = bool(run.get("store_fence", True))
         w._load_fence = bool(run.get("load_fence", True))
+        w._skip_one_block = bool(run.get("skip_one_block", False))
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None  # the simulated forward's own stream
         if self.cuda and run.get("slow_scatter_s"):
             self._slow_scatters(w.gpu.stager, float(run["slow_scatter_s"]))
         self.first: dict[str, int] = {}  # request -> position of its first computed token (the hit before it)
-        self.bad: list = []  # (request, layer, position, block) read with the wrong bytes
+        self.bad: list = []  # (request, layer, position, block, what was read) read with the wrong bytes
         self.bad_count = 0
         self.bad_by_request: dict[str, int] = {}  # wrong reads per request
         self.reads = 0
@@ -336,21 +337,25 @@ class Engine:
             v[blk, :, pos % self.block] = new
         if rt:
             tok, pos, blk = idx[0, nw:], idx[1, nw:], idx[2, nw:]
-            bad = []
+            bad, zero, head = [], [], []
             for layer, v in enumerate(self.kv8):
                 got = v[blk, :, pos % self.block].reshape(len(rt), -1)  # what attention reads, stream-ordered
                 bad.append((got != self.token_bytes(tok, pos, layer)).any(dim=1))
-            self._pending.append((torch.stack(bad), owners, rp, rb))
+                zero.append((got == 0).all(dim=1))
+                head.append(got[:, :4])
+            self._pending.append((torch.stack(bad), owners, rp, rb, torch.stack(zero), torch.stack(head)))
             self.reads += len(rt) * len(self.kv8)
 
     def _check(self) -> None:
-        for bad, owners, rp, rb in self._pending:
+        for bad, owners, rp, rb, zero, head in self._pending:
             bad = bad.cpu()
             self.bad_count += int(bad.sum())
             for i in bad.any(dim=0).nonzero().flatten().tolist():
                 self.bad_by_request[owners[i]] = self.bad_by_request.get(owners[i], 0) + int(bad[:, i].sum())
             for layer, i in bad.nonzero().tolist()[: max(0, 8 - len(self.bad))]:
-                self.bad.append((owners[i], layer, rp[i], rb[i]))
+                # what was read instead: all zero (never written) or its first bytes
+                was = "zero" if bool(zero[layer, i]) else bytes(head[layer, i].cpu().tolist()).hex()
+                self.bad.append((owners[i], layer, rp[i], rb[i], was))
         self._pending = []
 
     def close(self) -> None:
