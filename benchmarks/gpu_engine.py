@@ -9,15 +9,18 @@ request's time goes, and what a cold tier costs (run by scripts/gpu_engine.sh on
 One ``tierd serve`` for everything; every engine pass is a new process (benchmarks/gpu_engine_run.py).
 
 Exactness (models of benchmarks/gpu_engine_models.py: seeded random weights with sharp logits;
-float32, MLA in bf16, the only dtypes of its Triton backend; on a GPU float32 attention still
+float32, MLA and GDN in bf16, the only dtypes of their Triton kernels; on a GPU float32 attention still
 multiplies in tf32; prefill steps of one chunk in every pass): per family, one pass with no
 connector and one with the do-nothing connector (tests/nothing_connector.py), and per copy path
 (``tierd.cuda_path``) a pass
 that computes and stores the prompts, then a new process that restores them and generates the
 same tokens, then in that process the negative control: the same restores with one block left
 unwritten (the worker's test switch), which must fail the check. A prompt matches when every
-generated token id is equal and no logprob differs by more than the dtype's tolerance. Passes of
-one family run at once (their figures are not timed).
+generated token id is equal and no logprob differs: the restored pass against the one that stored
+(the same prefill split over the same bytes) bit for bit, the negative control too (a skipped
+block whose loss moves a logprob by less than bf16's tolerance is still caught); passes of another
+configuration (the do-nothing connector, none) within the dtype's tolerance. Passes of one family
+run at once (their figures are not timed).
 
 Timing (alone on the GPU, one pass at a time; bf16; ``max_tokens=1``; vLLM's prefix cache emptied
 before each request): per shape and prompt size, the do-nothing connector's prefill and its
@@ -200,6 +203,34 @@ def compare(a: list[dict], b: list[dict], tol: float) -> dict:
     return {"match": ok, "of": min(len(a), len(b)), "max_lp_diff": worst}
 
 
+def exact_row(fam: str, path: str, results: dict[str, dict]) -> dict:
+    """One family's and copy path's row of the exactness table from its passes' results (by pass
+    name). The restored pass and the negative control are judged against the pass that stored bit
+    for bit (the same prefill split over the same bytes); passes of another configuration within
+    the dtype's tolerance."""
+    tol = TOL[EXACT_DTYPE.get(fam, "float32")]
+    nothing, none = results.get(f"{fam}-nothing", {}), results.get(f"{fam}-none", {})
+    st, rs = results.get(f"{fam}-{path}-store", {}), results.get(f"{fam}-{path}-restore", {})
+    err = next((r["error"] for r in (nothing, none, st, rs) if "error" in r), None)
+    row = {"family": fam, "path": path, "dtype": EXACT_DTYPE.get(fam, "float32"), "tol": tol}
+    if err or not rs.get("phases", {}).get("skip"):
+        return {**row, "error": err or "no result"}
+    s, r, k = st["phases"]["run"]["rows"], rs["phases"]["run"]["rows"], rs["phases"]["skip"]["rows"]
+    n, n0 = nothing["phases"]["run"]["rows"], none["phases"]["run"]["rows"]
+    return {
+        **row,
+        "restored_vs_stored": compare(r, s, 0.0),
+        "restored_vs_nothing": compare(r, n, tol),
+        "restored_vs_none": compare(r, n0, tol),
+        "stored_vs_nothing": compare(s, n, tol),
+        "nothing_vs_none": compare(n, n0, tol),
+        "skip_vs_stored": compare(k, s, 0.0),
+        "tier_tokens": sum(x["cached"] for x in r),
+        "prompt_tokens": EXACT_LENS * len(r),
+        "skip_tier_tokens": sum(x["cached"] for x in k),
+    }
+
+
 def exactness(args, daemon: Daemon, workdir: Path) -> list[dict]:
     chains = [c for fam in args.families for c in exact_specs(fam, args.paths, args, daemon)]
     results: dict[str, dict] = {}
@@ -212,31 +243,7 @@ def exactness(args, daemon: Daemon, workdir: Path) -> list[dict]:
 
     with ThreadPoolExecutor(args.parallel) as pool:
         list(pool.map(run_chain, sorted(chains, key=len, reverse=True)))
-    rows = []
-    for fam in args.families:
-        tol = TOL[EXACT_DTYPE.get(fam, "float32")]
-        nothing, none = results.get(f"{fam}-nothing", {}), results.get(f"{fam}-none", {})
-        for path in args.paths:
-            st, rs = results.get(f"{fam}-{path}-store", {}), results.get(f"{fam}-{path}-restore", {})
-            err = next((r["error"] for r in (nothing, none, st, rs) if "error" in r), None)
-            row = {"family": fam, "path": path, "dtype": EXACT_DTYPE.get(fam, "float32"), "tol": tol}
-            if err or not rs.get("phases", {}).get("skip"):
-                rows.append({**row, "error": err or "no result"})
-                continue
-            s, r, k = st["phases"]["run"]["rows"], rs["phases"]["run"]["rows"], rs["phases"]["skip"]["rows"]
-            n, n0 = nothing["phases"]["run"]["rows"], none["phases"]["run"]["rows"]
-            row.update(
-                restored_vs_stored=compare(r, s, tol),
-                restored_vs_nothing=compare(r, n, tol),
-                restored_vs_none=compare(r, n0, tol),
-                stored_vs_nothing=compare(s, n, tol),
-                nothing_vs_none=compare(n, n0, tol),
-                skip_vs_stored=compare(k, s, tol),
-                tier_tokens=sum(x["cached"] for x in r),
-                prompt_tokens=EXACT_LENS * len(r),
-                skip_tier_tokens=sum(x["cached"] for x in k),
-            )
-            rows.append(row)
+    rows = [exact_row(fam, path, results) for fam in args.families for path in args.paths]
     for name, res in sorted(results.items()):
         if name.endswith("no-stand-ins"):
             rows.append({"family": name, "path": "-", "dtype": "-", "error": res.get("error", "ran")})
@@ -245,8 +252,8 @@ def exactness(args, daemon: Daemon, workdir: Path) -> list[dict]:
 
 def exact_table(rows: list[dict]) -> str:
     out = [
-        "| family | path | dtype | restored = stored | restored = do-nothing | restored = no connector | "
-        "stored = do-nothing | do-nothing = no connector | tokens from tier | "
+        "| family | path | dtype | restored = stored (bit for bit) | restored = do-nothing | "
+        "restored = no connector | stored = do-nothing | do-nothing = no connector | tokens from tier | "
         "negative control (one block skipped) fails |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

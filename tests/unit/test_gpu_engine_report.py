@@ -115,3 +115,46 @@ def test_the_harness_asks_each_hybrid_family_for_a_block_size_its_chunks_are_mad
         asked = BLOCK_SIZE.get(name, 16)  # vLLM's default
         block = asked * -(-state // (asked * token))
         assert harness.CHUNK % block == 0, (name, asked, block)
+
+
+def passes(stored, restored, skipped, nothing, none, cached=1024):
+    """Pass results by name, as benchmarks/gpu_engine.py's passes leave them (one family, direct)."""
+
+    def res(rows, **phases):
+        return {"phases": {"run": {"rows": [{**x, "cached": cached} for x in rows]}, **phases}}
+
+    skip = {"rows": [{**x, "cached": cached} for x in skipped]}
+    return {
+        "gdn-direct-store": res(stored),
+        "gdn-direct-restore": res(restored, skip=skip),
+        "gdn-nothing": res(nothing),
+        "gdn-none": res(none),
+    }
+
+
+def test_a_restore_and_its_negative_control_are_judged_bit_for_bit_against_the_pass_that_stored(harness):
+    """Restored and stored passes prefill the same split over the same bytes, so they agree bit for
+    bit; bf16's tolerance (0.1) is for passes of another configuration. Regression: on an H100 the
+    GDN negative control moved one prompt's logprobs by 0.059 only, within bf16's tolerance, and the
+    table counted the skipped block as not caught."""
+    ref = [row([5, 6], [-0.5, -1.0]), row([7, 8], [-0.25, -2.0])]
+    slightly = [row([5, 6], [-0.5, -1.059]), row([7, 8], [-0.25, -2.0001])]
+    got = harness.exact_row("gdn", "direct", passes(ref, slightly, slightly, ref, slightly))
+    assert got["dtype"] == "bfloat16" and got["tol"] == 0.1
+    assert got["restored_vs_stored"]["match"] == 0  # 0.059 and 1e-4 off: not bit for bit
+    assert got["skip_vs_stored"]["match"] == 0  # the control is caught
+    assert got["restored_vs_none"]["match"] == 2  # the same configuration's outputs: equal
+    assert got["restored_vs_nothing"]["match"] == 2  # another configuration: within 0.1
+    assert got["tier_tokens"] == 2048 and got["prompt_tokens"] == 2 * harness.EXACT_LENS
+    exact = harness.exact_row("gdn", "direct", passes(ref, ref, slightly, ref, ref))
+    assert exact["restored_vs_stored"] == {"match": 2, "of": 2, "max_lp_diff": 0.0}
+
+
+def test_a_missing_or_failed_pass_is_the_rows_error(harness):
+    ref = [row([5, 6], [-0.5, -1.0])]
+    results = passes(ref, ref, ref, ref, ref)
+    results["gdn-nothing"] = {"error": "exit 1: boom"}
+    assert harness.exact_row("gdn", "direct", results)["error"] == "exit 1: boom"
+    del results["gdn-direct-restore"]
+    assert harness.exact_row("gdn", "staged", results)["error"] == "exit 1: boom"
+    assert harness.exact_row("llama", "direct", {})["error"] == "no result"
