@@ -221,6 +221,31 @@ def test_a_direct_store_reads_only_what_the_forward_wrote_negative_control(daemo
     assert not any(outcome[True])
 
 
+@pytest.mark.parametrize("kind", ["LBNHC", "BLNHC"])
+def test_a_restore_into_memory_the_engine_is_still_filling_lands_after_the_fill(
+    daemon_factory, client_factory, kind
+):
+    """An engine fills the KV it allocates (vLLM zeroes it) on its current stream and shares it at
+    once. torch's opening of the IPC handle makes the daemon's current stream wait for that fill;
+    the copy lanes must follow it too. Regression: their own streams did not wait, so a restore
+    sent right after registering could land before the fill and be overwritten by it."""
+    d = daemon_factory(pool_mb=256)
+    c = client_factory(d, timeout_s=60)
+    first = Engine(kind, blocks=96)
+    n = 4
+    src, ks = list(range(n * BPC)), keys(n)
+    stored = first.rank(c, "writer").store(chunks(ks, src), after=after_now()).result()
+    assert stored.results == ["stored"] * n
+    want = first.blocks(src)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN)  # the engine's stream is busy: the new KV's fill queues behind it
+    late = Engine(kind, blocks=96)  # filled with random bytes on that stream, shared at once
+    got = late.rank(c, "reader").retrieve(chunks(ks, src)).result()  # no ``after``: sent now
+    assert got.ok == [True] * n
+    torch.cuda.current_stream(DEV).wait_event(got.done)
+    assert torch.equal(late.blocks(src), want), "the engine's fill overwrote the restored blocks"
+
+
 def test_restored_blocks_are_read_only_after_the_daemons_copies_negative_control(
     daemon_factory, client_factory
 ):

@@ -606,3 +606,49 @@ def test_a_polled_job_split_in_several_requests_reads_every_answer_on_the_pollin
         assert job.result(0).results == ["stored"] * 5
     finally:
         rank.close()
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name, self.cuda_stream, self.waited = name, id(self), []
+
+    def wait_event(self, ev):
+        self.waited.append(ev)
+
+
+class FakeEvent:
+    def __init__(self):
+        self.on = None
+
+    def record(self, stream):
+        self.on = stream
+
+
+class FakeCudaTorch:
+    """What lanes_after_open asks of torch.cuda, recorded (no GPU here)."""
+
+    def __init__(self):
+        import contextlib
+        import types
+
+        self.current = FakeStream("current")  # the stream torch's IPC opening made wait
+        self.cuda = types.SimpleNamespace(
+            device=lambda d: contextlib.nullcontext(),
+            Event=FakeEvent,
+            Stream=lambda device: FakeStream("lane"),
+            current_stream=lambda device: self.current,
+        )
+
+
+def test_a_ranks_copy_lanes_wait_for_what_its_memory_was_shared_after():
+    """torch's opening of a CUDA IPC handle makes the opening thread's current stream wait for the
+    sharing process's fill; the lanes copy on streams of their own, so each waits for that stream
+    first (tests/daemon/test_gpu_direct.py shows the bytes on a GPU)."""
+    from tierd.transfer.cuda import lanes_after_open
+
+    torch = FakeCudaTorch()
+    d2h, h2d = lanes_after_open(torch, 0, host=None)
+    assert d2h.d2h and not h2d.d2h
+    for lane in (d2h, h2d):
+        assert lane.stream is not torch.current and len(lane.stream.waited) == 1
+        assert lane.stream.waited[0].on is torch.current

@@ -196,6 +196,23 @@ def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
     return storage, device
 
 
+def lanes_after_open(torch, device: int, host) -> tuple[DmaLane, DmaLane]:
+    """A rank's two copy lanes (device -> pool, pool -> device) on ``device``, whose first copies
+    follow what the engine had queued on its memory when it shared it. torch's opening of a CUDA
+    IPC handle makes this thread's current stream wait for the sharing process's event (recorded on
+    its current stream as it shared: torch's own fence for IPC memory), but the lanes copy on
+    streams of their own, which do not wait for that one: a restore's DMA could otherwise land
+    before the engine's own fill of the KV tensors it had just allocated (vLLM allocates them
+    zeroed) and be overwritten by it. Call it right after the handles were opened, on that thread."""
+    with torch.cuda.device(device):
+        opened = torch.cuda.Event()
+        opened.record(torch.cuda.current_stream(device))
+        out = DmaLane(torch, device, host, d2h=True), DmaLane(torch, device, host, d2h=False)
+        for lane in out:
+            lane.stream.wait_event(opened)
+    return out
+
+
 class StagedRankMemory:
     """One registered rank's GPU: its staging buffer opened over IPC, and a DMA lane each way.
     The daemon never maps the rank's KV tensors themselves: only the engine touches its blocks."""
@@ -216,8 +233,7 @@ class StagedRankMemory:
             self.staging = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
                 self.storage, 0, (layout.staging.nbytes,), (1,)
             )
-            self.d2h = DmaLane(torch, self.device, support.host, d2h=True)
-            self.h2d = DmaLane(torch, self.device, support.host, d2h=False)
+        self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
 
     def wait_event(self, handle: bytes, store: bool = True) -> None:
         with self.torch.cuda.device(self.device):
@@ -269,8 +285,7 @@ class DirectRankMemory:
                 torch.empty(0, dtype=torch.uint8, device=self.device).set_(st, 0, (ref.nbytes,), (1,))
                 for st, ref in zip(self.storages, layout.tensors)
             ]
-            self.d2h = DmaLane(torch, self.device, support.host, d2h=True)
-            self.h2d = DmaLane(torch, self.device, support.host, d2h=False)
+        self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
         self.groups = []
         for gi, group in enumerate(layout.groups):
             tensors = {s.tensor for s in group.layers}
