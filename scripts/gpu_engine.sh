@@ -3,12 +3,12 @@
 # per model family and copy path with its negative control, the warm-restore stage breakdown and the
 # cold cost; alongside the exactness passes, TierdConnector's worker-path tests (what
 # scripts/gpu_connector.sh runs: vLLM's real Scheduler over CUDA KV tensors, both fences with their
-# negative controls) and the GPU kernel and daemon tests. The tables are printed; $OUT gets
-# summary.json and engine-logs.tgz.
+# negative controls) and the GPU kernel and daemon tests, the direct path's included. The tables are
+# printed; $OUT gets summary.json and engine-logs.tgz.
 # Needs .whl/ as scripts/gpu_vllm_setup.sh says. Knobs (environment):
 #   ENGINE_ARGS  extra benchmarks/gpu_engine.py arguments (e.g. "--shapes llama1b --sizes 8192 --n 3")
 #   TESTS        test files instead of the connector's, kernels' and daemon's ("none": no tests)
-#   LIMIT        seconds for the harness (default 420); TEST_LIMIT for the tests (default 240)
+#   LIMIT        seconds for the harness (default 420); TEST_LIMIT for the tests (default 360)
 set -u -o pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -30,9 +30,10 @@ from tierd_client import native
 native.load(); print('native kernels', native.state()['state'], f'{time.time() - t:.1f} s')" > "$OUT/build.log" 2>&1 ) &
 wait $cpu_pkg
 if [ "${TESTS:-}" != none ]; then
-  ( PYTHONPATH=/tmp/alias:$PWD:/tmp/sitecpu:/tmp/site VLLM_TARGET_DEVICE=cpu timeout -s INT -k 20 "${TEST_LIMIT:-240}" \
+  ( PYTHONPATH=/tmp/alias:$PWD:/tmp/sitecpu:/tmp/site VLLM_TARGET_DEVICE=cpu timeout -s INT -k 20 "${TEST_LIMIT:-360}" \
       python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --basetemp=/tmp/pt -o addopts="" \
-      ${TESTS:-tests/e2e/test_gpu_connector.py tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py} \
+      ${TESTS:-tests/e2e/test_gpu_connector.py tests/unit/test_gpu_kernels.py tests/daemon/test_gpu_daemon.py \
+        tests/daemon/test_gpu_direct.py} \
       > "$OUT/tests.log" 2>&1; echo "pytest exit $?" >> "$OUT/tests.log" ) &
   tests=$!
 fi
