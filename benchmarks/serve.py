@@ -27,11 +27,13 @@ Workloads (each prompt set is the same in every phase; concurrencies use differe
 
 Printed per workload and concurrency: TTFT p50/p99 (ms), TPOT p50 (ms), output tok/s, failed
 requests, the share of prompt tokens vLLM got from its connector (its own
-``vllm:external_prefix_cache_hits``), and ratios: TTFT and tok/s to ``none``, TPOT to ``nothing``;
-``same`` counts requests whose greedy output equals the ``nothing`` phase's. A 2-core machine with
-other work moves single runs 2x: read the same-run ratios, and use --repeat N to run the phases N
-times, interleaved: each ratio is then taken within each round and printed as its median
-[min-max] over the rounds.
+``vllm:external_prefix_cache_hits``) and from its own prefix cache in GPU memory
+(``vllm:prefix_cache_hits``: what ``none`` reuses without a tier, e.g. the second prompt of each
+``prefix`` pair while the first one's KV is still there), and ratios: TTFT and tok/s to
+``none``, TPOT to ``nothing``; ``same`` counts requests whose greedy output equals the
+``nothing`` phase's. A 2-core machine with other work moves single runs 2x: read the same-run
+ratios, and use --repeat N to run the phases N times, interleaved: each ratio is then taken within
+each round and printed as its median [min-max] over the rounds.
 
 A run that fails is no figure: a phase or fault whose client or server fails, a request vLLM's
 client counts as failed, or a faulted run that ends without a result stops the benchmark with the
@@ -315,7 +317,8 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
                 log(
                     f"r{rnd} {phase:12s} {wl:9s} c{conc:<3d} ttft p50 {row['ttft_p50']:7.1f} ms "
                     f"tpot {row['tpot_p50']:6.2f} ms  {row['out_tok_s']:7.1f} tok/s  "
-                    f"ext hits {row['external_hit_share']:.2f}  failed {row['failed']}"
+                    f"ext hits {row['external_hit_share']:.2f}  HBM hits {row['local_hit_share']:.2f}  "
+                    f"failed {row['failed']}"
                 )
     finally:
         rc = server.close()
@@ -502,9 +505,9 @@ def median_rows(rows: list[dict]) -> dict:
 def table(results: dict, workloads, concurrency, phases, ratios: dict) -> str:
     """Medians over rounds of each figure; the ratios from ``round_ratios``, round by round."""
     lines = [
-        "| workload | conc | phase | TTFT p50 / p99 ms | TPOT p50 ms | out tok/s | ext. hits | failed "
-        "| TTFT/none | tok/s / none | TPOT / nothing | same as nothing |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | conc | phase | TTFT p50 / p99 ms | TPOT p50 ms | out tok/s | ext. hits | HBM hits "
+        "| failed | TTFT/none | tok/s / none | TPOT / nothing | same as nothing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for wl in workloads:
         for conc in concurrency:
@@ -521,7 +524,8 @@ def table(results: dict, workloads, concurrency, phases, ratios: dict) -> str:
                 lines.append(
                     f"| {wl} | {conc} | {ph} | {r['ttft_p50']:.0f} / {r['ttft_p99']:.0f} "
                     f"| {r['tpot_p50']:.2f} "
-                    f"| {r['out_tok_s']:.0f} | {r['external_hit_share']:.2f} | {r['failed']:.0f} "
+                    f"| {r['out_tok_s']:.0f} | {r['external_hit_share']:.2f} | {r['local_hit_share']:.2f} "
+                    f"| {r['failed']:.0f} "
                     f"| {spread(rr.get('ttft'))} | {spread(rr.get('tok_s'))} | {spread(rr.get('tpot'))} "
                     f"| {same} |"
                 )

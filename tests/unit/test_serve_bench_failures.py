@@ -157,14 +157,24 @@ def test_repeated_rounds_print_each_ratio_as_median_and_range_of_the_rounds(
         serve, "Tierd", lambda *a, **kw: types.SimpleNamespace(endpoint="ipc:///x", close=lambda: 0)
     )
     monkeypatch.setattr(serve, "bench_serve", bench_serve)
+    scrapes = iter(range(1, 1000))  # vLLM's own prefix cache: half of each run's queried tokens hit
+
+    def metrics(self):
+        k = next(scrapes)
+        return {"vllm:prefix_cache_queries_total": 100.0 * k, "vllm:prefix_cache_hits_total": 50.0 * k}
+
+    monkeypatch.setattr(FakeServer, "metrics", metrics)
     argv = ["--phases", "none,cold,warm", "--workloads", "prefix", "--concurrency", "4", "--repeat", "3"]
     code, out, err = run_main(serve, monkeypatch, tmp_path, capsys, *argv)
     assert code == 0, (out, err)
+    header = next(line for line in out.splitlines() if line.startswith("| workload |"))
+    assert [c.strip() for c in header.split("|")][7:9] == ["ext. hits", "HBM hits"], header
     warm = next(line for line in out.splitlines() if line.startswith("| prefix | 4 | warm |"))
     cells = [c.strip() for c in warm.split("|")]
-    assert cells[9:11] == ["0.20 [0.10-0.30]", "4.00 [2.00-6.00]"], warm
+    assert cells[7:9] == ["0.00", "0.50"], warm  # what none would reuse in GPU memory is shown
+    assert cells[10:12] == ["0.20 [0.10-0.30]", "4.00 [2.00-6.00]"], warm
     none = next(line for line in out.splitlines() if line.startswith("| prefix | 4 | none |"))
-    assert [c.strip() for c in none.split("|")][9:11] == ["1.00 [1.00-1.00]", "1.00 [1.00-1.00]"], none
+    assert [c.strip() for c in none.split("|")][10:12] == ["1.00 [1.00-1.00]", "1.00 [1.00-1.00]"], none
     # beside the table, the same run's prefill of one prompt alone (3,136 tokens: --prefix-len 3072
     # and --suffix-len 64 by default), from each round's `none` server
     assert "the same run's prefill: 3136 new tokens alone, max_tokens 1, 123.00 [123.00-123.00] ms" in out
