@@ -2,6 +2,7 @@
 CPU: which layouts are pitched, the exact copies a chunk becomes, and where a job runs."""
 
 import threading
+import types
 from concurrent.futures import Future
 
 import msgspec
@@ -652,3 +653,73 @@ def test_a_ranks_copy_lanes_wait_for_what_its_memory_was_shared_after():
     for lane in (d2h, h2d):
         assert lane.stream is not torch.current and len(lane.stream.waited) == 1
         assert lane.stream.waited[0].on is torch.current
+
+
+class FakeGpuMemory:
+    """A rank's GPU memory as a RETRIEVE job sees it: its copies queued as device work, and
+    ``signals``: whether its interprocess events order the engine's work (not on ROCm)."""
+
+    duplex = True
+
+    def __init__(self, signals: bool):
+        self.signals, self.signalled = signals, 0
+
+    def retrieve(self, group, items):
+        return DeviceWork([lambda: None])
+
+    def signal(self):
+        self.signalled += 1
+        return b"\x01" * 64
+
+
+def retrieve_job(memory, event=None):
+    from tierd.core.jobs import Call, RetrieveJob
+
+    inst = types.SimpleNamespace(id="r0", memory=memory, label="engine/0")
+    plan = types.SimpleNamespace(copies={0: ["an item"]}, results=[True], failed=[], objs=[])
+    return RetrieveJob(None, Call(b"x", None, [b"x"], 1, 0.0), inst, plan, 0.0, 0, event)
+
+
+def test_a_retrieve_is_answered_early_only_where_interprocess_events_order_the_engines_work():
+    """CUDA: the reply goes once the copies are queued, with the event the engine waits for. ROCm
+    answers a query of an interprocess event as complete once it is recorded (ROCm/hip#3778): an
+    engine told to wait for one would read its blocks before the copies landed, so the reply
+    waits for the copies there."""
+    cuda, rocm = FakeGpuMemory(signals=True), FakeGpuMemory(signals=False)
+    early = retrieve_job(cuda)
+    assert early.run().early == {"event": b"\x01" * 64} and early.queued(None).event == b"\x01" * 64
+    late = retrieve_job(rocm)
+    assert late.run().early is None and rocm.signalled == 0
+
+
+@pytest.mark.parametrize("op", ["STORE", "RETRIEVE"])
+def test_a_request_that_asks_the_daemon_to_wait_for_an_engine_event_is_refused_on_rocm(op):
+    """Refused before anything is checked, reserved or pinned: its bytes are not ready by any
+    measure the daemon can trust there."""
+    from tierd.core import handlers
+    from tierd.core.jobs import Call
+    from tierd.protocol.errors import ProtocolError
+
+    inst = types.SimpleNamespace(memory=FakeGpuMemory(signals=False), label="engine/0")
+    tier = types.SimpleNamespace(registry=types.SimpleNamespace(instance=lambda name, tenant: inst))
+    call = Call(b"x", types.SimpleNamespace(tenant="default"), [b"x"], 1, 0.0)
+    chunks = [messages.Chunk(b"k" * 16, [[1, 2]])]
+    body = messages.Store if op == "STORE" else messages.Retrieve
+    handler = handlers.store if op == "STORE" else handlers.retrieve
+    with pytest.raises(ProtocolError) as err:
+        handler(tier, call, body("engine", chunks, event=b"\x02" * 64))
+    assert err.value.code.name == "BAD_REQUEST" and "host order" in err.value.message
+    # what else may carry an event: a rank whose events order the engine's work, a CPU rank
+    for memory in (FakeGpuMemory(signals=True), object()):
+        handlers._check_event(types.SimpleNamespace(memory=memory, label="e/0"), b"\x02" * 64)
+    handlers._check_event(inst, None)  # host order: nothing to wait for
+
+
+@pytest.mark.parametrize("hip", [None, "6.4.43482"])
+def test_interprocess_events_are_trusted_on_cuda_builds_of_torch_only(hip, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from tierd.transfer.cuda import ipc_events
+    from tierd_client.cuda_ipc import events_order_processes
+
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    assert ipc_events(torch) is events_order_processes() is (hip is None)

@@ -233,8 +233,20 @@ def _check_deadline(deadline: float) -> None:
         raise ProtocolError(ErrorCode.EXPIRED, "the request arrived after its deadline")
 
 
+def _check_event(inst, event: bytes | None) -> None:
+    """A request may carry an event for the daemon's copies to wait for only where interprocess
+    events order another process's work (not on ROCm: tierd.transfer.cuda, ``signals``)."""
+    if event is not None and getattr(inst.memory, "signals", None) is False:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"{inst.label}: its GPU's interprocess events do not order another process's work "
+            "(ROCm): send the request without an event, once its bytes are ready (host order)",
+        )
+
+
 def store(tier: Tier, call: Call, msg: m.Store):
     inst = tier.registry.instance(msg.instance, call.tenant)
+    _check_event(inst, msg.event)
     geo = geometry(tier, inst)
     blocks = geo.check(msg.chunks)
     geo.check_staging(msg.staged_at, len(msg.chunks))
@@ -264,6 +276,7 @@ def retrieve(tier: Tier, call: Call, msg: m.Retrieve):
 
 def _checked_retrieve(tier: Tier, call: Call, msg: m.Retrieve) -> RetrieveNeeds:
     inst = tier.registry.instance(msg.instance, call.tenant)
+    _check_event(inst, msg.event)
     if msg.lease:
         tier.registry.lease_of(msg.lease, inst.tenant)  # FORBIDDEN for another tenant's lease
     geo = geometry(tier, inst)

@@ -158,7 +158,7 @@ class RetrieveJob(Job):
         if self.event is not None and hasattr(memory, "wait_event"):
             memory.wait_event(self.event, store=False)  # the engine is done with these staging bytes
         work = device_work([memory.retrieve(g, items) for g, items in self.plan.copies.items()])
-        if work is not None and hasattr(memory, "signal"):
+        if work is not None and getattr(memory, "signals", False):
             # Staged (cuda): answer once the DMA is queued; the engine's scatter waits on the GPU for
             # this event, so the reply does not wait for the copy and a host round trip.
             work.early = {"event": memory.signal()}

@@ -30,6 +30,12 @@ overwritten (both checked on its host); the daemon answers a RETRIEVE as soon as
 queued, with the event the engine waits for before it reads the blocks. Block ids are checked
 against the layout like any rank's, so a rank reaches only its own registered tensors.
 
+ROCm. There an interprocess event cannot order two processes' work: HIP answers a query of one
+as complete once it is recorded, whatever runs before it (ROCm/hip#3778), so the daemon neither
+answers early with one nor waits for one of the engine's (``signals`` False: a RETRIEVE is answered
+once its copies are complete, and a request that carries an event is refused before anything is
+planned: tierd.core.handlers); the connector sends its requests in host order there.
+
 Contexts. The daemon creates a CUDA context only on a GPU some engine registered: ``detect()``
 counts devices (no context), and the pool's pinner defers ``cudaHostRegister`` until the first
 rank registers. cudaHostRegister needs a current context; it runs on the first registered GPU
@@ -196,6 +202,12 @@ def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
     return storage, device
 
 
+def ipc_events(torch) -> bool:
+    """Whether interprocess events order work between processes on this build of torch: not on
+    ROCm (module doc)."""
+    return getattr(torch.version, "hip", None) is None
+
+
 def lanes_after_open(torch, device: int, host) -> tuple[DmaLane, DmaLane]:
     """A rank's two copy lanes (device -> pool, pool -> device) on ``device``, whose first copies
     follow what the engine had queued on its memory when it shared it. torch's opening of a CUDA
@@ -234,6 +246,7 @@ class StagedRankMemory:
                 self.storage, 0, (layout.staging.nbytes,), (1,)
             )
         self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
+        self.signals = ipc_events(torch)  # a RETRIEVE may be answered early, with ``signal()``
 
     def wait_event(self, handle: bytes, store: bool = True) -> None:
         with self.torch.cuda.device(self.device):
@@ -286,6 +299,7 @@ class DirectRankMemory:
                 for st, ref in zip(self.storages, layout.tensors)
             ]
         self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
+        self.signals = ipc_events(torch)  # a RETRIEVE may be answered early, with ``signal()``
         self.groups = []
         for gi, group in enumerate(layout.groups):
             tensors = {s.tensor for s in group.layers}
