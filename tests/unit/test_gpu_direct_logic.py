@@ -692,7 +692,15 @@ def test_a_retrieve_is_answered_early_only_where_interprocess_events_order_the_e
     assert late.run().early is None and rocm.signalled == 0
 
 
-@pytest.mark.parametrize("op", ["STORE", "RETRIEVE"])
+# every request type whose message can carry an event for the daemon's copies to wait for
+EVENT_OPS = sorted(op for op, t in messages.REQUESTS.items() if "event" in t.__struct_fields__)
+
+
+def test_the_requests_that_carry_an_engine_event_are_store_and_retrieve():
+    assert EVENT_OPS == ["RETRIEVE", "STORE"]  # a new one is refused below as soon as it is listed
+
+
+@pytest.mark.parametrize("op", EVENT_OPS)
 def test_a_request_that_asks_the_daemon_to_wait_for_an_engine_event_is_refused_on_rocm(op):
     """Refused before anything is checked, reserved or pinned: its bytes are not ready by any
     measure the daemon can trust there."""
@@ -703,11 +711,9 @@ def test_a_request_that_asks_the_daemon_to_wait_for_an_engine_event_is_refused_o
     inst = types.SimpleNamespace(memory=FakeGpuMemory(signals=False), label="engine/0")
     tier = types.SimpleNamespace(registry=types.SimpleNamespace(instance=lambda name, tenant: inst))
     call = Call(b"x", types.SimpleNamespace(tenant="default"), [b"x"], 1, 0.0)
-    chunks = [messages.Chunk(b"k" * 16, [[1, 2]])]
-    body = messages.Store if op == "STORE" else messages.Retrieve
-    handler = handlers.store if op == "STORE" else handlers.retrieve
+    body = messages.REQUESTS[op]("engine", [messages.Chunk(b"k" * 16, [[1, 2]])], event=b"\x02" * 64)
     with pytest.raises(ProtocolError) as err:
-        handler(tier, call, body("engine", chunks, event=b"\x02" * 64))
+        handlers.HANDLERS[op](tier, call, body)
     assert err.value.code.name == "BAD_REQUEST" and "host order" in err.value.message
     # what else may carry an event: a rank whose events order the engine's work, a CPU rank
     for memory in (FakeGpuMemory(signals=True), object()):
