@@ -240,6 +240,7 @@ def test_a_restore_into_memory_the_engine_is_still_filling_lands_after_the_fill(
     torch.cuda.synchronize()
     torch.cuda._sleep(SPIN)  # the engine's stream is busy: the new KV's fill queues behind it
     late = Engine(kind, blocks=96)  # filled with random bytes on that stream, shared at once
+    late.layout["namespace"] = first.layout["namespace"]  # the same model: it finds what first stored
     got = late.rank(c, "reader").retrieve(chunks(ks, src)).result()  # no ``after``: sent now
     assert got.ok == [True] * n
     torch.cuda.current_stream(DEV).wait_event(got.done)
