@@ -729,3 +729,13 @@ def test_interprocess_events_are_trusted_on_cuda_builds_of_torch_only(hip, monke
 
     monkeypatch.setattr(torch.version, "hip", hip, raising=False)
     assert ipc_events(torch) is events_order_processes() is (hip is None)
+
+
+@pytest.mark.parametrize("hip", [None, "6.4.43482"])
+def test_status_says_whether_restores_are_answered_when_their_copies_are_queued(hip, monkeypatch):
+    """An operator on ROCm sees why restores answer later there (/status ``cuda_detail``)."""
+    torch = pytest.importorskip("torch")
+    from tierd.transfer.cuda import CudaSupport
+
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    assert CudaSupport().status()["interprocess_events"] is (hip is None)

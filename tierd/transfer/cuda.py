@@ -165,6 +165,9 @@ class CudaSupport:
             "pinned_bytes": self.host.pinned_bytes,
             "pin_pending_bytes": sum(self.host.pending.values()),
             "pin_failed_bytes": self.host.failed_bytes,
+            # a RETRIEVE answered once its copies are queued, with an event the engine waits for;
+            # false on ROCm, where it is answered once they are complete (module doc)
+            "interprocess_events": ipc_events(self.torch),
             "lanes": self.lane_stats(),
         }
 
