@@ -56,6 +56,9 @@ def master_killed(workdir: Path, started: list) -> dict:
     out["lookup_new"] = rb.lookup(new)
     out["retrieve_new"] = rb.retrieve(new, lease=out["lookup_new"]["lease"], first_block=48)
     out["dst_new"] = rb.digests(4, first_block=48)
+    # b's link must be up when the master stops answering (on a loaded machine it was seen down,
+    # and the LOOKUP was answered from L1 at once: lookups_skipped, not late)
+    out["status_before_hung"] = b.connected(60)["l2"]
     master.pause()
     t0 = time.monotonic()
     out["lookup_hung"] = rb.lookup(keys("kill/hung", 4), lease=False)
