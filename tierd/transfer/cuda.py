@@ -12,11 +12,14 @@ offset, each chunk its groups' parts in layout order (``[group][layer][block][ru
 combined object layout), so each object (or group part) is one contiguous DMA, and adjacent
 objects merge.
 
-Ordering. A STORE or RETRIEVE carries an interprocess event the engine recorded on its staging
-stream after its last use of those staging bytes (the gather, or the scatter of an earlier
-load): the daemon's copy stream waits for it on the GPU before the DMA. The reply is sent once
-the DMA is complete (a waiter thread per lane waits on an event, transfer/engine.py), so a
-STORE's staging bytes may be reused, and a RETRIEVE's scattered, as soon as its reply arrives.
+Ordering. In host order (the engine's default) a STORE is sent once its gather is complete and
+a RETRIEVE once the scatter that last read its staging bytes is; in device order each carries an
+interprocess event the engine recorded on its staging stream after its last use of those bytes,
+which the daemon's copy stream waits for on the GPU before the DMA. A STORE is answered once its
+DMA is complete (a waiter thread per lane waits on an event, transfer/engine.py), so its staging
+bytes may be reused as soon as the reply arrives; a RETRIEVE as soon as its DMA is queued, with
+the daemon's interprocess event after it, which the engine's scatter waits for on the GPU (on
+ROCm once the DMA is complete: below).
 
 Direct ranks. A cuda layout without a staging buffer is copied straight between the engine's
 KV blocks (its tensors opened over CUDA IPC) and the pool, with no SM work in either process:
