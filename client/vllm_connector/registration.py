@@ -63,6 +63,12 @@ class RankRegistration:
             devices = sorted({str(t.device) for t in tensors})
             if len(devices) > 1:
                 raise ValueError(f"a rank's KV tensors lie on one GPU, got {devices}")
+            # what the engine queued on its KV (vLLM's zero fill of it) completes before the daemon
+            # can touch it: the daemon's copies also wait for the sharing event on the GPU, but an
+            # engine that died before its own queued work ran must not leave them waiting for it
+            import torch
+
+            torch.cuda.synchronize(tensors[0].device)
             refs, where = share_cuda_tensors(tensors)
         else:
             raise ValueError(f"TierdConnector supports cpu and cuda KV caches, not {device}")
