@@ -14,16 +14,6 @@ daemon still maps them. Engine and daemon must share /dev/shm (on Kubernetes: ho
 from __future__ import annotations
 
 
-def events_order_processes() -> bool:
-    """Whether an interprocess event orders another process's work on this build of torch: not on
-    ROCm, where HIP answers a query of one as complete once it is recorded, whatever runs before
-    it (ROCm/hip#3778). There the daemon answers a RETRIEVE once its copies are complete and
-    refuses a request that carries an event; a staged rank sends in host order."""
-    import torch
-
-    return getattr(torch.version, "hip", None) is None
-
-
 def device_uuid(device) -> str:
     import torch
 

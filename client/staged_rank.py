@@ -25,7 +25,7 @@ engine nothing measurable). Why: a co-running matmul slows down more while the d
 streams wait on this process's interprocess events than in host order (docs/findings.md; ``tierd
 bench --device cuda --interference --gpu-order device|host`` measures both). ``host_order=False``
 restores the GPU-side waits (every request carries ``event``), except on ROCm, whose
-interprocess events order nothing between processes (tierd_client.cuda_ipc).
+interprocess events order nothing between processes (tierd.protocol.copies).
 
 Thread hand-offs (each a wake-up) are the fixed cost of a small request, so a job takes as few as
 its ordering allows: a job of one request whose direction is idle is gathered and sent on the
@@ -55,8 +55,8 @@ import time
 from concurrent.futures import Future
 
 from tierd.protocol import MAX_REQUEST_PARTS, messages
+from tierd.protocol.copies import events_order_processes
 from tierd_client.client import blocks_of, typed_chunks
-from tierd_client.cuda_ipc import events_order_processes
 from tierd_client.cuda_stage import Stager
 from tierd_client.futures import join, merge_retrieves, merge_stores
 from tierd_client.rank_jobs import Loaded, RankJob, chain, spin, stamp
@@ -88,8 +88,8 @@ class StagedRank:
         self.timeout_s = timeout_s
         # a list (the bench's breakdown): each request appends its {stage: perf_counter()} stamps
         self.trace: list[dict] | None = None
-        # ROCm's interprocess events order nothing between processes (cuda_ipc): host order there
-        self.host_order = host_order or not events_order_processes()
+        # ROCm's interprocess events order nothing between processes: host order there
+        self.host_order = host_order or not events_order_processes(stager.torch)
         self.inline = inline
         half = stager.nbytes // 2 // stager.chunk_bytes * stager.chunk_bytes
         if half < stager.chunk_bytes:

@@ -18,6 +18,7 @@ from tierd.transfer.items import (
     MAX_PITCH,
     CopyItem,
     Pitched,
+    events_order_processes,
     pitched,
     pitched_copies,
     row_pitches,
@@ -724,11 +725,8 @@ def test_a_request_that_asks_the_daemon_to_wait_for_an_engine_event_is_refused_o
 @pytest.mark.parametrize("hip", [None, "6.4.43482"])
 def test_interprocess_events_are_trusted_on_cuda_builds_of_torch_only(hip, monkeypatch):
     torch = pytest.importorskip("torch")
-    from tierd.transfer.cuda import ipc_events
-    from tierd_client.cuda_ipc import events_order_processes
-
     monkeypatch.setattr(torch.version, "hip", hip, raising=False)
-    assert ipc_events(torch) is events_order_processes() is (hip is None)
+    assert events_order_processes(torch) is (hip is None)
 
 
 @pytest.mark.parametrize("hip", [None, "6.4.43482"])

@@ -99,6 +99,15 @@ def row_pitches(rows: int, width: int, dev_pitch: int, host_pitch: int) -> tuple
     return dev_pitch, host_pitch
 
 
+def events_order_processes(torch) -> bool:
+    """Whether an interprocess event orders another process's work on this build of ``torch``:
+    not on ROCm, where HIP answers a query of one as complete once it is recorded, whatever runs
+    before it (ROCm/hip#3778). Where not, the daemon answers a RETRIEVE once its copies are
+    complete and refuses a request that carries an event (tierd.transfer.cuda), and a staged rank
+    sends in host order (tierd_client.staged_rank)."""
+    return getattr(torch.version, "hip", None) is None
+
+
 def span_copies(p: Pitched, items: list[CopyItem]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The contiguous copies between the engine's blocks and the object parts of ``items`` for a
     block-major group (GroupLayout.block_major: a block of every layer is one span of

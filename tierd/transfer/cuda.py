@@ -62,7 +62,14 @@ from tierd.protocol.errors import ErrorCode, ProtocolError
 from tierd.protocol.layout import CudaIpcHandle, PageLayout, TensorRef
 from tierd.transfer.dma import DmaLane
 from tierd.transfer.engine import INLINE_ANY, INLINE_MAX_BYTES, DeviceWork
-from tierd.transfer.items import MAX_PITCH, CopyItem, pitched, pitched_copies, span_copies
+from tierd.transfer.items import (
+    MAX_PITCH,
+    CopyItem,
+    events_order_processes,
+    pitched,
+    pitched_copies,
+    span_copies,
+)
 from tierd.transfer.pinned import HostPinner
 
 log = logging.getLogger("tierd.cuda")
@@ -170,7 +177,7 @@ class CudaSupport:
             "pin_failed_bytes": self.host.failed_bytes,
             # a RETRIEVE answered once its copies are queued, with an event the engine waits for;
             # false on ROCm, where it is answered once they are complete (module doc)
-            "interprocess_events": ipc_events(self.torch),
+            "interprocess_events": events_order_processes(self.torch),
             "lanes": self.lane_stats(),
         }
 
@@ -206,12 +213,6 @@ def open_ipc(ref: TensorRef, where: str, support: CudaSupport):
             f"{where}: the opened storage has {storage.nbytes()} bytes, the layout declares {ref.nbytes}"
         )
     return storage, device
-
-
-def ipc_events(torch) -> bool:
-    """Whether interprocess events order work between processes on this build of torch: not on
-    ROCm (module doc)."""
-    return getattr(torch.version, "hip", None) is None
 
 
 def lanes_after_open(torch, device: int, host) -> tuple[DmaLane, DmaLane]:
@@ -252,7 +253,7 @@ class StagedRankMemory:
                 self.storage, 0, (layout.staging.nbytes,), (1,)
             )
         self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
-        self.signals = ipc_events(torch)  # a RETRIEVE may be answered early, with ``signal()``
+        self.signals = events_order_processes(torch)  # a RETRIEVE may be answered early, with ``signal()``
 
     def wait_event(self, handle: bytes, store: bool = True) -> None:
         with self.torch.cuda.device(self.device):
@@ -305,7 +306,7 @@ class DirectRankMemory:
                 for st, ref in zip(self.storages, layout.tensors)
             ]
         self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
-        self.signals = ipc_events(torch)  # a RETRIEVE may be answered early, with ``signal()``
+        self.signals = events_order_processes(torch)  # a RETRIEVE may be answered early, with ``signal()``
         self.groups = []
         for gi, group in enumerate(layout.groups):
             tensors = {s.tensor for s in group.layers}

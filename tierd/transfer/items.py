@@ -5,6 +5,7 @@ from tierd.protocol.copies import (  # noqa: F401 - re-exported
     MAX_PITCH,
     CopyItem,
     Pitched,
+    events_order_processes,
     pitched,
     pitched_copies,
     row_pitches,
