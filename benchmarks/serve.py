@@ -24,6 +24,11 @@ Workloads (each prompt set is the same in every phase; concurrencies use differe
   random     vLLM's ``random`` with a --prefix-len-token shared prefix
   multiturn  conversations (``custom`` dataset, in order): turn k's prompt is turns 1..k-1 (a
              question and an answer each) plus a new question, as chat and agent traffic are
+  trace      a production trace in Mooncake's format (--trace: one request a line, its prompt's
+             512-token prefix blocks as ``hash_ids``; Mooncake's FAST'25 conversation trace is
+             one), in order, through vLLM's ``timed_trace`` dataset at the set concurrency: every
+             prompt keeps its blocks, so which requests share which prefix is the trace's, at
+             --trace-block-tokens tokens a block; outputs capped at --output-len
 
 Printed per workload and concurrency: TTFT p50/p99 (ms), TPOT p50 (ms), output tok/s, failed
 requests, the share of prompt tokens vLLM got from its connector (its own
@@ -63,7 +68,8 @@ from serving import ApiServer, bench_serve, prefix_workload, tierd_kv_config  # 
 from vllm_ttft import LMCache, Tierd, ensure_lmcache_venv, log  # noqa: E402
 
 PHASES = ("none", "nothing", "cold", "warm", "lmcache-cold", "lmcache-warm")
-WORKLOADS = ("prefix", "random", "multiturn")
+WORKLOADS = ("prefix", "random", "multiturn", "trace")
+TRACE_BLOCK_TOKENS = 512  # a Mooncake-format trace's tokens per hash id
 MODEL_RECIPE = "tiny-llama-4l-v1"
 CHUNK_TOKENS = 256
 
@@ -134,7 +140,58 @@ def multiturn_file(path: Path, tokenizer, seed: int, conversations: int, turns: 
     return len(rows)
 
 
-def client_args(workload: str, seed: int, args, workdir: Path, tokenizer) -> list[str]:
+def trace_window(
+    path: str, start: int, n: int, block_tokens: int, max_tokens: int, output_len: int
+) -> list[dict]:
+    """Requests ``start`` to ``start + n`` of a Mooncake-format trace, as vLLM's ``timed_trace``
+    dataset reads them, at ``block_tokens`` tokens per prefix block (the trace's own: 512). Every
+    request keeps its blocks, so which prompts share which prefix is the trace's; its prompt
+    scales by ``block_tokens / 512`` and is cut (its last blocks dropped) so that it and its output,
+    at most ``output_len`` tokens, fit ``max_tokens``. A file or line that cannot be read raises
+    TraceError naming it."""
+    from tierd.tools.trace import TraceError
+
+    try:
+        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace: {exc.strerror or exc}") from None
+    rows, seen = [], 0
+    with f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            seen += 1
+            if seen <= start:
+                continue
+            try:
+                req = json.loads(line)
+                ids, tokens, out = req["hash_ids"], int(req["input_length"]), int(req["output_length"])
+                if not ids or not isinstance(ids, list) or tokens < 1:
+                    raise ValueError("a request needs hash_ids and an input_length of at least 1")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TraceError(f"{path}:{line_no}: not a trace request: {exc}") from None
+            out = max(1, min(out, output_len))
+            tokens = max(1, round(tokens * block_tokens / TRACE_BLOCK_TOKENS))
+            tokens = min(tokens, len(ids) * block_tokens, max_tokens - out)
+            if tokens < 1:
+                raise TraceError(f"{path}:{line_no}: {out} output tokens leave no prompt in {max_tokens}")
+            blocks = -(-tokens // block_tokens)
+            rows.append(
+                {
+                    "timestamp": req.get("timestamp", 0),
+                    "input_length": tokens,
+                    "output_length": out,
+                    "hash_ids": ids[:blocks],
+                }
+            )
+            if len(rows) == n:
+                return rows
+    raise TraceError(f"{path}: {seen} requests, fewer than the {start + n} asked (--trace-start, --prompts)")
+
+
+def client_args(workload: str, seed: int, args, workdir: Path, tokenizer, part: int = 0) -> list[str]:
+    """vLLM client arguments of one run; ``part`` numbers the runs of a phase (the trace workload
+    gives each its own window of requests, as the others give each their own seed)."""
     n = args.prompts
     if workload == "prefix":
         return prefix_workload(args.prefix_len, args.suffix_len, n, args.output_len)
@@ -150,6 +207,24 @@ def client_args(workload: str, seed: int, args, workdir: Path, tokenizer) -> lis
             str(args.output_len),
             "--random-range-ratio",
             "0",
+            "--num-prompts",
+            str(n),
+        ]
+    if workload == "trace":
+        path = workdir / f"trace-{part}.jsonl"
+        first = args.trace_start + part * n
+        rows = trace_window(
+            args.trace, first, n, args.trace_block_tokens, args.max_model_len, args.output_len
+        )
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return [
+            "--dataset-name",
+            "timed_trace",
+            "--dataset-path",
+            str(path),
+            "--timed-trace-chunk-hash-size",
+            str(args.trace_block_tokens),
+            "--no-self-timed",  # the set concurrency, not the trace's arrival times
             "--num-prompts",
             str(n),
         ]
@@ -299,14 +374,14 @@ def run_phase(phase: str, model: str, workdir: Path, args, state: dict, tok, rnd
             state.setdefault("prefill_ms", []).append(server.prefill_ms(model, tokens))
             log(f"r{rnd} prefill of {tokens} tokens alone: {state['prefill_ms'][-1]:.1f} ms")
         for wl in args.workloads:
-            for conc in args.concurrency:
-                seed = 1000 * rnd + 10 * WORKLOADS.index(wl) + args.concurrency.index(conc)
+            for ci, conc in enumerate(args.concurrency):
+                seed = 1000 * rnd + 10 * WORKLOADS.index(wl) + ci
                 server.reset_prefix_cache()  # every run starts from an empty engine cache
                 before = server.metrics()
                 res = bench_serve(
                     server,
                     model,
-                    client_args(wl, seed, args, workdir, tok),
+                    client_args(wl, seed, args, workdir, tok, part=rnd * len(args.concurrency) + ci),
                     workdir,
                     concurrency=conc,
                     seed=seed,
@@ -558,6 +633,14 @@ def bench() -> None:
     ap.add_argument("--suffix-len", type=int, default=64, help="tokens after the shared prefix")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--trace", default="", help="the trace workload's file (Mooncake's format, JSONL)")
+    ap.add_argument("--trace-start", type=int, default=0, help="the trace's first request to send")
+    ap.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=TRACE_BLOCK_TOKENS,
+        help="tokens per trace block (512: the trace's own; fewer scale every prompt down alike)",
+    )
     ap.add_argument("--num-blocks", type=int, default=0, help="engine KV blocks (0: vLLM's default)")
     ap.add_argument(
         "--engine-cpus",
@@ -621,6 +704,25 @@ def bench() -> None:
         ap.error("warm needs cold first (the tier is filled by the cold phase)")
     if "lmcache-warm" in args.phases and "lmcache-cold" not in args.phases:
         ap.error("lmcache-warm needs lmcache-cold first")
+    if "trace" in args.workloads:
+        if not args.trace:
+            ap.error("the trace workload needs --trace FILE (Mooncake's format: one JSON request a line)")
+        if args.trace_block_tokens < 1 or args.trace_start < 0:
+            ap.error("--trace-block-tokens must be at least 1 and --trace-start at least 0")
+        from tierd.tools.trace import TraceError
+
+        try:  # every window the run will send, before any server starts
+            for part in range(args.repeat * len(args.concurrency)):
+                trace_window(
+                    args.trace,
+                    args.trace_start + part * args.prompts,
+                    args.prompts,
+                    args.trace_block_tokens,
+                    args.max_model_len,
+                    args.output_len,
+                )
+        except TraceError as exc:
+            ap.error(str(exc))
     if "multiturn" in args.workloads and importlib.util.find_spec("pandas") is None:
         ap.error(
             "the multiturn workload needs pandas (vLLM's client reads its conversations with it): "

@@ -6,6 +6,7 @@
 # serve-logs.tgz.
 # Needs .whl/ as scripts/gpu_vllm_setup.sh says. Knobs (environment):
 #   SERVE_ARGS  benchmarks/serve.py arguments (default below: the 1B shape, 8k-token prefixes)
+#               (--workloads trace --trace FILE: a Mooncake-format trace the machine has)
 #   LIMIT       seconds for the benchmark (default 540)
 set -u -o pipefail
 OUT=${OUT:-gpu-out}

@@ -53,6 +53,11 @@ sys.argv = ["vllm", *sys.argv[1:]]
 main()
 """
 
+# vLLM's timed-trace dataset draws each prefix block's tokens from a seed it takes from Python's
+# hash() of a string, which differs from process to process unless fixed: every client run would
+# send other prompts for the same trace, and a warm server would find none of them in the tier
+CLIENT_ENV = {"PYTHONHASHSEED": "0"}
+
 SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
@@ -256,7 +261,7 @@ def bench_serve(
     logfile = workdir / "client.log"
     with open(logfile, "ab") as fh:
         rc = subprocess.run(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, **SERVER_ENV)
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, **SERVER_ENV, **CLIENT_ENV)
         ).returncode
     if rc != 0:
         raise RuntimeError(f"vllm bench serve failed (rc={rc}); log {logfile}:\n{tail(logfile)}")
