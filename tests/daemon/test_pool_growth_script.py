@@ -7,23 +7,14 @@ stall it measures."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_scripts import load_benchmark
 
 import tierd_client
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def script():
-    spec = importlib.util.spec_from_file_location(
-        "pool_growth_under_test", ROOT / "benchmarks" / "pool_growth.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("pool_growth")
 
 
 def test_a_ping_that_fails_ends_the_run_with_its_error(monkeypatch):

@@ -6,23 +6,15 @@ garbage, and a pass of NaNs with the same ids as its reference counted as a matc
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture
 def harness(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    path = ROOT / "benchmarks" / "gpu_engine.py"
-    spec = importlib.util.spec_from_file_location("gpu_engine_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gpu_engine", monkeypatch)
 
 
 def row(ids, logprobs):

@@ -7,24 +7,16 @@ not started: its API server and client are replaced by stand-ins that return wha
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture
 def serve(monkeypatch):
-    for path in (ROOT / "tests", ROOT / "benchmarks"):
-        monkeypatch.syspath_prepend(str(path))
-    spec = importlib.util.spec_from_file_location("serve_bench_under_test", ROOT / "benchmarks" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("serve", monkeypatch)
     monkeypatch.setattr(mod, "ApiServer", FakeServer)
     monkeypatch.setattr(mod, "tokenizer", lambda model: None)  # the prefix workload asks none
     return mod

@@ -5,7 +5,6 @@ warm server finds nothing of what the cold one stored."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,18 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 from conftest_vllm import tiny_model  # noqa: F401 - fixture
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def serve(monkeypatch):
-    for path in (ROOT / "tests", ROOT / "benchmarks"):
-        monkeypatch.syspath_prepend(str(path))
-    spec = importlib.util.spec_from_file_location("serve_trace_under_test", ROOT / "benchmarks" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("serve", monkeypatch)
     return mod
 
 
