@@ -69,7 +69,6 @@ from vllm_ttft import LMCache, Tierd, ensure_lmcache_venv, log  # noqa: E402
 
 PHASES = ("none", "nothing", "cold", "warm", "lmcache-cold", "lmcache-warm")
 WORKLOADS = ("prefix", "random", "multiturn", "trace")
-TRACE_BLOCK_TOKENS = 512  # a Mooncake-format trace's tokens per hash id
 MODEL_RECIPE = "tiny-llama-4l-v1"
 CHUNK_TOKENS = 256
 
@@ -149,14 +148,10 @@ def trace_window(
     scales by ``block_tokens / 512`` and is cut (its last blocks dropped) so that it and its output,
     at most ``output_len`` tokens, fit ``max_tokens``. A file or line that cannot be read raises
     TraceError naming it."""
-    from tierd.tools.trace import TraceError
+    from tierd.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceError, open_trace
 
-    try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace: {exc.strerror or exc}") from None
     rows, seen = [], 0
-    with f:
+    with open_trace(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -171,7 +166,7 @@ def trace_window(
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceError(f"{path}:{line_no}: not a trace request: {exc}") from None
             out = max(1, min(out, output_len))
-            tokens = max(1, round(tokens * block_tokens / TRACE_BLOCK_TOKENS))
+            tokens = max(1, round(tokens * block_tokens / MOONCAKE_BLOCK_TOKENS))
             tokens = min(tokens, len(ids) * block_tokens, max_tokens - out)
             if tokens < 1:
                 raise TraceError(f"{path}:{line_no}: {out} output tokens leave no prompt in {max_tokens}")
@@ -624,6 +619,8 @@ def main() -> None:
 
 
 def bench() -> None:
+    from tierd.tools.trace import MOONCAKE_BLOCK_TOKENS, TraceError
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     ap.add_argument("--workloads", default="prefix,multiturn", help=f"comma list of {', '.join(WORKLOADS)}")
@@ -638,7 +635,7 @@ def bench() -> None:
     ap.add_argument(
         "--trace-block-tokens",
         type=int,
-        default=TRACE_BLOCK_TOKENS,
+        default=MOONCAKE_BLOCK_TOKENS,
         help="tokens per trace block (512: the trace's own; fewer scale every prompt down alike)",
     )
     ap.add_argument("--num-blocks", type=int, default=0, help="engine KV blocks (0: vLLM's default)")
@@ -709,18 +706,11 @@ def bench() -> None:
             ap.error("the trace workload needs --trace FILE (Mooncake's format: one JSON request a line)")
         if args.trace_block_tokens < 1 or args.trace_start < 0:
             ap.error("--trace-block-tokens must be at least 1 and --trace-start at least 0")
-        from tierd.tools.trace import TraceError
-
-        try:  # every window the run will send, before any server starts
-            for part in range(args.repeat * len(args.concurrency)):
-                trace_window(
-                    args.trace,
-                    args.trace_start + part * args.prompts,
-                    args.prompts,
-                    args.trace_block_tokens,
-                    args.max_model_len,
-                    args.output_len,
-                )
+        try:  # every window the run will send (they follow one another), before any server starts
+            n = args.repeat * len(args.concurrency) * args.prompts
+            trace_window(
+                args.trace, args.trace_start, n, args.trace_block_tokens, args.max_model_len, args.output_len
+            )
         except TraceError as exc:
             ap.error(str(exc))
     if "multiturn" in args.workloads and importlib.util.find_spec("pandas") is None:

@@ -36,14 +36,18 @@ class Trace:
         return self.infinite_hits / self.blocks if self.blocks else 0.0
 
 
-def read_trace(path: str) -> Trace:
-    """Every request of the JSONL file ``path``; TraceError for a file or line it cannot read."""
+def open_trace(path: str):
+    """The trace file ``path`` open for reading; TraceError naming it when it cannot be opened."""
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+        return open(path, encoding="utf-8")  # noqa: SIM115 - the caller closes it
     except OSError as exc:
         raise TraceError(f"{path}: cannot read the trace: {exc.strerror or exc}") from None
+
+
+def read_trace(path: str) -> Trace:
+    """Every request of the JSONL file ``path``; TraceError for a file or line it cannot read."""
     requests, tokens = [], set()
-    with f:
+    with open_trace(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
