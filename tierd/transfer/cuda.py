@@ -122,6 +122,8 @@ class CudaSupport:
         import torch
 
         self.torch = torch
+        # whether a RETRIEVE may be answered once queued, with an event (False on ROCm: module doc)
+        self.interprocess_events = events_order_processes(torch)
         self.host = HostPinner()
         self.count = torch.cuda.device_count()
         self._uuids: dict[str, int] | None = None
@@ -175,9 +177,7 @@ class CudaSupport:
             "pinned_bytes": self.host.pinned_bytes,
             "pin_pending_bytes": sum(self.host.pending.values()),
             "pin_failed_bytes": self.host.failed_bytes,
-            # a RETRIEVE answered once its copies are queued, with an event the engine waits for;
-            # false on ROCm, where it is answered once they are complete (module doc)
-            "interprocess_events": events_order_processes(self.torch),
+            "interprocess_events": self.interprocess_events,
             "lanes": self.lane_stats(),
         }
 
@@ -253,7 +253,7 @@ class StagedRankMemory:
                 self.storage, 0, (layout.staging.nbytes,), (1,)
             )
         self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
-        self.signals = events_order_processes(torch)  # a RETRIEVE may be answered early, with ``signal()``
+        self.signals = support.interprocess_events  # a RETRIEVE may be answered early, with ``signal()``
 
     def wait_event(self, handle: bytes, store: bool = True) -> None:
         with self.torch.cuda.device(self.device):
@@ -306,7 +306,7 @@ class DirectRankMemory:
                 for st, ref in zip(self.storages, layout.tensors)
             ]
         self.d2h, self.h2d = lanes_after_open(torch, self.device, support.host)
-        self.signals = events_order_processes(torch)  # a RETRIEVE may be answered early, with ``signal()``
+        self.signals = support.interprocess_events  # a RETRIEVE may be answered early, with ``signal()``
         self.groups = []
         for gi, group in enumerate(layout.groups):
             tensors = {s.tensor for s in group.layers}
