@@ -80,6 +80,14 @@ def wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
             time.sleep(0.05)
 
 
+def _task_state(task: Path) -> str:
+    """A thread's state letter from /proc (the field after the command name); "" once it is gone."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 class Master:
     """``mooncake_master`` on 127.0.0.1 with its own HTTP metadata server, default ports."""
 
@@ -112,8 +120,18 @@ class Master:
         self.proc.wait(10)
         return t
 
-    def pause(self) -> None:
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP, then wait until every thread of the master is stopped: the signal is delivered
+        asynchronously, and a request sent before a thread stops would still be answered."""
         self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [_task_state(t) for t in tasks.iterdir()]
+            if states and all(st in ("T", "t", "") for st in states):
+                return
+            time.sleep(0.01)
+        raise RuntimeError(f"mooncake_master (pid {self.proc.pid}) did not stop within {timeout} s")
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
