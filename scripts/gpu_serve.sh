@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 . scripts/gpu_vllm_setup.sh > "$OUT/setup.log" 2>&1
 tail -3 "$OUT/setup.log"
 echo "== setup ($(( $(date +%s) - t0 )) s)"
-timeout "${LIMIT:-540}" python3 benchmarks/serve.py --device cuda --workdir /tmp/serve-work --json "$OUT/serve.json" \
+timeout -k 45 "${LIMIT:-540}" python3 benchmarks/serve.py --device cuda --workdir /tmp/serve-work --json "$OUT/serve.json" \
   ${SERVE_ARGS:---shape llama1b --phases none,nothing,cold,warm --workloads prefix --concurrency 1,8,32 --prompts 64 --prefix-len 8192 --suffix-len 128 --output-len 64 --max-model-len 16384 --pool-gb 32 --faults kill} \
   2>&1 | tee "$OUT/serve.log"
 rc=${PIPESTATUS[0]}

@@ -13,7 +13,6 @@ The scenarios live in ``tests/l2_scenarios.py``; each prints one JSON line that 
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import shutil
@@ -23,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tierd.tools.testing import die_with_parent
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -64,8 +65,7 @@ def namespaced(args: list[str], timeout: float, prefix: list[str] | None = None)
     return json.loads(lines[-1])
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+_die_with_parent = die_with_parent(signal.SIGKILL)
 
 
 def wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tierd.tools.testing import free_port
+from tierd.tools.testing import die_with_parent, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,8 +133,16 @@ class ApiServer:
         self.logfile = logfile
         self._fh = open(logfile, "ab")
         t0 = time.monotonic()
+        # its own session (close() signals the group), and SIGTERM (vLLM's own shutdown, its engine
+        # core included) if whatever started it dies without closing it
         self.proc = subprocess.Popen(
-            cmd, stdout=self._fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+            cmd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
         )
         try:
             self._wait_ready(start_timeout)

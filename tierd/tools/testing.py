@@ -27,6 +27,32 @@ ROOT = Path(__file__).resolve().parents[2]  # the source tree (tests and benches
 POLL_S = 0.02
 
 
+def die_with_parent(signum: int = signal.SIGKILL):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``signum`` when the process that
+    started it dies, however it dies (SIGKILL included), so a stopped test or benchmark leaves no
+    server behind (Linux's PR_SET_PDEATHSIG; elsewhere it does nothing). Start such a child from a
+    thread that lives as long as it should: the signal follows the starting thread's exit."""
+
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
+def close_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a job scheduler, systemd) raises SystemExit in the main thread, so
+    every ``finally`` that closes a server or a daemon runs, instead of Python's default of dying
+    at once and leaving them running (a GPU server holds its memory until it exits)."""
+
+    def stop(signum, _frame):
+        raise SystemExit(f"stopped by signal {signal.Signals(signum).name}: closing what was started")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 class DaemonExited(RuntimeError):
     """The daemon exited, or never became ready, while starting."""
 
