@@ -13,6 +13,7 @@ given folder (or the endpoint given) and on loopback HTTP only.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -35,8 +36,6 @@ def die_with_parent(signum: int = signal.SIGKILL):
 
     def preexec() -> None:
         if sys.platform.startswith("linux"):
-            import ctypes
-
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))  # PR_SET_PDEATHSIG
 
     return preexec
