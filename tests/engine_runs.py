@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 from conftest_vllm import VLLM_CPU_ENV
-from l2_harness import _die_with_parent
 from tiny_model import build_tiny_llama
+
+from tierd.tools.testing import die_with_parent
 
 HERE = Path(__file__).resolve().parent
 _zygote: dict = {}  # "proc", "path" of this process's engine_zygote server, once started; "failed"
@@ -49,7 +50,7 @@ def _zygote_path() -> str | None:
         [sys.executable, str(HERE / "engine_zygote.py"), path],
         stdout=subprocess.PIPE,
         env=env,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent(),
     )
     if proc.stdout.readline().strip() != b"ready":
         proc.kill()

@@ -23,9 +23,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 from kv import FakeRank, GroupGeom
-from l2_harness import ROOT, Master, _die_with_parent, tail
+from l2_harness import ROOT, Master, tail
 
-from tierd.tools.testing import ServeProcess
+from tierd.tools.testing import ServeProcess, die_with_parent
 from tierd_client import TierdClient
 
 GEOM = GroupGeom("full", layers=2, block_bytes=32 << 10, block_tokens=4)  # 256 KiB objects
@@ -59,7 +59,7 @@ class Daemon(ServeProcess):
             log=workdir / f"daemon-{name}.log",
             cwd=ROOT,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(),
         )
         self.port = self.http_port
         self.client = TierdClient(self.endpoint, timeout_s=20, name=f"test-{name}")

@@ -18,7 +18,8 @@ from pathlib import Path
 import operate
 from engine_runs import engine
 from l2_daemons import start
-from l2_harness import _die_with_parent
+
+from tierd.tools.testing import die_with_parent
 
 CHUNK = 256
 PROMPT_TOKENS = 1100  # 4 full chunks (1024 tokens) and a 76-token tail per prompt
@@ -65,7 +66,7 @@ def watch(workdir: Path, started: list, *daemons) -> operate.Prometheus | None:
     if operate.missing_reason() is not None:
         return None
     targets = [f"127.0.0.1:{d.http_port}" for d in daemons]
-    prom = operate.Prometheus(workdir / "prometheus", targets, preexec_fn=_die_with_parent)
+    prom = operate.Prometheus(workdir / "prometheus", targets, preexec_fn=die_with_parent())
     started.append(prom)
     return prom
 

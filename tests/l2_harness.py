@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierd.tools.testing import die_with_parent
+from tierd.tools.testing import die_with_parent, proc_stat
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -65,9 +65,6 @@ def namespaced(args: list[str], timeout: float, prefix: list[str] | None = None)
     return json.loads(lines[-1])
 
 
-_die_with_parent = die_with_parent(signal.SIGKILL)
-
-
 def wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
     end = time.monotonic() + timeout
     while True:
@@ -78,14 +75,6 @@ def wait_port(port: int, timeout: float, host: str = "127.0.0.1") -> None:
             if time.monotonic() > end:
                 raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s") from None
             time.sleep(0.05)
-
-
-def _task_state(task: Path) -> str:
-    """A thread's state letter from /proc (the field after the command name); "" once it is gone."""
-    try:
-        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 class Master:
@@ -108,7 +97,7 @@ class Master:
             *self.flags,
         ]
         log = open(self.workdir / f"master-{self.starts}.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
         for port in MASTER_PORTS:
             wait_port(port, timeout)
         return self
@@ -127,7 +116,7 @@ class Master:
         tasks = Path(f"/proc/{self.proc.pid}/task")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            states = [_task_state(t) for t in tasks.iterdir()]
+            states = [(proc_stat(t / "stat") or [""])[0] for t in tasks.iterdir()]
             if states and all(st in ("T", "t", "") for st in states):
                 return
             time.sleep(0.01)
@@ -157,7 +146,7 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=open(self.log, "wb"),
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent(),
             cwd=ROOT,
         )
         self.ready = self._read(timeout)

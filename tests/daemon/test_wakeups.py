@@ -14,7 +14,7 @@ import pytest
 from wire import wait_for
 
 import tierd_client.transport as transport
-from tierd.tools.testing import serve_argv
+from tierd.tools.testing import proc_stat, serve_argv
 from tierd_client import TierdClient
 
 
@@ -67,8 +67,7 @@ def test_a_negative_spin_is_refused_before_anything_starts():
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = proc_stat(f"/proc/{pid}/stat")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

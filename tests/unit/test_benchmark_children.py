@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+
+from tierd.tools.testing import proc_stat
 
 PARENT = """
 import signal, subprocess, sys, time
@@ -35,11 +36,7 @@ finally:
 
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for a reaper counts as ended)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
+    return (proc_stat(f"/proc/{pid}/stat") or ["Z"])[0] != "Z"
 
 
 def start_parent(tied: bool, closing: bool) -> tuple[subprocess.Popen, int]:

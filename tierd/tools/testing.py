@@ -41,6 +41,15 @@ def die_with_parent(signum: int = signal.SIGKILL):
     return preexec
 
 
+def proc_stat(path: str | os.PathLike) -> list[str]:
+    """The fields of a /proc/<pid>/stat (or .../task/<tid>/stat) after the command name: [0] is
+    the state letter, [11] and [12] utime and stime in clock ticks; [] once the process is gone."""
+    try:
+        return Path(path).read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def close_on_sigterm() -> None:
     """SIGTERM (``timeout``, a job scheduler, systemd) raises SystemExit in the main thread, so
     every ``finally`` that closes a server or a daemon runs, instead of Python's default of dying
